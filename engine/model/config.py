@@ -1,0 +1,246 @@
+"""Model configuration: the text stack of a DiffusionGemma checkpoint, parsed from config.json.
+
+Canvas parses config.json itself (no transformers config classes at run time) into frozen
+dataclasses. The rules mirror `transformers.models.diffusion_gemma.configuration_diffusion_gemma`:
+full-attention layers take `global_head_dim` and `num_global_key_value_heads` (or the explicit
+`per_layer_config` that `save_pretrained` writes), sliding layers keep `head_dim` and
+`num_key_value_heads`, and full layers have no v_proj (V is the k_proj output, k_eq_v).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("diffusion_gemma",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that Canvas cannot load; the message names the file, key or tensor."""
+
+
+class LayerType(str, Enum):
+    SLIDING = "sliding_attention"
+    FULL = "full_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """Rotary embedding of one layer type: `rope_type` is "default" or "proportional"."""
+
+    rope_type: str
+    theta: float
+    partial_rotary_factor: float = 1.0
+    factor: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """Attention geometry of one layer."""
+
+    layer_type: LayerType
+    head_dim: int
+    num_kv_heads: int
+    has_v_proj: bool  # False on full layers: V is the (unnormed-weight) k_proj output
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.layer_type is LayerType.SLIDING
+
+
+@dataclass(frozen=True, slots=True)
+class TextConfig:
+    """The DiffusionGemma text stack (shared by the encoder and decoder modes)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    layers: tuple[LayerSpec, ...]
+    rope: dict[LayerType, RopeSpec]
+    sliding_window: int
+    rms_norm_eps: float
+    num_experts: int
+    top_k_experts: int
+    moe_intermediate_size: int
+    final_logit_softcapping: float | None
+    hidden_activation: str
+    max_position_embeddings: int
+    pad_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != self.num_layers:
+            raise CheckpointError(
+                f"text_config: layer_types has {len(self.layers)} entries, expected "
+                f"num_hidden_layers={self.num_layers}"
+            )
+        for i, spec in enumerate(self.layers):
+            if self.num_heads % spec.num_kv_heads:
+                raise CheckpointError(
+                    f"text_config: layer {i} has {spec.num_kv_heads} KV heads, which does not divide "
+                    f"num_attention_heads={self.num_heads}"
+                )
+        if self.top_k_experts > self.num_experts:
+            raise CheckpointError(
+                f"text_config: top_k_experts={self.top_k_experts} exceeds num_experts={self.num_experts}"
+            )
+        if self.hidden_activation != "gelu_pytorch_tanh":
+            raise CheckpointError(
+                f"text_config.hidden_activation={self.hidden_activation!r} is not supported; "
+                "expected 'gelu_pytorch_tanh'"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Everything Canvas needs from config.json."""
+
+    model_type: str
+    text: TextConfig
+    canvas_length: int
+    dtype: str | None  # the checkpoint's declared torch dtype name, e.g. "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.canvas_length <= 0:
+            raise CheckpointError(f"canvas_length must be positive, got {self.canvas_length}")
+
+
+def _require(cfg: dict[str, Any], key: str, where: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise CheckpointError(f"{where}: missing required key {key!r}")
+    return cfg[key]
+
+
+def _rope_specs(raw: dict[str, Any] | None) -> dict[LayerType, RopeSpec]:
+    defaults = {
+        LayerType.SLIDING: RopeSpec("default", 10_000.0),
+        LayerType.FULL: RopeSpec("proportional", 1_000_000.0, partial_rotary_factor=0.25),
+    }
+    if raw is None:
+        return defaults
+    specs = {}
+    for layer_type in LayerType:
+        params = raw.get(layer_type.value)
+        if params is None:
+            specs[layer_type] = defaults[layer_type]
+            continue
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in ("default", "proportional"):
+            raise CheckpointError(
+                f"text_config.rope_parameters.{layer_type.value}.rope_type={rope_type!r} is not "
+                "supported; expected 'default' or 'proportional'"
+            )
+        specs[layer_type] = RopeSpec(
+            rope_type=rope_type,
+            theta=float(params["rope_theta"]),
+            partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
+            factor=float(params.get("factor", 1.0)),
+        )
+    return specs
+
+
+def _layer_specs(tc: dict[str, Any], layer_types: list[str]) -> tuple[LayerSpec, ...]:
+    head_dim = int(tc.get("head_dim", 256))
+    num_kv = int(tc.get("num_key_value_heads", 4))
+    per_layer = {int(k): v for k, v in (tc.get("per_layer_config") or {}).items()}
+    if not per_layer:
+        # Same derivation as DiffusionGemmaTextConfig.__post_init__ for configs without the
+        # explicit per-layer table.
+        override: dict[str, Any] = {"head_dim": int(tc.get("global_head_dim", 512))}
+        global_kv = tc.get("num_global_key_value_heads")
+        if global_kv is not None and tc.get("attention_k_eq_v", True):
+            override["num_key_value_heads"] = int(global_kv)
+        per_layer = {i: override for i, t in enumerate(layer_types) if t == LayerType.FULL.value}
+    specs = []
+    for i, name in enumerate(layer_types):
+        try:
+            layer_type = LayerType(name)
+        except ValueError:
+            raise CheckpointError(
+                f"text_config.layer_types[{i}]={name!r}; expected 'sliding_attention' or "
+                "'full_attention'"
+            ) from None
+        override = per_layer.get(i, {})
+        specs.append(
+            LayerSpec(
+                layer_type=layer_type,
+                head_dim=int(override.get("head_dim", head_dim)),
+                num_kv_heads=int(override.get("num_key_value_heads", num_kv)),
+                has_v_proj=layer_type is LayerType.SLIDING,
+            )
+        )
+    return tuple(specs)
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def parse_text_config(tc: dict[str, Any]) -> TextConfig:
+    where = "config.json text_config"
+    num_layers = int(_require(tc, "num_hidden_layers", where))
+    layer_types = tc.get("layer_types") or [
+        LayerType.SLIDING.value if (i + 1) % 6 else LayerType.FULL.value for i in range(num_layers)
+    ]
+    layer_types = list(layer_types)
+    layer_types[-1] = LayerType.FULL.value  # the reference forces the last layer to full
+    if tc.get("use_bidirectional_attention") == "all":
+        raise CheckpointError(
+            f"{where}: use_bidirectional_attention='all' (a non-causal encoder) is not supported"
+        )
+    return TextConfig(
+        vocab_size=int(_require(tc, "vocab_size", where)),
+        hidden_size=int(_require(tc, "hidden_size", where)),
+        intermediate_size=int(_require(tc, "intermediate_size", where)),
+        num_layers=num_layers,
+        num_heads=int(_require(tc, "num_attention_heads", where)),
+        layers=_layer_specs(tc, layer_types),
+        rope=_rope_specs(tc.get("rope_parameters")),
+        sliding_window=int(tc.get("sliding_window", 512)),
+        rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
+        num_experts=int(_require(tc, "num_experts", where)),
+        top_k_experts=int(_require(tc, "top_k_experts", where)),
+        moe_intermediate_size=int(_require(tc, "moe_intermediate_size", where)),
+        final_logit_softcapping=tc.get("final_logit_softcapping", 30.0),
+        hidden_activation=tc.get("hidden_activation", "gelu_pytorch_tanh"),
+        max_position_embeddings=int(tc.get("max_position_embeddings", 131_072)),
+        pad_token_id=tc.get("pad_token_id", 0),
+        eos_token_ids=_token_ids(tc.get("eos_token_id", 1)),
+        bos_token_id=tc.get("bos_token_id", 2),
+    )
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Parse `model_dir/config.json`; raises CheckpointError naming the missing or bad key."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: config.json not found (is this a checkpoint directory?)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{path}: model_type={model_type!r} is not supported; expected one of "
+            f"{list(SUPPORTED_MODEL_TYPES)}"
+        )
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{path}: missing required key 'text_config'")
+    return ModelConfig(
+        model_type=model_type,
+        text=parse_text_config(text),
+        canvas_length=int(raw.get("canvas_length", 256)),
+        dtype=raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype"),
+    )

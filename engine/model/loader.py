@@ -1,0 +1,169 @@
+"""Checkpoint loader: a directory written by `DiffusionGemmaForBlockDiffusion.save_pretrained`.
+
+Reads config.json and `model.safetensors` (or shards listed in `model.safetensors.index.json`),
+memory-mapped through safetensors. Tied weights may be stored under the decoder's or the
+encoder's name; both are accepted. Vision-tower weights are skipped (text-only serving). Every
+failure names the tensor or key and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from engine.model.config import CheckpointError, ModelConfig, load_model_config
+from engine.model.diffusion_gemma import DiffusionGemma
+
+logger = logging.getLogger(__name__)
+
+VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+DECODER = "model.decoder."
+ENCODER = "model.encoder.language_model."
+PROGRESS_BAR_BYTES = 256 << 20
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def resolve_dtype(name: str | None, config: ModelConfig) -> torch.dtype:
+    """`auto` (or None) takes the checkpoint's declared dtype, else fp32."""
+    if name in (None, "auto"):
+        name = config.dtype or "float32"
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported; expected one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def checkpoint_names(name: str) -> list[str]:
+    """Checkpoint keys that may hold the Canvas parameter `name`, in order of preference."""
+    if name.endswith("encoder_layer_scalar"):
+        return [ENCODER + name.replace("encoder_layer_scalar", "layer_scalar")]
+    if name.endswith("decoder_layer_scalar"):
+        return [DECODER + name.replace("decoder_layer_scalar", "layer_scalar")]
+    names = [DECODER + name]
+    if not name.startswith("self_conditioning."):
+        names.append(ENCODER + name)
+    if name == "embed_tokens.weight":
+        names.append("lm_head.weight")
+    return names
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index}: no valid 'weight_map' ({exc})") from None
+        files = sorted({model_dir / shard for shard in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index}: shard {f.name} is listed but missing")
+        return files
+    raise CheckpointError(
+        f"{model_dir}: no model.safetensors or model.safetensors.index.json (weights missing)"
+    )
+
+
+class _Tensors:
+    """Key → (file handle) over all shards, opened memory-mapped."""
+
+    def __init__(self, files: list[Path], stack: ExitStack) -> None:
+        self.where: dict[str, object] = {}
+        for path in files:
+            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            for key in handle.keys():
+                self.where[key] = handle
+
+    def keys(self) -> Iterator[str]:
+        return iter(self.where)
+
+    def meta(self, key: str) -> tuple[list[int], str]:
+        sl = self.where[key].get_slice(key)  # type: ignore[attr-defined]
+        return list(sl.get_shape()), sl.get_dtype()
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.where[key].get_tensor(key)  # type: ignore[attr-defined]
+
+
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def load_model(
+    model_dir: str | Path, dtype: str | None = "auto", device: str | torch.device = "cpu"
+) -> DiffusionGemma:
+    """Build the Canvas model from a checkpoint directory."""
+    model_dir = Path(model_dir)
+    config = load_model_config(model_dir)
+    target = resolve_dtype(dtype, config)
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    expected = dict(model.state_dict())
+    with ExitStack() as stack:
+        tensors = _Tensors(weight_files(model_dir), stack)
+        plan = _plan(tensors, expected, config)
+        total = sum(_nbytes(tensors, key) for key in plan.values())
+        state = {}
+        bar = tqdm(
+            plan.items(),
+            total=len(plan),
+            desc="Loading weights",
+            unit="tensor",
+            disable=total < PROGRESS_BAR_BYTES,
+        )
+        for name, key in bar:
+            state[name] = tensors.get(key).to(device=device, dtype=target)
+    model.load_state_dict(state, assign=True, strict=True)
+    model.init_rope(device)  # non-persistent buffers were created on the meta device
+    return model.eval().requires_grad_(False)
+
+
+def _nbytes(tensors: _Tensors, key: str) -> int:
+    shape, dtype = tensors.meta(key)
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel * (4 if dtype == "F32" else 2)
+
+
+def _plan(tensors: _Tensors, expected: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, str]:
+    """Map each Canvas parameter to a checkpoint key, checking shape and dtype."""
+    available = set(tensors.keys())
+    plan: dict[str, str] = {}
+    for name, param in expected.items():
+        candidates = checkpoint_names(name)
+        key = next((c for c in candidates if c in available), None)
+        if key is None:
+            raise CheckpointError(f"missing tensor {candidates[0]} (shape {list(param.shape)})")
+        shape, st_dtype = tensors.meta(key)
+        if shape != list(param.shape):
+            raise CheckpointError(
+                f"tensor {key} has shape {shape}, expected {list(param.shape)} from config.json"
+            )
+        dtype = SAFETENSORS_DTYPES.get(st_dtype)
+        if dtype is None or (config.dtype in DTYPES and dtype != config.dtype):
+            want = config.dtype if config.dtype in DTYPES else "a floating-point dtype"
+            raise CheckpointError(f"tensor {key} has dtype {st_dtype}, expected {want}")
+        plan[name] = key
+    vision = [k for k in available if k.startswith(VISION_PREFIXES)]
+    if vision:
+        logger.info("Skipping %d vision-tower tensors (Canvas serves text only)", len(vision))
+    used = set(plan.values()) | set(vision)
+    tied = {c for name in expected for c in checkpoint_names(name)}
+    unknown = sorted(available - used - tied)
+    if unknown:
+        logger.warning("Ignoring %d unrecognised tensors, e.g. %s", len(unknown), unknown[:3])
+    return plan
