@@ -53,11 +53,15 @@ TINY_VISION_CONFIG: dict[str, Any] = {
 }
 
 
+
+
 @dataclass(frozen=True, slots=True)
 class TinyPreset:
     canvas_length: int
     text: dict[str, Any] = field(default_factory=dict)
-    embed_std: float = 1.0
+    embed_std: float = 0.5
+    hub_scale: float = 4.0
+    num_hubs: int = 12
     description: str = ""
 
 
@@ -71,6 +75,8 @@ PRESETS: dict[str, TinyPreset] = {
     "c256": TinyPreset(
         256,
         {"num_attention_heads": 2, "num_key_value_heads": 1, "sliding_window": 64},
+        hub_scale=5.0,
+        num_hubs=2,
         description="canvas 256 (the real canvas length), GQA 2:1",
     ),
     "gqa8": TinyPreset(
@@ -113,7 +119,7 @@ def build_tokenizer(vocab_size: int) -> Any:
     return fast
 
 
-def _perturb(model: Any, embed_std: float, seed: int) -> None:
+def _perturb(model: Any, spec: TinyPreset, seed: int) -> None:
     """Give every norm, scale and scalar a non-trivial value so parity tests see them."""
     import torch
 
@@ -123,7 +129,12 @@ def _perturb(model: Any, embed_std: float, seed: int) -> None:
             if "vision" in name:
                 continue
             if name.endswith("embed_tokens.weight"):
-                param.copy_(torch.randn(param.shape, generator=gen) * embed_std)
+                # A few "hub" tokens with long embeddings make the tied head confident, so
+                # canvases converge before the step cap as a trained model's do.
+                weight = torch.randn(param.shape, generator=gen) * spec.embed_std
+                hubs = torch.randperm(param.shape[0], generator=gen)[: spec.num_hubs]
+                weight[hubs] *= spec.hub_scale
+                param.copy_(weight)
             elif param.ndim == 1:  # norm weights, router scales, per-expert scales
                 param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
             else:
@@ -151,7 +162,7 @@ def make_tiny(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0) 
     )
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(config)
-    _perturb(model, spec.embed_std, seed)
+    _perturb(model, spec, seed)
     model.generation_config = DiffusionGemmaGenerationConfig(
         max_new_tokens=256,
         max_denoising_steps=48,

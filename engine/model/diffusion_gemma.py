@@ -233,9 +233,13 @@ class DiffusionGemma(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_tokens.weight) * self.embed_scale
 
-    def soft_embed(self, probs: torch.Tensor) -> torch.Tensor:
-        """Self-conditioning signal from probabilities [..., V] (fp32): probs @ E * sqrt(H)."""
+    def soft_embed(self, scaled_logits: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+        """Self-conditioning signal [..., H] from the previous step's temperature-scaled logits
+        [..., V]: softmax(logits in the model dtype, fp32) @ E * sqrt(H). `probs`, when given,
+        is softmax(scaled_logits) in fp32 and is reused for an fp32 model."""
         weight = self.embed_tokens.weight
+        if probs is None or weight.dtype != torch.float32:
+            probs = torch.softmax(scaled_logits.to(weight.dtype), dim=-1, dtype=torch.float32)
         return torch.matmul(probs.to(weight.dtype), weight) * self.embed_scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,153 @@
+"""Per-request parameters and the checkpoint's decoding defaults.
+
+`SamplingParams` is what a caller asks for (None = "use the checkpoint default");
+`DecodingDefaults` comes from generation_config.json; `resolve` merges them into the
+fully specified `ResolvedParams` the engine runs with. Validation happens here, once, with
+messages that name the parameter.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+
+class DecodeMode(str, Enum):
+    DIFFUSION = "diffusion"
+    AR = "ar"
+
+
+class ParamError(ValueError):
+    """An invalid request parameter; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ParamError(param, message)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What a request asks for. Fields left None take the checkpoint's defaults."""
+
+    max_tokens: int | None = None
+    mode: DecodeMode = DecodeMode.DIFFUSION
+    seed: int | None = None
+    ignore_eos: bool = False
+    eos_token_ids: tuple[int, ...] | None = None  # overrides the checkpoint's EOS set
+    # diffusion
+    max_denoising_steps: int | None = None
+    entropy_bound: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None  # 0 disables the adaptive stop
+    # AR mode: 0 (or None) is greedy
+    temperature: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _check(isinstance(self.mode, DecodeMode), "mode", "must be 'diffusion' or 'ar'")
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
+        _check(
+            self.max_denoising_steps is None or 1 <= self.max_denoising_steps <= 1024,
+            "max_denoising_steps",
+            "must be in [1, 1024]",
+        )
+        _check(self.entropy_bound is None or self.entropy_bound > 0, "entropy_bound", "must be > 0")
+        _check(self.t_min is None or self.t_min >= 0, "t_min", "must be >= 0")
+        _check(self.t_max is None or self.t_max > 0, "t_max", "must be > 0")
+        _check(
+            self.stability_threshold is None or 0 <= self.stability_threshold <= 64,
+            "stability_threshold",
+            "must be in [0, 64]",
+        )
+        _check(
+            self.confidence_threshold is None or self.confidence_threshold >= 0,
+            "confidence_threshold",
+            "must be >= 0 (0 disables the adaptive stop)",
+        )
+        _check(self.temperature is None or self.temperature >= 0, "temperature", "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedParams:
+    """Fully specified decoding parameters of one request."""
+
+    max_tokens: int
+    mode: DecodeMode
+    seed: int | None
+    eos_token_ids: frozenset[int]
+    max_denoising_steps: int
+    entropy_bound: float
+    t_min: float
+    t_max: float
+    stability_threshold: int
+    confidence_threshold: float
+    temperature: float
+
+    def __post_init__(self) -> None:
+        _check(self.t_max > self.t_min, "t_max", f"must be > t_min ({self.t_max} <= {self.t_min})")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodingDefaults:
+    """Defaults from generation_config.json; the reference's global defaults where it is silent."""
+
+    max_new_tokens: int = 256
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path, eos_fallback: tuple[int, ...]) -> DecodingDefaults:
+        path = Path(model_dir) / "generation_config.json"
+        raw: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+        sampler = raw.get("sampler_config") or {}
+        values: dict[str, Any] = {
+            "max_new_tokens": raw.get("max_new_tokens"),
+            "max_denoising_steps": raw.get("max_denoising_steps"),
+            "entropy_bound": sampler.get("entropy_bound"),
+            "t_min": raw.get("t_min"),
+            "t_max": raw.get("t_max"),
+            "stability_threshold": raw.get("stability_threshold"),
+            "confidence_threshold": raw.get("confidence_threshold"),
+            "pad_token_id": raw.get("pad_token_id"),
+        }
+        eos = raw.get("eos_token_id")
+        values["eos_token_ids"] = (
+            (eos,) if isinstance(eos, int) else tuple(eos) if eos else tuple(eos_fallback)
+        )
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if v is not None and k in known})
+
+    def resolve(self, params: SamplingParams) -> ResolvedParams:
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        eos = params.eos_token_ids if params.eos_token_ids is not None else self.eos_token_ids
+        return ResolvedParams(
+            max_tokens=pick(params.max_tokens, self.max_new_tokens),
+            mode=params.mode,
+            seed=params.seed,
+            eos_token_ids=frozenset() if params.ignore_eos else frozenset(eos),
+            max_denoising_steps=pick(params.max_denoising_steps, self.max_denoising_steps),
+            entropy_bound=float(pick(params.entropy_bound, self.entropy_bound)),
+            t_min=float(pick(params.t_min, self.t_min)),
+            t_max=float(pick(params.t_max, self.t_max)),
+            stability_threshold=pick(params.stability_threshold, self.stability_threshold),
+            confidence_threshold=float(pick(params.confidence_threshold, self.confidence_threshold)),
+            temperature=float(pick(params.temperature, 0.0)),
+        )

@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random-weight checkpoints built once per session with the reference
+classes, and the reference model loaded from them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.tiny import PRESETS, make_tiny
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """tiny_checkpoint(preset) -> directory of a tiny checkpoint (built once per preset)."""
+    built: dict[str, Path] = {}
+
+    def get(preset: str) -> Path:
+        if preset not in built:
+            built[preset] = make_tiny(tmp_path_factory.mktemp(f"tiny-{preset}"), preset)
+        return built[preset]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_model() -> Callable[[Path], torch.nn.Module]:
+    """reference_model(dir) -> DiffusionGemmaForBlockDiffusion loaded from `dir` (cached)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    loaded: dict[Path, torch.nn.Module] = {}
+
+    def get(path: Path) -> torch.nn.Module:
+        if path not in loaded:
+            loaded[path] = DiffusionGemmaForBlockDiffusion.from_pretrained(path).eval()
+        return loaded[path]
+
+    return get
+
+
+ALL_PRESETS = sorted(PRESETS)

@@ -1,0 +1,123 @@
+"""End to end: Canvas' diffusion output equals the reference generate() for the same seed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+from engine import LLM, SamplingParams
+from tests.conftest import ALL_PRESETS
+
+SEEDS = (0, 1, 2)
+# Presets whose random weights are confident enough for canvases to stop before the step cap
+# (see engine.tiny): on these the adaptive stop must be exercised.
+EARLY_STOP_PRESETS = {"c16", "c256"}
+
+
+def prompts_for(llm: LLM) -> list[list[int]]:
+    """Five prompts: one token, short ones, and one longer than the sliding window."""
+    vocab, window = llm.model.cfg.vocab_size, llm.model.cfg.sliding_window
+    gen = torch.Generator().manual_seed(11)
+    lengths = [1, 4, 9, 17, 2 * window + 1]
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def reference_generate(ref, prompt: list[int], seed: int, **kwargs) -> tuple[list[int], float]:
+    torch.manual_seed(seed)
+    out = ref.generate(torch.tensor([prompt]), **kwargs)
+    return out.sequences[0, len(prompt) :].tolist(), float(out.tokens_per_forward[0])
+
+
+def expected_prefix(ref_ids: list[int], eos: set[int], max_tokens: int) -> list[int]:
+    """What Canvas must emit: the reference's tokens up to and including the first EOS, and
+    never more than max_tokens (the reference always emits whole canvases)."""
+    for i, token in enumerate(ref_ids[:max_tokens]):
+        if token in eos:
+            return ref_ids[: i + 1]
+    return ref_ids[:max_tokens]
+
+
+@pytest.mark.parametrize("preset", ALL_PRESETS)
+def test_diffusion_output_matches_reference_generate(preset, tiny_checkpoint, reference_model):
+    path = tiny_checkpoint(preset)
+    ref, llm = reference_model(path), LLM.from_pretrained(path)
+    length = llm.canvas_length
+    max_tokens = length + length // 2 + 1  # not a multiple of the canvas length
+    eos = set(llm.defaults.eos_token_ids)
+    converged = 0
+    for prompt in prompts_for(llm):
+        for seed in SEEDS:
+            ref_ids, _ = reference_generate(ref, prompt, seed, max_new_tokens=max_tokens)
+            (out,) = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, seed=seed))
+            want = expected_prefix(ref_ids, eos, max_tokens)
+            assert out.output_ids == want, f"prompt len {len(prompt)}, seed {seed}"
+            assert out.finish_reason == ("stop" if want[-1] in eos else "length")
+            converged += sum(s < llm.defaults.max_denoising_steps for s in out.steps_per_canvas)
+    if preset in EARLY_STOP_PRESETS:
+        assert converged > 0, "no canvas stopped early: the adaptive stop was never exercised"
+
+
+@pytest.mark.parametrize("preset", ["c16", "c32-window"])
+def test_tokens_per_forward_matches_reference_when_nothing_is_cut(preset, tiny_checkpoint, reference_model):
+    path = tiny_checkpoint(preset)
+    ref, llm = reference_model(path), LLM.from_pretrained(path)
+    max_tokens = 2 * llm.canvas_length
+    checked = 0
+    for prompt in prompts_for(llm)[:3]:
+        for seed in SEEDS:
+            ref_ids, ref_tpf = reference_generate(ref, prompt, seed, max_new_tokens=max_tokens)
+            (out,) = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, seed=seed))
+            if out.finish_reason != "length" or llm.defaults.pad_token_id in ref_ids:
+                continue  # an EOS cut (or a generated pad id, which the reference does not count)
+            assert out.output_ids == ref_ids
+            assert out.tokens_per_forward == pytest.approx(ref_tpf, rel=1e-6)
+            checked += 1
+    assert checked >= 3
+
+
+@pytest.mark.parametrize("preset", ["c16", "c32-window", "gqa8"])
+def test_eos_in_the_middle_of_a_canvas_ends_the_output_there(preset, tiny_checkpoint, reference_model):
+    path = tiny_checkpoint(preset)
+    ref, llm = reference_model(path), LLM.from_pretrained(path)
+    length, max_tokens, seed = llm.canvas_length, 2 * llm.canvas_length, 5
+    prompt = prompts_for(llm)[2]
+    free_run, _ = reference_generate(ref, prompt, seed, max_new_tokens=max_tokens)
+    # Use as EOS a token whose first occurrence is strictly inside the second canvas (or, if
+    # none, the first): both engines then see an EOS mid-canvas.
+    first_seen: dict[int, int] = {}
+    for i, token in enumerate(free_run):
+        first_seen.setdefault(token, i)
+    inside = [(i, t) for t, i in first_seen.items() if 0 < i % length < length - 1]
+    eos_pos, eos = max(inside, key=lambda it: (it[0] >= length, -it[0]))
+    ref_ids, _ = reference_generate(ref, prompt, seed, max_new_tokens=max_tokens, eos_token_id=eos)
+    (out,) = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, seed=seed, eos_token_ids=(eos,)))
+    assert out.output_ids == ref_ids[: eos_pos + 1] == free_run[: eos_pos + 1]
+    assert out.output_ids[-1] == eos and out.finish_reason == "stop"
+    assert all(t == llm.defaults.pad_token_id for t in ref_ids[eos_pos + 1 : (eos_pos // length + 1) * length])
+
+
+def test_non_default_decoding_parameters_match_reference(tiny_checkpoint, reference_model):
+    path = tiny_checkpoint("c16")
+    ref, llm = reference_model(path), LLM.from_pretrained(path)
+    settings = dict(max_denoising_steps=12, t_min=0.2, t_max=1.1, stability_threshold=2, confidence_threshold=0.3)
+    for seed, prompt in enumerate(prompts_for(llm)[:3]):
+        ref_ids, _ = reference_generate(
+            ref,
+            prompt,
+            seed,
+            max_new_tokens=40,
+            sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.7),
+            **settings,
+        )
+        (out,) = llm.generate(prompt, SamplingParams(max_tokens=40, seed=seed, entropy_bound=0.7, **settings))
+        assert out.output_ids == expected_prefix(ref_ids, set(llm.defaults.eos_token_ids), 40)
+        assert all(1 <= s <= 12 for s in out.steps_per_canvas)
+
+
+def test_same_seed_same_output_and_different_seeds_differ(tiny_checkpoint):
+    llm = LLM.from_pretrained(tiny_checkpoint("c16"))
+    prompt = [5, 6, 7, 8]
+    a, b, c = (llm.generate(prompt, SamplingParams(max_tokens=20, seed=s))[0] for s in (3, 3, 4))
+    assert a.output_ids == b.output_ids
+    assert a.output_ids != c.output_ids
