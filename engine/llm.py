@@ -70,7 +70,9 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
 
 
 class LLM:
-    def __init__(self, model: DiffusionGemma, tokenizer: Tokenizer | None, defaults: DecodingDefaults) -> None:
+    def __init__(
+        self, model: DiffusionGemma, tokenizer: Tokenizer | None, defaults: DecodingDefaults
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.defaults = defaults
@@ -78,9 +80,13 @@ class LLM:
         self.device = model.embed_tokens.weight.device
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: str = "auto", device: str = "cpu") -> LLM:
+    def from_pretrained(
+        cls, model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
+    ) -> LLM:
         model = load_model(model_dir, dtype=dtype, device=device)
-        has_tokenizer = any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+        has_tokenizer = any(
+            (Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")
+        )
         tokenizer = Tokenizer(model_dir) if has_tokenizer else None
         defaults = DecodingDefaults.from_checkpoint(model_dir, model.cfg.eos_token_ids)
         return cls(model, tokenizer, defaults)
@@ -132,7 +138,9 @@ class LLM:
                 f"positions, more than the model's context of {limit}",
             )
         start = time.perf_counter()
-        cache = DenseKVCache(self.model.cfg, 1, needed, self.model.embed_tokens.weight.dtype, self.device)
+        cache = DenseKVCache(
+            self.model.cfg, 1, needed, self.model.embed_tokens.weight.dtype, self.device
+        )
         gen = make_generator(params.seed, self.device)
         with torch.inference_mode():
             prefill_logits = self._encode(prompt, 0, cache)
@@ -191,7 +199,9 @@ class LLM:
             self._encode(draft, prefix, cache)  # commit pass: the canvas enters the KV cache
             encoder_passes += 1
 
-    def _denoise(self, state: CanvasState, params: ResolvedParams, batch: ForwardBatch, cache: DenseKVCache) -> None:
+    def _denoise(
+        self, state: CanvasState, params: ResolvedParams, batch: ForwardBatch, cache: DenseKVCache
+    ) -> None:
         model = self.model
         soft = state.soft_embeds[None] if state.soft_embeds is not None else None
         logits = model.logits(model.decode(state.canvas[None], soft, batch, cache))

@@ -112,7 +112,9 @@ class DecodingDefaults:
     pad_token_id: int | None = None
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str | Path, eos_fallback: tuple[int, ...]) -> DecodingDefaults:
+    def from_checkpoint(
+        cls, model_dir: str | Path, eos_fallback: tuple[int, ...]
+    ) -> DecodingDefaults:
         path = Path(model_dir) / "generation_config.json"
         raw: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
         sampler = raw.get("sampler_config") or {}
@@ -148,6 +150,8 @@ class DecodingDefaults:
             t_min=float(pick(params.t_min, self.t_min)),
             t_max=float(pick(params.t_max, self.t_max)),
             stability_threshold=pick(params.stability_threshold, self.stability_threshold),
-            confidence_threshold=float(pick(params.confidence_threshold, self.confidence_threshold)),
+            confidence_threshold=float(
+                pick(params.confidence_threshold, self.confidence_threshold)
+            ),
             temperature=float(pick(params.temperature, 0.0)),
         )

@@ -24,8 +24,10 @@ import torch
 from engine.params import ResolvedParams
 
 
-def new_canvas(vocab_size: int, canvas_length: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """A canvas of uniformly random tokens [canvas_length] (the reference's draw of shape (1, L))."""
+def new_canvas(
+    vocab_size: int, canvas_length: int, generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """A canvas of uniformly random tokens [canvas_length] (the reference draws shape (1, L))."""
     return torch.randint(0, vocab_size, (1, canvas_length), generator=generator, device=device)[0]
 
 
@@ -64,8 +66,12 @@ def start_canvas(
     device: torch.device,
 ) -> CanvasState:
     canvas = new_canvas(vocab_size, canvas_length, generator, device)
-    history = [torch.full((canvas_length,), -1, dtype=torch.long, device=device)] * params.stability_threshold
-    return CanvasState(canvas=canvas, generator=generator, steps_left=params.max_denoising_steps, history=history)
+    history = [
+        torch.full((canvas_length,), -1, dtype=torch.long, device=device)
+    ] * params.stability_threshold
+    return CanvasState(
+        canvas=canvas, generator=generator, steps_left=params.max_denoising_steps, history=history
+    )
 
 
 def denoise_update(
@@ -102,7 +108,9 @@ def denoise_update(
     return scaled, probs
 
 
-def _should_stop(state: CanvasState, argmax: torch.Tensor, entropy: torch.Tensor, p: ResolvedParams) -> bool:
+def _should_stop(
+    state: CanvasState, argmax: torch.Tensor, entropy: torch.Tensor, p: ResolvedParams
+) -> bool:
     """Stable (draft equal to the last `stability_threshold` drafts) and confident."""
     stable = all(bool((prev == argmax).all()) for prev in state.history)
     if state.history:

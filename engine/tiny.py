@@ -53,8 +53,6 @@ TINY_VISION_CONFIG: dict[str, Any] = {
 }
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class TinyPreset:
     canvas_length: int
@@ -70,7 +68,7 @@ PRESETS: dict[str, TinyPreset] = {
     "c32-window": TinyPreset(
         32,
         {"sliding_window": 8, "num_key_value_heads": 4, "num_global_key_value_heads": 2},
-        description="canvas 32, sliding window 8 (prompts and canvases longer than the window), MHA sliding",
+        description="canvas 32, sliding window 8 (prompts and canvases exceed it), MHA sliding",
     ),
     "c256": TinyPreset(
         256,

@@ -23,7 +23,9 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if not getattr(self._tok, "chat_template", None):
-            raise ValueError("this checkpoint has no chat template; use the completions API instead")
+            raise ValueError(
+                "this checkpoint has no chat template; use the completions API instead"
+            )
         ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

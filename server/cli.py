@@ -13,7 +13,9 @@ def _ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids must be comma-separated integers, got {text!r}"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,7 +105,10 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         return 0
     preset = args.preset or DEFAULT_PRESET
     if preset not in PRESETS:
-        print(f"canvas make-tiny: error: unknown preset {preset!r}; choose from {sorted(PRESETS)}", file=sys.stderr)
+        print(
+            f"canvas make-tiny: error: unknown preset {preset!r}; choose from {sorted(PRESETS)}",
+            file=sys.stderr,
+        )
         return 2
     path = make_tiny(args.dir, preset, seed=args.seed)
     print(f"wrote tiny checkpoint (preset {preset}) to {path}")
@@ -111,14 +116,19 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return cmd_generate(args)
     if args.command == "make-tiny":
         return cmd_make_tiny(args)
     print("canvas serve: the HTTP server is not yet available (see the serving issue).")
-    print("Offline generation works now: canvas make-tiny /tmp/tiny && canvas generate --model /tmp/tiny --prompt hi")
+    print(
+        "Offline generation works now: canvas make-tiny /tmp/tiny && "
+        "canvas generate --model /tmp/tiny --prompt hi"
+    )
     return 0
 
 

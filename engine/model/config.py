@@ -83,12 +83,14 @@ class TextConfig:
         for i, spec in enumerate(self.layers):
             if self.num_heads % spec.num_kv_heads:
                 raise CheckpointError(
-                    f"text_config: layer {i} has {spec.num_kv_heads} KV heads, which does not divide "
+                    f"text_config: layer {i} has {spec.num_kv_heads} KV heads, which does not "
+                    "divide "
                     f"num_attention_heads={self.num_heads}"
                 )
         if self.top_k_experts > self.num_experts:
             raise CheckpointError(
-                f"text_config: top_k_experts={self.top_k_experts} exceeds num_experts={self.num_experts}"
+                f"text_config: top_k_experts={self.top_k_experts} exceeds "
+                f"num_experts={self.num_experts}"
             )
         if self.hidden_activation != "gelu_pytorch_tanh":
             raise CheckpointError(

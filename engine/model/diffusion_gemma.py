@@ -77,7 +77,9 @@ class Attention(nn.Module):
         num_rows, num_tokens, _ = x.shape
         shape = (num_rows, num_tokens, -1, self.spec.head_dim)
         cos, sin = rope
-        q = apply_rope(ops.rms_norm(self.q_proj(x).view(shape), self.q_norm.weight, self.eps), cos, sin)
+        q = apply_rope(
+            ops.rms_norm(self.q_proj(x).view(shape), self.q_norm.weight, self.eps), cos, sin
+        )
         k_raw = self.k_proj(x).view(shape)
         v = self.v_proj(x).view(shape) if self.v_proj is not None else k_raw
         k = apply_rope(ops.rms_norm(k_raw, self.k_norm.weight, self.eps), cos, sin).transpose(1, 2)
@@ -139,14 +141,18 @@ class Layer(nn.Module):
         self.router.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
         self.experts = nn.Module()
         inter = cfg.moe_intermediate_size
-        self.experts.gate_up_proj = nn.Parameter(torch.zeros(cfg.num_experts, 2 * inter, cfg.hidden_size))
+        self.experts.gate_up_proj = nn.Parameter(
+            torch.zeros(cfg.num_experts, 2 * inter, cfg.hidden_size)
+        )
         self.experts.down_proj = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size, inter))
         # Buffers in the checkpoint (not tied between the modes, not trained).
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
         self.register_buffer("decoder_layer_scalar", torch.ones(1))
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return kernels.ops(x.device.type).rms_norm(x, getattr(self, name).weight, self.cfg.rms_norm_eps)
+        return kernels.ops(x.device.type).rms_norm(
+            x, getattr(self, name).weight, self.cfg.rms_norm_eps
+        )
 
     def forward(
         self,
@@ -162,7 +168,9 @@ class Layer(nn.Module):
         x = residual + self._norm("post_attention_layernorm", h)
 
         residual = x
-        dense = self._norm("post_feedforward_layernorm_1", self.mlp(self._norm("pre_feedforward_layernorm", x)))
+        dense = self._norm(
+            "post_feedforward_layernorm_1", self.mlp(self._norm("pre_feedforward_layernorm", x))
+        )
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = ops.route_experts(
             flat,
@@ -181,7 +189,9 @@ class Layer(nn.Module):
         )
         moe = self._norm("post_feedforward_layernorm_2", moe.reshape(x.shape))
         x = residual + self._norm("post_feedforward_layernorm", dense + moe)
-        scalar = self.encoder_layer_scalar if batch.mode is Mode.ENCODE else self.decoder_layer_scalar
+        scalar = (
+            self.encoder_layer_scalar if batch.mode is Mode.ENCODE else self.decoder_layer_scalar
+        )
         return x * scalar
 
 
@@ -221,7 +231,9 @@ class DiffusionGemma(nn.Module):
             if dims:
                 (head_dim,) = dims  # one head_dim per layer type (as the reference assumes)
                 inv_freq = rope_inv_freq(self.cfg.rope[layer_type], head_dim)
-                self.register_buffer(f"inv_freq_{layer_type.name}", inv_freq.to(device), persistent=False)
+                self.register_buffer(
+                    f"inv_freq_{layer_type.name}", inv_freq.to(device), persistent=False
+                )
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -233,7 +245,9 @@ class DiffusionGemma(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_tokens.weight) * self.embed_scale
 
-    def soft_embed(self, scaled_logits: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    def soft_embed(
+        self, scaled_logits: torch.Tensor, probs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Self-conditioning signal [..., H] from the previous step's temperature-scaled logits
         [..., V]: softmax(logits in the model dtype, fp32) @ E * sqrt(H). `probs`, when given,
         is softmax(scaled_logits) in fp32 and is reused for an fp32 model."""
@@ -250,7 +264,9 @@ class DiffusionGemma(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[LayerType, tuple[torch.Tensor, torch.Tensor]]:
+    def _rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> dict[LayerType, tuple[torch.Tensor, torch.Tensor]]:
         out = {}
         for layer_type in LayerType:
             inv_freq = getattr(self, f"inv_freq_{layer_type.name}", None)
@@ -270,7 +286,7 @@ class DiffusionGemma(nn.Module):
     # -- the two modes -------------------------------------------------------------------------
 
     def encode(self, ids: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Causal pass over new tokens ids [B, T]; writes their KV. Returns final hidden [B, T, H]."""
+        """Causal pass over new tokens ids [B, T]; writes their KV. Returns hidden [B, T, H]."""
         assert batch.mode is Mode.ENCODE
         return self._stack(self.embed(ids), batch, cache)
 

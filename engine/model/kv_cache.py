@@ -66,7 +66,9 @@ class ForwardBatch:
             self._masks[key] = self._build_mask(sliding, num_queries, device)
         return self._masks[key]
 
-    def _build_mask(self, sliding: bool, num_queries: int, device: torch.device) -> torch.Tensor | None:
+    def _build_mask(
+        self, sliding: bool, num_queries: int, device: torch.device
+    ) -> torch.Tensor | None:
         lo, hi = self.key_range(sliding)
         kv_pos = torch.arange(lo, hi, device=device)  # [S]
         start = self.start_pos.to(device)[:, None, None]  # [B, 1, 1]
@@ -86,7 +88,9 @@ class ForwardBatch:
         if bool(prefix.all()):
             return None
         prefix = prefix.expand(-1, num_queries, -1)
-        canvas = torch.ones(prefix.shape[0], num_queries, num_queries, dtype=torch.bool, device=device)
+        canvas = torch.ones(
+            prefix.shape[0], num_queries, num_queries, dtype=torch.bool, device=device
+        )
         return torch.cat([prefix, canvas], dim=-1)[:, None]
 
 
@@ -95,7 +99,9 @@ class KVCache(Protocol):
         """Store the new tokens' k, v ([B, Hkv, T, D]) of every row at its positions."""
         ...
 
-    def read(self, layer: int, batch: ForwardBatch, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, layer: int, batch: ForwardBatch, lo: int, hi: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached k, v ([B, Hkv, hi-lo, D]) of positions [lo, hi) for each row's slot."""
         ...
 
@@ -133,7 +139,9 @@ class DenseKVCache:
             self.keys[layer][slot, :, start : start + num] = k[row, :, :num]
             self.values[layer][slot, :, start : start + num] = v[row, :, :num]
 
-    def read(self, layer: int, batch: ForwardBatch, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, layer: int, batch: ForwardBatch, lo: int, hi: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if batch.slots.numel() == 1:
             slot = int(batch.slots[0])
             return (

@@ -40,7 +40,9 @@ def resolve_dtype(name: str | None, config: ModelConfig) -> torch.dtype:
     if name in (None, "auto"):
         name = config.dtype or "float32"
     if name not in DTYPES:
-        raise ValueError(f"dtype={name!r} is not supported; expected one of auto, {', '.join(DTYPES)}")
+        raise ValueError(
+            f"dtype={name!r} is not supported; expected one of auto, {', '.join(DTYPES)}"
+        )
     return DTYPES[name]
 
 
@@ -85,7 +87,7 @@ class _Tensors:
         self.where: dict[str, object] = {}
         for path in files:
             handle = stack.enter_context(safe_open(str(path), framework="pt"))
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 self.where[key] = handle
 
     def keys(self) -> Iterator[str]:
@@ -139,7 +141,9 @@ def _nbytes(tensors: _Tensors, key: str) -> int:
     return numel * (4 if dtype == "F32" else 2)
 
 
-def _plan(tensors: _Tensors, expected: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, str]:
+def _plan(
+    tensors: _Tensors, expected: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, str]:
     """Map each Canvas parameter to a checkpoint key, checking shape and dtype."""
     available = set(tensors.keys())
     plan: dict[str, str] = {}

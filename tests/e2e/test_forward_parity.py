@@ -52,12 +52,19 @@ def test_encoder_kv_and_decoder_logits_match_reference(preset, tiny_checkpoint, 
     for i, layer in enumerate(ref_cache.layers):
         kept = layer.keys.shape[2]  # sliding layers keep only their window
         assert kept == (min(num_prompt, window - 1) if cfg.layers[i].is_sliding else num_prompt)
-        assert rel_err(cache.keys[i][0, :, num_prompt - kept : num_prompt], layer.keys[0]) <= REL_TOL
-        assert rel_err(cache.values[i][0, :, num_prompt - kept : num_prompt], layer.values[0]) <= REL_TOL
+        assert (
+            rel_err(cache.keys[i][0, :, num_prompt - kept : num_prompt], layer.keys[0]) <= REL_TOL
+        )
+        assert (
+            rel_err(cache.values[i][0, :, num_prompt - kept : num_prompt], layer.values[0])
+            <= REL_TOL
+        )
 
     # Commit pass (encoder over a finished canvas after the prompt).
     positions = torch.arange(num_prompt, num_prompt + length)[None]
-    ref_h = ref.model.encoder(input_ids=committed, cache=ref_cache, position_ids=positions).last_hidden_state
+    ref_h = ref.model.encoder(
+        input_ids=committed, cache=ref_cache, position_ids=positions
+    ).last_hidden_state
     h = ours.encode(committed, batch(Mode.ENCODE, [num_prompt], [length], window), cache)
     assert rel_err(h, ref_h) <= REL_TOL
     prefix = num_prompt + length
@@ -65,7 +72,9 @@ def test_encoder_kv_and_decoder_logits_match_reference(preset, tiny_checkpoint, 
     # Decoder: first step (no self-conditioning) and a later step (self-conditioned).
     dec_positions = torch.arange(prefix, prefix + length)[None]
     dec = batch(Mode.DECODE, [prefix], [length], window)
-    ref_logits = ref(decoder_input_ids=canvas, cache=ref_cache, decoder_position_ids=dec_positions).logits
+    ref_logits = ref(
+        decoder_input_ids=canvas, cache=ref_cache, decoder_position_ids=dec_positions
+    ).logits
     logits = ours.logits(ours.decode(canvas, None, dec, cache))
     assert rel_err(logits, ref_logits) <= REL_TOL
 
@@ -97,7 +106,9 @@ def test_rows_with_different_prefix_lengths_match_single_row_passes(tiny_checkpo
         padded[row, : len(p)] = p
     cache = DenseKVCache(cfg, 2, 64, torch.float32)
     h = ours.encode(padded, batch(Mode.ENCODE, [0, 0], lens, window), cache)
-    logits = ours.logits(ours.decode(canvases, None, batch(Mode.DECODE, lens, [length] * 2, window), cache))
+    logits = ours.logits(
+        ours.decode(canvases, None, batch(Mode.DECODE, lens, [length] * 2, window), cache)
+    )
 
     for row, p in enumerate(prompts):
         single = DenseKVCache(cfg, 1, 64, torch.float32)

@@ -59,7 +59,9 @@ def test_diffusion_output_matches_reference_generate(preset, tiny_checkpoint, re
 
 
 @pytest.mark.parametrize("preset", ["c16", "c32-window"])
-def test_tokens_per_forward_matches_reference_when_nothing_is_cut(preset, tiny_checkpoint, reference_model):
+def test_tokens_per_forward_matches_reference_when_nothing_is_cut(
+    preset, tiny_checkpoint, reference_model
+):
     path = tiny_checkpoint(preset)
     ref, llm = reference_model(path), LLM.from_pretrained(path)
     max_tokens = 2 * llm.canvas_length
@@ -77,7 +79,9 @@ def test_tokens_per_forward_matches_reference_when_nothing_is_cut(preset, tiny_c
 
 
 @pytest.mark.parametrize("preset", ["c16", "c32-window", "gqa8"])
-def test_eos_in_the_middle_of_a_canvas_ends_the_output_there(preset, tiny_checkpoint, reference_model):
+def test_eos_in_the_middle_of_a_canvas_ends_the_output_there(
+    preset, tiny_checkpoint, reference_model
+):
     path = tiny_checkpoint(preset)
     ref, llm = reference_model(path), LLM.from_pretrained(path)
     length, max_tokens, seed = llm.canvas_length, 2 * llm.canvas_length, 5
@@ -91,16 +95,27 @@ def test_eos_in_the_middle_of_a_canvas_ends_the_output_there(preset, tiny_checkp
     inside = [(i, t) for t, i in first_seen.items() if 0 < i % length < length - 1]
     eos_pos, eos = max(inside, key=lambda it: (it[0] >= length, -it[0]))
     ref_ids, _ = reference_generate(ref, prompt, seed, max_new_tokens=max_tokens, eos_token_id=eos)
-    (out,) = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, seed=seed, eos_token_ids=(eos,)))
+    (out,) = llm.generate(
+        prompt, SamplingParams(max_tokens=max_tokens, seed=seed, eos_token_ids=(eos,))
+    )
     assert out.output_ids == ref_ids[: eos_pos + 1] == free_run[: eos_pos + 1]
     assert out.output_ids[-1] == eos and out.finish_reason == "stop"
-    assert all(t == llm.defaults.pad_token_id for t in ref_ids[eos_pos + 1 : (eos_pos // length + 1) * length])
+    assert all(
+        t == llm.defaults.pad_token_id
+        for t in ref_ids[eos_pos + 1 : (eos_pos // length + 1) * length]
+    )
 
 
 def test_non_default_decoding_parameters_match_reference(tiny_checkpoint, reference_model):
     path = tiny_checkpoint("c16")
     ref, llm = reference_model(path), LLM.from_pretrained(path)
-    settings = dict(max_denoising_steps=12, t_min=0.2, t_max=1.1, stability_threshold=2, confidence_threshold=0.3)
+    settings = dict(
+        max_denoising_steps=12,
+        t_min=0.2,
+        t_max=1.1,
+        stability_threshold=2,
+        confidence_threshold=0.3,
+    )
     for seed, prompt in enumerate(prompts_for(llm)[:3]):
         ref_ids, _ = reference_generate(
             ref,
@@ -110,7 +125,9 @@ def test_non_default_decoding_parameters_match_reference(tiny_checkpoint, refere
             sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.7),
             **settings,
         )
-        (out,) = llm.generate(prompt, SamplingParams(max_tokens=40, seed=seed, entropy_bound=0.7, **settings))
+        (out,) = llm.generate(
+            prompt, SamplingParams(max_tokens=40, seed=seed, entropy_bound=0.7, **settings)
+        )
         assert out.output_ids == expected_prefix(ref_ids, set(llm.defaults.eos_token_ids), 40)
         assert all(1 <= s <= 12 for s in out.steps_per_canvas)
 

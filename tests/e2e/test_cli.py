@@ -1,0 +1,104 @@
+"""The `canvas` command line: generate (text and ids, --json), make-tiny."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from engine import LLM, SamplingParams
+from server.cli import main
+
+
+def test_generate_json_matches_reference_generate_for_the_seed(
+    tiny_checkpoint, reference_model, capsys
+):
+    path = tiny_checkpoint("c16")
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(path),
+                "--prompt-ids",
+                "5,9,13",
+                "--seed",
+                "4",
+                "--max-tokens",
+                "21",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) >= {
+        "output_ids",
+        "text",
+        "steps_per_canvas",
+        "tokens_per_forward",
+        "seconds",
+    }
+    torch.manual_seed(4)
+    ref = reference_model(path).generate(torch.tensor([[5, 9, 13]]), max_new_tokens=21)
+    assert result["output_ids"] == ref.sequences[0, 3 : 3 + len(result["output_ids"])].tolist()
+    assert len(result["output_ids"]) == 21 or result["finish_reason"] == "stop"
+    assert result["tokens_per_forward"] == len(result["output_ids"]) / sum(
+        result["steps_per_canvas"]
+    )
+
+
+def test_generate_text_prompt_uses_the_checkpoint_tokenizer(tiny_checkpoint, capsys):
+    path = tiny_checkpoint("c16")
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(path),
+                "--prompt",
+                "Hi there",
+                "--seed",
+                "1",
+                "--max-tokens",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    llm = LLM.from_pretrained(path)
+    (out,) = llm.generate("Hi there", SamplingParams(max_tokens=8, seed=1))
+    assert result["output_ids"] == out.output_ids
+    assert result["text"] == llm.tokenizer.decode(out.output_ids)
+
+
+def test_generate_reports_bad_input_by_name(tiny_checkpoint, capsys):
+    path = str(tiny_checkpoint("c16"))
+    assert main(["generate", "--model", path, "--prompt-ids", "5,99999", "--json"]) == 2
+    assert "token id 99999 is outside the vocabulary" in capsys.readouterr().err
+    assert main(["generate", "--model", path, "--prompt-ids", "5", "--max-tokens", "100000"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+    assert main(["generate", "--model", "/nonexistent", "--prompt", "x"]) == 2
+    assert "config.json not found" in capsys.readouterr().err
+
+
+def test_make_tiny_writes_a_loadable_checkpoint_via_the_console_script(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "server.cli", "make-tiny", str(tmp_path / "t"), "--preset", "gqa8"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "preset gqa8" in out.stdout
+    llm = LLM.from_pretrained(tmp_path / "t")
+    assert llm.model.cfg.num_heads == 8 and llm.canvas_length == 16
+    listing = subprocess.run(
+        [sys.executable, "-m", "server.cli", "make-tiny", "x", "--list"],
+        capture_output=True,
+        text=True,
+    )
+    assert "c256" in listing.stdout
