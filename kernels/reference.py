@@ -21,6 +21,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return h.type_as(x)
 
 
+# sgemm row results depend on the number of rows only below this many rows (a different
+# small-M code path); at or above it each row's result is independent of the others.
+SMALL_ROWS = 16
+
+
+def segment_linear(x: torch.Tensor, weight: torch.Tensor, segments: list[int]) -> torch.Tensor:
+    """x [..., N, In] @ weight[Out, In]^T where the N rows come from requests of `segments`
+    rows each. Batch-invariant: every row gets the value it gets when its request runs alone
+    (segments shorter than SMALL_ROWS are multiplied on their own)."""
+    if len(segments) == 1 or min(segments) >= SMALL_ROWS:
+        return F.linear(x, weight)
+    flat = x.reshape(-1, x.shape[-1])
+    parts, start = [], 0
+    for n in segments:
+        parts.append(F.linear(flat[start : start + n], weight))
+        start += n
+    return torch.cat(parts).view(*x.shape[:-1], weight.shape[0])
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
@@ -41,6 +60,7 @@ def route_experts(
     per_expert_scale: torch.Tensor,
     top_k: int,
     eps: float,
+    segments: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The DiffusionGemma router. hidden: [N, H]. Returns (weights [N, K], expert ids [N, K]).
 
@@ -48,7 +68,8 @@ def route_experts(
     to one, then multiplied by the chosen experts' per_expert_scale.
     """
     h = rms_norm(hidden, None, eps) * scale * hidden.shape[-1] ** -0.5
-    probs = torch.softmax(F.linear(h, proj), dim=-1, dtype=torch.float32)
+    scores = segment_linear(h, proj, segments or [h.shape[0]])
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, k=top_k, dim=-1)
     weights /= weights.sum(dim=-1, keepdim=True)
     return weights * per_expert_scale[ids], ids
@@ -75,14 +96,26 @@ def fused_moe(
     down: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    segments: list[int] | None = None,
 ) -> torch.Tensor:
     """Mixture of GeGLU(tanh) experts. hidden: [N, H]; gate_up: [E, 2I, H]; down: [E, H, I];
     weights, ids: [N, K]. Returns [N, H] = sum_k weights[n,k] * expert_{ids[n,k]}(hidden[n]).
 
     Token-expert pairs are sorted by expert, run through grouped GEMMs, weighted, put back in
     (token, slot) order and summed over the slots — the order transformers' default
-    ("grouped_mm") experts path uses, so CPU results match it bit for bit.
+    ("grouped_mm") experts path uses, so CPU results match it bit for bit. With `segments`
+    (rows per request), each request's tokens are grouped on their own: expert group sizes, and
+    so every value, are what the request gets alone (batch invariance).
     """
+    if segments is not None and len(segments) > 1:
+        parts, start = [], 0
+        for n in segments:
+            end = start + n
+            parts.append(
+                fused_moe(hidden[start:end], gate_up, down, weights[start:end], ids[start:end])
+            )
+            start = end
+        return torch.cat(parts)
     num_tokens, top_k = ids.shape
     num_experts = gate_up.shape[0]
     expert_ids, perm = torch.sort(ids.reshape(-1))  # [N*K]

@@ -1,8 +1,11 @@
 """Native DiffusionGemma text stack: one set of weights, two modes.
 
-- `encode`: causal over new tokens (a prompt chunk or a committed canvas), writes their KV.
-- `decode`: bidirectional over a canvas, reads the cached prefix read-only, with the
+- ENCODE rows: causal over new tokens (a prompt chunk, a committed canvas, an AR token),
+  writing their KV.
+- DECODE rows: bidirectional over a canvas, reading the cached prefix read-only, with the
   self-conditioning signal added to the canvas embeddings.
+
+One `forward` runs any mix of both kinds of rows (see `kv_cache.ForwardBatch`).
 
 Parameter names follow the checkpoint's decoder names (`layers.{i}.self_attn.q_proj.weight`,
 ...) so the loader maps them one to one. The only per-mode weights are the layer scalars
@@ -19,7 +22,7 @@ from torch import nn
 
 import kernels
 from engine.model.config import LayerSpec, LayerType, ModelConfig, RopeSpec, TextConfig
-from engine.model.kv_cache import ForwardBatch, KVCache, Mode
+from engine.model.kv_cache import ForwardBatch, Mode, PagedKVCache
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -71,31 +74,61 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         layer: int,
         batch: ForwardBatch,
-        cache: KVCache,
+        cache: PagedKVCache,
     ) -> torch.Tensor:
+        """x: [1, N, H] packed tokens of all rows. Returns [1, N, H]."""
         ops = kernels.ops(x.device.type)
-        num_rows, num_tokens, _ = x.shape
-        shape = (num_rows, num_tokens, -1, self.spec.head_dim)
+        seg = batch.segments
+        shape = (1, x.shape[1], -1, self.spec.head_dim)
         cos, sin = rope
-        q = apply_rope(
-            ops.rms_norm(self.q_proj(x).view(shape), self.q_norm.weight, self.eps), cos, sin
+        q = ops.rms_norm(
+            ops.segment_linear(x, self.q_proj.weight, seg).view(shape), self.q_norm.weight, self.eps
         )
-        k_raw = self.k_proj(x).view(shape)
-        v = self.v_proj(x).view(shape) if self.v_proj is not None else k_raw
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [1, Hq, N, D]
+        k_raw = ops.segment_linear(x, self.k_proj.weight, seg).view(shape)
+        v = (
+            ops.segment_linear(x, self.v_proj.weight, seg).view(shape)
+            if self.v_proj is not None
+            else k_raw
+        )
         k = apply_rope(ops.rms_norm(k_raw, self.k_norm.weight, self.eps), cos, sin).transpose(1, 2)
         v = ops.rms_norm(v, None, self.eps).transpose(1, 2)
-        q = q.transpose(1, 2)  # [B, Hq, T, D]
-        sliding = self.spec.is_sliding
-        lo, hi = batch.key_range(sliding)
-        if batch.mode is Mode.ENCODE:
-            cache.write(layer, k, v, batch)
-            keys, values = cache.read(layer, batch, lo, hi)
+        if len(batch.rows) == 1:  # the common offline case: no slicing, no copies
+            out = self._attend_row(q, k, v, 0, layer, batch, cache)
         else:
-            prefix_k, prefix_v = cache.read(layer, batch, lo, hi)
-            keys, values = torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2)
-        mask = batch.mask(sliding, num_tokens, x.device)
-        out = ops.attention(q, keys, values, mask, 1.0)
-        return self.o_proj(out.transpose(1, 2).reshape(num_rows, num_tokens, -1))
+            # One row at a time, each over exactly its own keys: a row's values never depend
+            # on what else shares the batch (batch invariance).
+            parts = []
+            for i, (o, n) in enumerate(zip(batch.offsets, seg, strict=True)):
+                sl = slice(o, o + n)
+                parts.append(
+                    self._attend_row(q[:, :, sl], k[:, :, sl], v[:, :, sl], i, layer, batch, cache)
+                )
+            out = torch.cat(parts, dim=2)
+        out = out.transpose(1, 2).reshape(1, x.shape[1], -1)
+        return ops.segment_linear(out, self.o_proj.weight, seg)
+
+    def _attend_row(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index: int,
+        layer: int,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """One row: q [1, Hq, T, D], new k/v [1, Hkv, T, D]. ENCODE rows write their KV first.
+        Keys are the row's cached prefix range then its new tokens. Returns [1, Hq, T, D]."""
+        row = batch.rows[index]
+        if row.mode is Mode.ENCODE:
+            cache.write(layer, row, k[0], v[0])
+        sliding = self.spec.is_sliding
+        prefix_k, prefix_v = cache.gather(layer, row, *batch.key_range(row, sliding))
+        keys = torch.cat([prefix_k, k], dim=2)
+        values = torch.cat([prefix_v, v], dim=2)
+        mask = batch.mask(index, sliding, q.device)
+        return kernels.ops(q.device.type).attention(q, keys, values, mask, 1.0)
 
 
 class GeGLU(nn.Module):
@@ -105,8 +138,12 @@ class GeGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+    def forward(self, x: torch.Tensor, segments: list[int]) -> torch.Tensor:
+        linear = kernels.ops(x.device.type).segment_linear
+        gate = F.gelu(linear(x, self.gate_proj.weight, segments), approximate="tanh")
+        return linear(
+            gate * linear(x, self.up_proj.weight, segments), self.down_proj.weight, segments
+        )
 
 
 def _norm_weight(module: nn.Module, name: str, dim: int) -> None:
@@ -160,7 +197,7 @@ class Layer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         layer: int,
         batch: ForwardBatch,
-        cache: KVCache,
+        cache: PagedKVCache,
     ) -> torch.Tensor:
         ops = kernels.ops(x.device.type)
         residual = x
@@ -168,8 +205,10 @@ class Layer(nn.Module):
         x = residual + self._norm("post_attention_layernorm", h)
 
         residual = x
+        seg = batch.segments
         dense = self._norm(
-            "post_feedforward_layernorm_1", self.mlp(self._norm("pre_feedforward_layernorm", x))
+            "post_feedforward_layernorm_1",
+            self.mlp(self._norm("pre_feedforward_layernorm", x), seg),
         )
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = ops.route_experts(
@@ -179,6 +218,7 @@ class Layer(nn.Module):
             self.router.per_expert_scale,
             self.cfg.top_k_experts,
             self.cfg.rms_norm_eps,
+            seg,
         )
         moe = ops.fused_moe(
             self._norm("pre_feedforward_layernorm_2", flat),
@@ -186,13 +226,22 @@ class Layer(nn.Module):
             self.experts.down_proj,
             weights,
             ids,
+            seg,
         )
         moe = self._norm("post_feedforward_layernorm_2", moe.reshape(x.shape))
         x = residual + self._norm("post_feedforward_layernorm", dense + moe)
-        scalar = (
-            self.encoder_layer_scalar if batch.mode is Mode.ENCODE else self.decoder_layer_scalar
-        )
-        return x * scalar
+        return x * self.layer_scalar(batch)
+
+    def layer_scalar(self, batch: ForwardBatch) -> torch.Tensor:
+        """The per-mode layer scalar: one value when all rows share a mode, else [1, N, 1]."""
+        modes = {row.mode for row in batch.rows}
+        if modes == {Mode.ENCODE}:
+            return self.encoder_layer_scalar
+        if modes == {Mode.DECODE}:
+            return self.decoder_layer_scalar
+        enc, dec = self.encoder_layer_scalar, self.decoder_layer_scalar
+        parts = [(enc if r.mode is Mode.ENCODE else dec).expand(r.num_tokens) for r in batch.rows]
+        return torch.cat(parts)[None, :, None]
 
 
 class SelfConditioning(GeGLU):
@@ -203,9 +252,11 @@ class SelfConditioning(GeGLU):
         self.eps = cfg.rms_norm_eps
         _norm_weight(self, "pre_norm", cfg.hidden_size)
 
-    def condition(self, embeds: torch.Tensor, soft_embeds: torch.Tensor) -> torch.Tensor:
+    def condition(
+        self, embeds: torch.Tensor, soft_embeds: torch.Tensor, segments: list[int]
+    ) -> torch.Tensor:
         ops = kernels.ops(embeds.device.type)
-        signal = self(ops.rms_norm(soft_embeds, self.pre_norm.weight, self.eps))
+        signal = self(ops.rms_norm(soft_embeds, self.pre_norm.weight, self.eps), segments)
         return ops.rms_norm(embeds + signal, None, self.eps)
 
 
@@ -277,31 +328,56 @@ class DiffusionGemma(nn.Module):
             out[layer_type] = (emb.cos().to(dtype), emb.sin().to(dtype))
         return out
 
-    def _stack(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        rope = self._rope(batch.positions[:, : x.shape[1]], x.dtype)
+    def forward(
+        self,
+        ids: torch.Tensor,
+        soft_embeds: list[torch.Tensor | None],
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """One pass over the packed new tokens `ids` [N] of every row in `batch`.
+
+        ENCODE rows are embedded as is and write their KV; DECODE rows are canvases whose
+        embeddings are self-conditioned on `soft_embeds` (one entry per DECODE row, in row
+        order: the previous step's soft embeddings [L, H], or None on a canvas's first step).
+        Returns the final hidden states [N, H].
+        """
+        x = self._embed_rows(ids, soft_embeds, batch)[None]  # [1, N, H]
+        rope = self._rope(batch.positions(ids.device)[None], x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope[layer.self_attn.spec.layer_type], i, batch, cache)
-        return kernels.ops(x.device.type).rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps)
+        return kernels.ops(x.device.type).rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps)[0]
 
-    # -- the two modes -------------------------------------------------------------------------
-
-    def encode(self, ids: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Causal pass over new tokens ids [B, T]; writes their KV. Returns hidden [B, T, H]."""
-        assert batch.mode is Mode.ENCODE
-        return self._stack(self.embed(ids), batch, cache)
-
-    def decode(
-        self,
-        canvas: torch.Tensor,
-        soft_embeds: torch.Tensor | None,
-        batch: ForwardBatch,
-        cache: KVCache,
+    def _embed_rows(
+        self, ids: torch.Tensor, soft_embeds: list[torch.Tensor | None], batch: ForwardBatch
     ) -> torch.Tensor:
-        """Bidirectional pass over canvas [B, L] given the soft embeddings [B, L, H] of the
-        previous step (None on the first step). Returns final hidden [B, L, H]."""
-        assert batch.mode is Mode.DECODE
-        embeds = self.embed(canvas)
-        if soft_embeds is None:
-            soft_embeds = torch.zeros_like(embeds)
-        x = self.self_conditioning.condition(embeds, soft_embeds.to(embeds.dtype))
-        return self._stack(x, batch, cache)
+        embeds = self.embed(ids)  # [N, H]
+        decode = [i for i, row in enumerate(batch.rows) if row.mode is Mode.DECODE]
+        if not decode:
+            return embeds
+        assert len(soft_embeds) == len(decode), "one soft-embedding entry per DECODE row"
+        spans = [(batch.offsets[i], batch.rows[i].num_tokens) for i in decode]
+        canvas = (
+            torch.cat([embeds[o : o + n] for o, n in spans])
+            if len(decode) > 1
+            else embeds[spans[0][0] : spans[0][0] + spans[0][1]]
+        )
+        soft = torch.cat(
+            [
+                s
+                if s is not None
+                else torch.zeros(n, embeds.shape[1], dtype=embeds.dtype, device=embeds.device)
+                for s, (_, n) in zip(soft_embeds, spans, strict=True)
+            ]
+        ).to(embeds.dtype)
+        conditioned = self.self_conditioning.condition(
+            canvas[None], soft[None], [n for _, n in spans]
+        )[0]
+        if len(decode) == len(batch.rows):
+            return conditioned
+        out = embeds.clone()
+        pos = 0
+        for o, n in spans:
+            out[o : o + n] = conditioned[pos : pos + n]
+            pos += n
+        return out

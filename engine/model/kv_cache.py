@@ -1,151 +1,156 @@
-"""KV storage and the per-forward attention metadata.
+"""Paged KV storage and the per-forward batch metadata.
 
-The model never indexes the cache itself: each attention layer calls `cache.write(...)` (encoder
-rows) and `cache.read(...)` (every row) with a `ForwardBatch` that says, per row, which sequence
-slot it belongs to, where its new tokens start and how many there are. Rows may have different
-prefix lengths; masks are built once per forward and per layer type.
+A forward pass runs over *rows*; each row is one request's new tokens in one of two modes:
+ENCODE (causal, writes its KV: a prefill chunk, a commit pass, an AR token) or DECODE
+(bidirectional over a canvas, reads the prefix KV read-only). Tokens of all rows are packed into
+one sequence for the per-token work (projections, MLPs, experts); attention runs per row.
 
-`DenseKVCache` keeps one contiguous region per slot (enough for offline generation and tests).
-A paged cache implements the same two methods over a page table.
+Every attention layer sees, for each row, its cached prefix keys (the last `sliding_window - 1`
+positions on sliding layers, all of them on full layers — exactly the keys the reference's
+DynamicCache holds) followed by the row's own new keys.
+
+The cache is paged: KV lives in fixed-size pages of `page_size` positions, one pool per layer
+type (sliding layers keep only their window, so their pool is smaller). Page tables come from
+the scheduler's allocator (`engine.kv_pages`); this module only moves tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
 
 import torch
 
-from engine.model.config import LayerSpec, TextConfig
+from engine.model.config import LayerType, TextConfig
 
 
 class Mode(str, Enum):
-    ENCODE = "encode"  # causal over the new tokens, writes their KV (prefill and commit passes)
+    ENCODE = "encode"  # causal over the new tokens, writes their KV (prefill, commit, AR)
     DECODE = "decode"  # bidirectional over the canvas, reads the prefix KV read-only
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One request's new tokens in a forward pass."""
+
+    mode: Mode
+    start: int  # prefix length: position of the first new token
+    num_tokens: int
+    pages: dict[LayerType, list[int]]  # page table per pool (-1 = page released)
 
 
 @dataclass(slots=True)
 class ForwardBatch:
-    """What one forward pass runs over. All rows share the padded length T of the input."""
+    """The rows of one forward pass and the derived, cached attention metadata."""
 
-    mode: Mode
-    slots: torch.Tensor  # [B] cache slot of each row
-    start_pos: torch.Tensor  # [B] prefix length before the new tokens
-    num_tokens: torch.Tensor  # [B] valid new tokens per row (<= T)
+    rows: list[Row]
     sliding_window: int
-    _masks: dict[tuple[bool, int], torch.Tensor | None] = field(default_factory=dict)
-    _host_start: list[int] = field(default_factory=list)
-    _host_num: list[int] = field(default_factory=list)
+    page_size: int
+    offsets: list[int] = field(default_factory=list)  # packed token offset of each row
+    _cache: dict[object, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._host_start = self.start_pos.tolist()
-        self._host_num = self.num_tokens.tolist()
+        total = 0
+        self.offsets = []
+        for row in self.rows:
+            self.offsets.append(total)
+            total += row.num_tokens
 
     @property
-    def positions(self) -> torch.Tensor:
-        """[B, T] absolute positions of the new tokens."""
-        width = max(self._host_num)
-        return self.start_pos[:, None] + torch.arange(width, device=self.start_pos.device)
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
 
-    def key_range(self, sliding: bool) -> tuple[int, int]:
-        """[lo, hi) of cached positions any row may read on this layer type."""
-        if self.mode is Mode.ENCODE:
-            hi = max(s + n for s, n in zip(self._host_start, self._host_num, strict=True))
-        else:
-            hi = max(self._host_start)
-        lo = max(0, min(self._host_start) - (self.sliding_window - 1)) if sliding else 0
-        return lo, hi
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """[N] absolute positions of the packed tokens."""
+        key = ("positions", device)
+        if key not in self._cache:
+            parts = [torch.arange(r.start, r.start + r.num_tokens) for r in self.rows]
+            self._cache[key] = torch.cat(parts).to(device)
+        return self._cache[key]  # type: ignore[return-value]
 
-    def mask(self, sliding: bool, num_queries: int, device: torch.device) -> torch.Tensor | None:
-        """Boolean attention mask [B, 1, T, S] for this layer type (True = attend), or None when
-        every query may see every key. In DECODE mode the keys are the read prefix followed by
-        the canvas; in ENCODE mode they are the read range (which includes the new tokens)."""
-        key = (sliding, num_queries)
-        if key not in self._masks:
-            self._masks[key] = self._build_mask(sliding, num_queries, device)
-        return self._masks[key]
+    @property
+    def segments(self) -> list[int]:
+        """Tokens per row, in packing order."""
+        return [r.num_tokens for r in self.rows]
 
-    def _build_mask(
-        self, sliding: bool, num_queries: int, device: torch.device
-    ) -> torch.Tensor | None:
-        lo, hi = self.key_range(sliding)
-        kv_pos = torch.arange(lo, hi, device=device)  # [S]
-        start = self.start_pos.to(device)[:, None, None]  # [B, 1, 1]
-        window = self.sliding_window
-        if self.mode is Mode.ENCODE:
-            q_pos = start + torch.arange(num_queries, device=device)[None, :, None]  # [B, T, 1]
-            mask = kv_pos[None, None, :] <= q_pos
-            if sliding:
-                mask &= kv_pos[None, None, :] > q_pos - window
-            return mask[:, None]
-        # DECODE: the prefix part, then the canvas part (always visible).
-        prefix = kv_pos[None, None, :] < start
-        if sliding:
-            # The reference's sliding cache holds the last `window - 1` prefix tokens; the canvas
-            # sees all of them and all of itself.
-            prefix &= kv_pos[None, None, :] >= start - (window - 1)
-        if bool(prefix.all()):
-            return None
-        prefix = prefix.expand(-1, num_queries, -1)
-        canvas = torch.ones(
-            prefix.shape[0], num_queries, num_queries, dtype=torch.bool, device=device
+    def key_range(self, row: Row, sliding: bool) -> tuple[int, int]:
+        """[lo, hi) of cached prefix positions this row reads on a layer type."""
+        lo = max(0, row.start - (self.sliding_window - 1)) if sliding else 0
+        return lo, row.start
+
+    def mask(self, index: int, sliding: bool, device: torch.device) -> torch.Tensor | None:
+        """Boolean mask [1, 1, T, S + T] over a row's keys (its cached range, then its new
+        tokens), or None when every query sees every key (DECODE rows)."""
+        key = ("mask", index, sliding, device)
+        if key not in self._cache:
+            self._cache[key] = self._build_mask(self.rows[index], sliding, device)
+        return self._cache[key]  # type: ignore[return-value]
+
+    def _build_mask(self, row: Row, sliding: bool, device: torch.device) -> torch.Tensor | None:
+        if row.mode is Mode.DECODE:
+            return None  # the canvas sees all of its prefix range and all of itself
+        lo, hi = self.key_range(row, sliding)
+        key_pos = torch.cat(
+            [torch.arange(lo, hi), torch.arange(row.start, row.start + row.num_tokens)]
         )
-        return torch.cat([prefix, canvas], dim=-1)[:, None]
+        q_pos = torch.arange(row.start, row.start + row.num_tokens)[:, None]
+        mask = key_pos[None, :] <= q_pos
+        if sliding:
+            mask &= key_pos[None, :] > q_pos - self.sliding_window
+        return mask[None, None].to(device)
 
 
-class KVCache(Protocol):
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
-        """Store the new tokens' k, v ([B, Hkv, T, D]) of every row at its positions."""
-        ...
-
-    def read(
-        self, layer: int, batch: ForwardBatch, lo: int, hi: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached k, v ([B, Hkv, hi-lo, D]) of positions [lo, hi) for each row's slot."""
-        ...
-
-
-class DenseKVCache:
-    """One contiguous [Hkv, max_len, D] region per slot and layer."""
+class PagedKVCache:
+    """KV pools: per layer [num_pages, Hkv, page_size, D]; pages are shared by rows via tables."""
 
     def __init__(
         self,
         config: TextConfig,
-        num_slots: int,
-        max_len: int,
+        num_pages: dict[LayerType, int],
+        page_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.max_len = max_len
+        self.page_size = page_size
+        self.layer_types = [spec.layer_type for spec in config.layers]
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         for spec in config.layers:
-            shape = (num_slots, spec.num_kv_heads, max_len, spec.head_dim)
+            shape = (num_pages[spec.layer_type], spec.num_kv_heads, page_size, spec.head_dim)
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
 
+    def write(self, layer: int, row: Row, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a row's new k, v ([Hkv, T, D]) at positions row.start.. of its pages."""
+        table = row.pages[self.layer_types[layer]]
+        size = self.page_size
+        pos, end = row.start, row.start + row.num_tokens
+        while pos < end:
+            page, offset = table[pos // size], pos % size
+            n = min(size - offset, end - pos)
+            src = slice(pos - row.start, pos - row.start + n)
+            self.keys[layer][page, :, offset : offset + n] = k[:, src]
+            self.values[layer][page, :, offset : offset + n] = v[:, src]
+            pos += n
+
+    def gather(self, layer: int, row: Row, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached k, v of positions [lo, hi) of a row: [1, Hkv, hi - lo, D]."""
+        pool_k, pool_v = self.keys[layer], self.values[layer]
+        if hi <= lo:
+            shape = (1, pool_k.shape[1], 0, pool_k.shape[3])
+            return pool_k.new_zeros(shape), pool_v.new_zeros(shape)
+        size = self.page_size
+        first = lo // size
+        pages = row.pages[self.layer_types[layer]][first : (hi + size - 1) // size]
+        index = torch.tensor(pages, device=pool_k.device)
+        k = self._flatten(pool_k.index_select(0, index))
+        v = self._flatten(pool_v.index_select(0, index))
+        return k[:, :, lo - first * size : hi - first * size], v[
+            :, :, lo - first * size : hi - first * size
+        ]
+
     @staticmethod
-    def layer_shape(spec: LayerSpec) -> tuple[int, int]:
-        return spec.num_kv_heads, spec.head_dim
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
-        slots = batch.slots.tolist()
-        for row, (slot, start, num) in enumerate(
-            zip(slots, batch._host_start, batch._host_num, strict=True)
-        ):
-            if start + num > self.max_len:
-                raise RuntimeError(f"KV cache slot {slot} overflow: {start + num} > {self.max_len}")
-            self.keys[layer][slot, :, start : start + num] = k[row, :, :num]
-            self.values[layer][slot, :, start : start + num] = v[row, :, :num]
-
-    def read(
-        self, layer: int, batch: ForwardBatch, lo: int, hi: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if batch.slots.numel() == 1:
-            slot = int(batch.slots[0])
-            return (
-                self.keys[layer][slot : slot + 1, :, lo:hi],
-                self.values[layer][slot : slot + 1, :, lo:hi],
-            )
-        return self.keys[layer][batch.slots, :, lo:hi], self.values[layer][batch.slots, :, lo:hi]
+    def _flatten(pages: torch.Tensor) -> torch.Tensor:
+        """[P, Hkv, page, D] -> [1, Hkv, P*page, D]."""
+        num_pages, heads, size, dim = pages.shape
+        return pages.transpose(0, 1).reshape(1, heads, num_pages * size, dim)

@@ -6,24 +6,45 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engine.model import DenseKVCache, ForwardBatch, Mode, load_model
+from engine.kv_pages import KVPages, PageGeometry, PageTables
+from engine.model import DiffusionGemma, ForwardBatch, Mode, PagedKVCache, Row, load_model
+from engine.model.config import LayerType
 from tests.conftest import ALL_PRESETS
 
 REL_TOL = 1e-4
+PAGE = 16
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def batch(mode: Mode, starts: list[int], nums: list[int], window: int) -> ForwardBatch:
-    return ForwardBatch(
-        mode=mode,
-        slots=torch.arange(len(starts)),
-        start_pos=torch.tensor(starts),
-        num_tokens=torch.tensor(nums),
-        sliding_window=window,
-    )
+class Sequences:
+    """Paged KV for a few sequences of one model, with helpers to run rows."""
+
+    def __init__(self, model: DiffusionGemma, num_seqs: int, context: int) -> None:
+        cfg = model.cfg
+        geometry = PageGeometry(PAGE, cfg.sliding_window, context, True, True)
+        full, ring = geometry.full_pages(context), geometry.sliding_ring(context)
+        pages = KVPages(geometry, full * num_seqs, ring * num_seqs)
+        self.tables: list[PageTables] = [pages.allocate(context) for _ in range(num_seqs)]
+        sizes = {LayerType.FULL: full * num_seqs, LayerType.SLIDING: ring * num_seqs}
+        self.cache = PagedKVCache(cfg, sizes, PAGE, torch.float32)
+        self.model = model
+
+    def row(self, seq: int, mode: Mode, start: int, num: int) -> Row:
+        t = self.tables[seq]
+        return Row(mode, start, num, {LayerType.FULL: t.full, LayerType.SLIDING: t.sliding()})
+
+    def run(self, rows: list[Row], ids: torch.Tensor, soft: list | None = None) -> torch.Tensor:
+        batch = ForwardBatch(rows, self.model.cfg.sliding_window, PAGE)
+        return self.model(
+            ids, soft or [None] * sum(r.mode is Mode.DECODE for r in rows), batch, self.cache
+        )
+
+    def cached(self, layer: int, seq: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.cache.gather(layer, self.row(seq, Mode.DECODE, hi, 0), lo, hi)
+        return k[0], v[0]
 
 
 @pytest.mark.parametrize("preset", ALL_PRESETS)
@@ -36,84 +57,112 @@ def test_encoder_kv_and_decoder_logits_match_reference(preset, tiny_checkpoint, 
     window = cfg.sliding_window
     num_prompt = 2 * window + 3  # longer than the sliding window
     gen = torch.Generator().manual_seed(7)
-    prompt = torch.randint(0, cfg.vocab_size, (1, num_prompt), generator=gen)
-    canvas = torch.randint(0, cfg.vocab_size, (1, length), generator=gen)
-    committed = torch.randint(0, cfg.vocab_size, (1, length), generator=gen)
+    prompt = torch.randint(0, cfg.vocab_size, (num_prompt,), generator=gen)
+    canvas = torch.randint(0, cfg.vocab_size, (length,), generator=gen)
+    committed = torch.randint(0, cfg.vocab_size, (length,), generator=gen)
 
     ref_cache = DynamicCache(config=ref.config.get_text_config(decoder=True))
-    cache = DenseKVCache(cfg, 1, num_prompt + 2 * length, torch.float32)
+    seqs = Sequences(ours, 1, num_prompt + 2 * length)
 
     # Prefill (encoder over the prompt): hidden states and every layer's KV.
     ref_h = ref.model.encoder(
-        input_ids=prompt, cache=ref_cache, position_ids=torch.arange(num_prompt)[None]
-    ).last_hidden_state
-    h = ours.encode(prompt, batch(Mode.ENCODE, [0], [num_prompt], window), cache)
+        input_ids=prompt[None], cache=ref_cache, position_ids=torch.arange(num_prompt)[None]
+    ).last_hidden_state[0]
+    h = seqs.run([seqs.row(0, Mode.ENCODE, 0, num_prompt)], prompt)
     assert rel_err(h, ref_h) <= REL_TOL
     for i, layer in enumerate(ref_cache.layers):
         kept = layer.keys.shape[2]  # sliding layers keep only their window
-        assert kept == (min(num_prompt, window - 1) if cfg.layers[i].is_sliding else num_prompt)
-        assert (
-            rel_err(cache.keys[i][0, :, num_prompt - kept : num_prompt], layer.keys[0]) <= REL_TOL
-        )
-        assert (
-            rel_err(cache.values[i][0, :, num_prompt - kept : num_prompt], layer.values[0])
-            <= REL_TOL
-        )
+        sliding = cfg.layers[i].is_sliding
+        assert kept == (min(num_prompt, window - 1) if sliding else num_prompt)
+        k, v = seqs.cached(i, 0, num_prompt - kept, num_prompt)
+        assert rel_err(k, layer.keys[0]) <= REL_TOL
+        assert rel_err(v, layer.values[0]) <= REL_TOL
 
     # Commit pass (encoder over a finished canvas after the prompt).
     positions = torch.arange(num_prompt, num_prompt + length)[None]
     ref_h = ref.model.encoder(
-        input_ids=committed, cache=ref_cache, position_ids=positions
-    ).last_hidden_state
-    h = ours.encode(committed, batch(Mode.ENCODE, [num_prompt], [length], window), cache)
+        input_ids=committed[None], cache=ref_cache, position_ids=positions
+    ).last_hidden_state[0]
+    h = seqs.run([seqs.row(0, Mode.ENCODE, num_prompt, length)], committed)
     assert rel_err(h, ref_h) <= REL_TOL
     prefix = num_prompt + length
 
     # Decoder: first step (no self-conditioning) and a later step (self-conditioned).
     dec_positions = torch.arange(prefix, prefix + length)[None]
-    dec = batch(Mode.DECODE, [prefix], [length], window)
+    dec = [seqs.row(0, Mode.DECODE, prefix, length)]
     ref_logits = ref(
-        decoder_input_ids=canvas, cache=ref_cache, decoder_position_ids=dec_positions
-    ).logits
-    logits = ours.logits(ours.decode(canvas, None, dec, cache))
+        decoder_input_ids=canvas[None], cache=ref_cache, decoder_position_ids=dec_positions
+    ).logits[0]
+    logits = ours.logits(seqs.run(dec, canvas))
     assert rel_err(logits, ref_logits) <= REL_TOL
 
     scaled = ref_logits / 0.6
     ref_logits2 = ref(
-        decoder_input_ids=canvas,
+        decoder_input_ids=canvas[None],
         cache=ref_cache,
-        self_conditioning_logits=scaled,
+        self_conditioning_logits=scaled[None],
         decoder_position_ids=dec_positions,
-    ).logits
-    logits2 = ours.logits(ours.decode(canvas, ours.soft_embed(scaled), dec, cache))
+    ).logits[0]
+    logits2 = ours.logits(seqs.run(dec, canvas, [ours.soft_embed(scaled)]))
     assert rel_err(logits2, ref_logits2) <= REL_TOL
     assert rel_err(logits2, logits) > REL_TOL  # self-conditioning changes the output
 
 
 @torch.inference_mode()
-def test_rows_with_different_prefix_lengths_match_single_row_passes(tiny_checkpoint):
-    """A mixed batch (two requests, different prompt lengths) gives each row what it gets alone."""
+def test_mixed_batch_rows_equal_single_row_passes_bit_for_bit(tiny_checkpoint):
+    """One forward with a prefill row, a commit row and two canvases of requests with different
+    prefix lengths gives every row exactly what it gets alone."""
     ours = load_model(tiny_checkpoint("c32-window"))
     cfg, length = ours.cfg, ours.config.canvas_length
-    window = cfg.sliding_window
     gen = torch.Generator().manual_seed(3)
-    lens = [5, 21]
+    lens = [5, 21, 13, 40]
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lens]
-    canvases = torch.randint(0, cfg.vocab_size, (2, length), generator=gen)
+    canvas = torch.randint(0, cfg.vocab_size, (4, length), generator=gen)
+    soft = torch.randn(length, cfg.hidden_size, generator=gen)
+    context = max(lens) + 2 * length
 
-    padded = torch.zeros(2, max(lens), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        padded[row, : len(p)] = p
-    cache = DenseKVCache(cfg, 2, 64, torch.float32)
-    h = ours.encode(padded, batch(Mode.ENCODE, [0, 0], lens, window), cache)
-    logits = ours.logits(
-        ours.decode(canvases, None, batch(Mode.DECODE, lens, [length] * 2, window), cache)
-    )
+    def prepare(seqs: Sequences, idx: list[int], slot: list[int]) -> None:
+        for i, s in zip(idx, slot, strict=True):
+            seqs.run([seqs.row(s, Mode.ENCODE, 0, lens[i])], prompts[i])
 
-    for row, p in enumerate(prompts):
-        single = DenseKVCache(cfg, 1, 64, torch.float32)
-        h1 = ours.encode(p[None], batch(Mode.ENCODE, [0], [len(p)], window), single)
-        assert rel_err(h[row, : len(p)], h1[0]) <= 1e-5
-        dec = batch(Mode.DECODE, [len(p)], [length], window)
-        logits1 = ours.logits(ours.decode(canvases[row : row + 1], None, dec, single))
-        assert rel_err(logits[row], logits1[0]) <= 1e-5
+    # Alone: each request in its own cache.
+    alone = []
+    for i in range(4):
+        seqs = Sequences(ours, 1, context)
+        prepare(seqs, [i], [0])
+        if i < 2:  # requests 0 and 1 denoise (1 with self-conditioning)
+            out = ours.logits(
+                seqs.run(
+                    [seqs.row(0, Mode.DECODE, lens[i], length)], canvas[i], [soft if i else None]
+                )
+            )
+        elif i == 2:  # request 2 commits a canvas
+            out = seqs.run([seqs.row(0, Mode.ENCODE, lens[i], length)], canvas[i])
+        else:  # request 3 is mid-prefill: its second chunk
+            seqs2 = Sequences(ours, 1, context)
+            seqs2.run([seqs2.row(0, Mode.ENCODE, 0, 24)], prompts[3][:24])
+            out = seqs2.run([seqs2.row(0, Mode.ENCODE, 24, 16)], prompts[3][24:])
+        alone.append(out)
+
+    # Together: one forward pass with all four rows.
+    seqs = Sequences(ours, 4, context)
+    prepare(seqs, [0, 1, 2], [0, 1, 2])
+    seqs.run([seqs.row(3, Mode.ENCODE, 0, 24)], prompts[3][:24])
+    rows = [
+        seqs.row(2, Mode.ENCODE, lens[2], length),
+        seqs.row(0, Mode.DECODE, lens[0], length),
+        seqs.row(3, Mode.ENCODE, 24, 16),
+        seqs.row(1, Mode.DECODE, lens[1], length),
+    ]
+    ids = torch.cat([canvas[2], canvas[0], prompts[3][24:], canvas[1]])
+    hidden = seqs.run(rows, ids, [None, soft])
+    o = 0
+    together = []
+    for row in rows:
+        together.append(hidden[o : o + row.num_tokens])
+        o += row.num_tokens
+    # Batch invariance: bit for bit what each row gets alone.
+    assert torch.equal(together[0], alone[2])
+    assert torch.equal(ours.logits(together[1]), alone[0])
+    assert torch.equal(together[2], alone[3])
+    assert torch.equal(ours.logits(together[3]), alone[1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm import commit_canvas
+from engine.engine import first_cut
 from engine.params import DecodingDefaults, ParamError, SamplingParams
 from engine.sampler import CanvasState, denoise_update, temperature, token_entropy
 
@@ -23,13 +23,11 @@ def test_token_entropy_equals_categorical_entropy():
 
 
 def test_commit_cuts_at_first_eos_and_at_budget():
-    assert commit_canvas([5, 6, 1, 7, 1], 10, frozenset({1})).tokens == [5, 6, 1]
-    assert commit_canvas([5, 6, 1, 7, 1], 10, frozenset({1})).finish_reason == "stop"
-    assert commit_canvas([5, 6, 7, 8], 3, frozenset({1})).tokens == [5, 6, 7]
-    assert commit_canvas([5, 6, 7, 8], 3, frozenset({1})).finish_reason == "length"
-    assert commit_canvas([5, 6, 7, 8], 10, frozenset({1})).finish_reason is None
+    assert first_cut([5, 6, 1, 7, 1], 10, frozenset({1})) == ([5, 6, 1], "stop")
+    assert first_cut([5, 6, 7, 8], 3, frozenset({1})) == ([5, 6, 7], "length")
+    assert first_cut([5, 6, 7, 8], 10, frozenset({1})) == ([5, 6, 7, 8], None)
     # An EOS after the budget does not count.
-    assert commit_canvas([5, 6, 7, 1], 3, frozenset({1})).finish_reason == "length"
+    assert first_cut([5, 6, 7, 1], 3, frozenset({1})) == ([5, 6, 7], "length")
 
 
 def test_confident_stable_canvas_stops_and_unsure_one_does_not():

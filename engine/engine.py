@@ -1,0 +1,342 @@
+"""The engine core: requests in, one step at a time, outputs out (synchronous).
+
+    step():  plan = scheduler.schedule() → out = runner.execute(plan) → sample(plan, out)
+             → publish
+
+`LLM` (offline) drives it in a loop; `AsyncEngine` drives it from its own thread. Each request
+has its own random generator and draws in a fixed order, so its output depends on its prompt,
+parameters and seed only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_pages import KVPages, PageGeometry
+from engine.model import DiffusionGemma, PagedKVCache
+from engine.model.config import LayerType
+from engine.params import DecodeMode, DecodingDefaults, ParamError, ResolvedParams
+from engine.runner import ModelRunner, RowInput, RunOutput
+from engine.sampler import CanvasState, denoise_update, start_canvas
+from engine.scheduler import RowKind, ScheduledRow, Scheduler, SchedulerConfig, Sequence, StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    page_size: int = 16
+    kv_cache_tokens: int = 131_072  # positions of full-attention KV across all sequences
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
+            raise ValueError("page_size must be >= 1 and kv_cache_tokens >= page_size")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    num_prompt_tokens: int
+    num_output_tokens: int
+    decoder_passes: int
+    encoder_passes: int
+    steps_per_canvas: tuple[int, ...]
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float
+
+    @property
+    def tokens_per_forward(self) -> float:
+        passes = self.decoder_passes or self.encoder_passes
+        return self.num_output_tokens / passes if passes else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step publishes for one request: committed tokens (never revised), the draft
+    of an unfinished canvas (when asked for), and on the last output the finish reason."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    draft: list[int] | None = None
+    stats: RequestStats | None = None
+
+
+@dataclass(slots=True)
+class Request:
+    """Runner-side state of one request (the scheduler keeps its own `Sequence`)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: ResolvedParams
+    generator: torch.Generator
+    want_drafts: bool
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    canvas: CanvasState | None = None
+    draft_to_commit: list[int] | None = None
+    steps_per_canvas: list[int] = field(default_factory=list)
+    decoder_passes: int = 0
+    encoder_passes: int = 0
+    first_token_time: float | None = None
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Counters of the last step, for metrics and the overhead benchmark."""
+
+    num_rows: int = 0
+    num_tokens: int = 0
+    num_committed: int = 0
+    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def first_cut(
+    draft: list[int], budget: int, eos_token_ids: frozenset[int]
+) -> tuple[list[int], str | None]:
+    """Cut a committed draft at the first EOS (kept) and at the remaining token budget."""
+    for i, token in enumerate(draft[:budget]):
+        if token in eos_token_ids:
+            return draft[: i + 1], "stop"
+    if len(draft) >= budget:
+        return draft[:budget], "length"
+    return draft, None
+
+
+class Engine:
+    def __init__(
+        self, model: DiffusionGemma, defaults: DecodingDefaults, config: EngineConfig | None = None
+    ) -> None:
+        self.model = model
+        self.defaults = defaults
+        self.config = config or EngineConfig()
+        self.canvas_length = model.config.canvas_length
+        self.device = model.embed_tokens.weight.device
+        cfg = model.cfg
+        sched = self.config.scheduler
+        geometry = PageGeometry(
+            page_size=self.config.page_size,
+            sliding_window=cfg.sliding_window,
+            max_pass_tokens=max(sched.max_prefill_chunk, self.canvas_length),
+            has_full=any(not s.is_sliding for s in cfg.layers),
+            has_sliding=any(s.is_sliding for s in cfg.layers),
+        )
+        num_full = self.config.kv_cache_tokens // self.config.page_size
+        num_sliding = sched.max_num_seqs * geometry.sliding_ring(cfg.max_position_embeddings)
+        self.pages = KVPages(geometry, num_full, num_sliding)
+        self.scheduler = Scheduler(sched, self.pages)
+        cache = PagedKVCache(
+            cfg,
+            {LayerType.FULL: max(num_full, 1), LayerType.SLIDING: max(num_sliding, 1)},
+            self.config.page_size,
+            model.embed_tokens.weight.dtype,
+            self.device,
+        )
+        self.runner = ModelRunner(model, cache)
+        self.requests: dict[str, Request] = {}
+        self.last_step = StepStats()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def context_needed(self, num_prompt: int, params: ResolvedParams) -> int:
+        """Positions a request occupies: diffusion canvases are whole even when cut."""
+        if params.mode is DecodeMode.AR:
+            return num_prompt + params.max_tokens
+        return num_prompt + math.ceil(params.max_tokens / self.canvas_length) * self.canvas_length
+
+    def check_prompt(self, ids: list[int]) -> None:
+        vocab = self.model.cfg.vocab_size
+        if not ids:
+            raise ParamError("prompt", "must contain at least one token")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ParamError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def check_context(self, num_prompt: int, params: ResolvedParams) -> None:
+        limit = self.model.cfg.max_position_embeddings
+        needed = self.context_needed(num_prompt, params)
+        if needed > limit:
+            raise ParamError(
+                "max_tokens",
+                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) needs {needed} "
+                f"positions, more than the model's context of {limit}",
+            )
+        if not self.pages.fits_ever(needed):
+            raise ParamError("max_tokens", f"{needed} positions do not fit in the KV cache")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: ResolvedParams,
+        want_drafts: bool = False,
+    ) -> None:
+        """Queue a request. Raises ParamError (bad prompt, too long) or QueueFull."""
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.check_prompt(prompt_ids)
+        self.check_context(len(prompt_ids), params)
+        seq = Sequence(
+            seq_id=request_id,
+            num_prompt=len(prompt_ids),
+            context=self.context_needed(len(prompt_ids), params),
+            canvas_length=self.canvas_length,
+            is_ar=params.mode is DecodeMode.AR,
+        )
+        self.scheduler.add(seq)
+        self.requests[request_id] = Request(
+            request_id,
+            list(prompt_ids),
+            params,
+            make_generator(params.seed, self.device),
+            want_drafts,
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its pages. Returns whether it was known."""
+        self.scheduler.finish(request_id)
+        return self.requests.pop(request_id, None) is not None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.rows:
+            return []
+        out = self.runner.execute(self._inputs(plan))
+        outputs = self._sample(plan, out)
+        self.last_step = StepStats(
+            num_rows=len(plan.rows),
+            num_tokens=plan.num_tokens,
+            num_committed=sum(len(o.new_token_ids) for o in outputs),
+            forward_seconds=out.forward_seconds,
+            step_seconds=time.perf_counter() - start,
+        )
+        return outputs
+
+    def _inputs(self, plan: StepPlan) -> list[RowInput]:
+        inputs = []
+        for row in plan.rows:
+            req = self.requests[row.seq_id]
+            pages = self.scheduler.running[row.seq_id].pages
+            assert pages is not None
+            if row.kind is RowKind.PREFILL:
+                tokens: list[int] | torch.Tensor = req.prompt_ids[
+                    row.start : row.start + row.num_tokens
+                ]
+                last = req.params.mode is DecodeMode.AR and row.start + row.num_tokens == len(
+                    req.prompt_ids
+                )
+                inputs.append(RowInput(row, tokens, pages, wants_last_logits=last))
+            elif row.kind is RowKind.DENOISE:
+                if req.canvas is None:
+                    req.canvas = start_canvas(
+                        req.params,
+                        self.model.cfg.vocab_size,
+                        self.canvas_length,
+                        req.generator,
+                        self.device,
+                    )
+                inputs.append(
+                    RowInput(row, req.canvas.canvas, pages, soft_embeds=req.canvas.soft_embeds)
+                )
+            elif row.kind is RowKind.COMMIT:
+                assert req.draft_to_commit is not None
+                inputs.append(RowInput(row, req.draft_to_commit, pages))
+            else:
+                inputs.append(RowInput(row, req.output_ids[-1:], pages, wants_last_logits=True))
+        return inputs
+
+    def _sample(self, plan: StepPlan, out: RunOutput) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        denoise = [(k, r) for k, r in enumerate(plan.rows) if r.kind is RowKind.DENOISE]
+        if denoise:
+            assert out.denoise_logits is not None
+            reqs = [self.requests[r.seq_id] for _, r in denoise]
+            states = [req.canvas for req in reqs]
+            scaled, probs = denoise_update(out.denoise_logits, states, [req.params for req in reqs])  # type: ignore[arg-type]
+            soft = self.model.soft_embed(scaled, probs)
+            for j, ((_, row), req) in enumerate(zip(denoise, reqs, strict=True)):
+                assert req.canvas is not None
+                req.canvas.soft_embeds = soft[j]
+                req.decoder_passes += 1
+                outputs += self._after_denoise(row, req)
+        for k, row in enumerate(plan.rows):
+            if row.kind is RowKind.DENOISE:
+                continue
+            req = self.requests[row.seq_id]
+            req.encoder_passes += 1
+            self.scheduler.on_row_done(row)
+            if k in out.last_logits:
+                outputs += self._after_ar_logits(req, out.last_logits[k])
+        return outputs
+
+    def _after_denoise(self, row: ScheduledRow, req: Request) -> list[StepOutput]:
+        canvas = req.canvas
+        assert canvas is not None and canvas.argmax is not None
+        if not canvas.finished:
+            self.scheduler.on_row_done(row)
+            draft = canvas.argmax.tolist() if req.want_drafts else None
+            return [StepOutput(req.request_id, [], draft=draft)] if draft is not None else []
+        draft = canvas.argmax.tolist()
+        req.steps_per_canvas.append(canvas.num_steps)
+        req.canvas = None
+        tokens, reason = first_cut(
+            draft, req.params.max_tokens - len(req.output_ids), req.params.eos_token_ids
+        )
+        if reason is None:
+            req.draft_to_commit = draft
+            self.scheduler.on_row_done(row, canvas_finished=True)
+        return [self._emit(req, tokens, reason)]
+
+    def _after_ar_logits(self, req: Request, logits: torch.Tensor) -> list[StepOutput]:
+        temperature = req.params.temperature
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=req.generator))
+        else:
+            token = int(logits.argmax())
+        reason = None
+        if token in req.params.eos_token_ids:
+            reason = "stop"
+        elif len(req.output_ids) + 1 >= req.params.max_tokens:
+            reason = "length"
+        return [self._emit(req, [token], reason)]
+
+    def _emit(self, req: Request, tokens: list[int], reason: str | None) -> StepOutput:
+        now = time.monotonic()
+        if tokens and req.first_token_time is None:
+            req.first_token_time = now
+        req.output_ids += tokens
+        if reason is None:
+            return StepOutput(req.request_id, tokens)
+        self.scheduler.finish(req.request_id)
+        del self.requests[req.request_id]
+        stats = RequestStats(
+            num_prompt_tokens=len(req.prompt_ids),
+            num_output_tokens=len(req.output_ids),
+            decoder_passes=req.decoder_passes,
+            encoder_passes=req.encoder_passes,
+            steps_per_canvas=tuple(req.steps_per_canvas),
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            finish_time=now,
+        )
+        return StepOutput(req.request_id, tokens, reason, stats=stats)

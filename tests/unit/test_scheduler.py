@@ -1,0 +1,141 @@
+"""Scheduler and page accounting: pure Python, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.kv_pages import KVPages, PageGeometry, PagePool
+from engine.scheduler import QueueFull, RowKind, Scheduler, SchedulerConfig, SeqState, Sequence
+
+
+def geometry(**kw) -> PageGeometry:
+    args = dict(page_size=4, sliding_window=8, max_pass_tokens=8, has_full=True, has_sliding=True)
+    args.update(kw)
+    return PageGeometry(**args)
+
+
+def seq(
+    name: str, prompt: int = 6, context: int = 22, length: int = 8, ar: bool = False
+) -> Sequence:
+    return Sequence(name, num_prompt=prompt, context=context, canvas_length=length, is_ar=ar)
+
+
+def test_pool_hands_out_and_takes_back_pages():
+    pool = PagePool(4)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2] and pool.num_free == 1
+    with pytest.raises(MemoryError):
+        pool.allocate(2)
+    pool.release(a)
+    assert pool.num_free == 4
+
+
+def test_sliding_ring_covers_window_plus_one_pass_and_is_reused():
+    g = geometry()
+    # window-1 = 7 read positions + 8 new ones span at most ceil(15/4)+1 = 5 pages
+    assert g.sliding_ring(10_000) == 5
+    assert g.sliding_ring(6) == 2  # never more than the context needs
+    pages = KVPages(g, num_full_pages=100, num_sliding_pages=10)
+    tables = pages.allocate(40)
+    assert len(tables.full) == 10 and len(tables.ring) == 5
+    table = tables.sliding()
+    assert len(table) == 10 and table[0] == table[5] and len(set(table)) == 5
+
+
+def test_ring_pages_read_and_written_in_one_pass_never_collide():
+    g = geometry()
+    pages = KVPages(g, 100, 10)
+    table = pages.allocate(200).sliding()
+    for start in range(0, 190):
+        lo = max(0, start - (g.sliding_window - 1))
+        spanned = range(lo // g.page_size, (start + g.max_pass_tokens - 1) // g.page_size + 1)
+        physical = [table[i] for i in spanned if i < len(table)]
+        assert len(physical) == len(set(physical)), start
+
+
+def test_usage_and_release():
+    pages = KVPages(geometry(), 10, 10)
+    assert pages.usage() == 0.0
+    t = pages.allocate(12)
+    assert 0 < pages.usage() < 1
+    pages.release(t)
+    assert pages.usage() == 0.0
+
+
+def run_rows(sched: Scheduler, converged: set[str] = frozenset()) -> list:
+    plan = sched.schedule()
+    for row in plan.rows:
+        sched.on_row_done(
+            row, canvas_finished=row.kind is RowKind.DENOISE and row.seq_id in converged
+        )
+    return list(plan.rows)
+
+
+def test_a_request_goes_prefill_denoise_commit_denoise():
+    sched = Scheduler(SchedulerConfig(max_prefill_chunk=4), KVPages(geometry(), 100, 100))
+    sched.add(seq("a", prompt=6))
+    kinds = [(r.kind, r.start, r.num_tokens) for r in run_rows(sched)]
+    assert kinds == [(RowKind.PREFILL, 0, 4)]
+    assert [(r.kind, r.start, r.num_tokens) for r in run_rows(sched)] == [(RowKind.PREFILL, 4, 2)]
+    assert [(r.kind, r.start) for r in run_rows(sched)] == [(RowKind.DENOISE, 6)]
+    assert [(r.kind, r.start) for r in run_rows(sched, {"a"})] == [(RowKind.DENOISE, 6)]
+    assert [(r.kind, r.start, r.num_tokens) for r in run_rows(sched)] == [(RowKind.COMMIT, 6, 8)]
+    assert [(r.kind, r.start) for r in run_rows(sched)] == [(RowKind.DENOISE, 14)]
+
+
+def test_ar_request_goes_prefill_then_one_token_rows():
+    sched = Scheduler(SchedulerConfig(), KVPages(geometry(), 100, 100))
+    sched.add(seq("a", prompt=3, ar=True))
+    assert [r.kind for r in run_rows(sched)] == [RowKind.PREFILL]
+    rows = run_rows(sched)
+    assert [(r.kind, r.start, r.num_tokens) for r in rows] == [(RowKind.AR, 3, 1)]
+
+
+def test_converged_canvas_leaves_without_waiting_for_slower_rows():
+    sched = Scheduler(SchedulerConfig(), KVPages(geometry(), 100, 100))
+    for name in "ab":
+        sched.add(seq(name))
+    run_rows(sched)  # both prefill
+    run_rows(sched, converged={"a"})  # a converges, b does not
+    rows = run_rows(sched)
+    assert {(r.seq_id, r.kind) for r in rows} == {("a", RowKind.COMMIT), ("b", RowKind.DENOISE)}
+
+
+def test_admission_waits_for_pages_and_finish_frees_them():
+    pages = KVPages(geometry(), num_full_pages=8, num_sliding_pages=100)
+    sched = Scheduler(SchedulerConfig(), pages)
+    sched.add(seq("a", context=22))  # 6 full pages
+    sched.add(seq("b", context=22))
+    run_rows(sched)
+    assert sched.num_running == 1 and sched.num_waiting == 1
+    sched.finish("a")
+    assert pages.full.num_free == 8
+    run_rows(sched)
+    assert sched.num_running == 1 and "b" in sched.running
+
+
+def test_row_and_token_budgets_are_respected():
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=10, max_prefill_chunk=100)
+    sched = Scheduler(config, KVPages(geometry(), 100, 100))
+    for name in "abc":
+        sched.add(seq(name, prompt=6))
+    rows = run_rows(sched)
+    assert sched.num_running == 2  # max_num_seqs
+    assert sum(r.num_tokens for r in rows) <= 10
+    assert [r.num_tokens for r in rows] == [6, 4]  # the second prompt is chunked to the budget
+
+
+def test_queue_limit_and_oversized_requests_are_refused():
+    sched = Scheduler(SchedulerConfig(max_queue=1), KVPages(geometry(), 4, 100))
+    with pytest.raises(ValueError, match="does not fit"):
+        sched.add(seq("huge", context=1000))
+    sched.add(seq("a", context=8))
+    with pytest.raises(QueueFull):
+        sched.add(seq("b", context=8))
+
+
+def test_abort_of_a_waiting_request_removes_it():
+    sched = Scheduler(SchedulerConfig(), KVPages(geometry(), 100, 100))
+    sched.add(seq("a"))
+    assert sched.finish("a").state is SeqState.FINISHED
+    assert not sched.has_work()
