@@ -44,6 +44,7 @@ class RequestStats:
     encoder_passes: int
     steps_per_canvas: tuple[int, ...]
     arrival_time: float
+    first_scheduled_time: float | None
     first_token_time: float | None
     finish_time: float
 
@@ -81,7 +82,9 @@ class Request:
     steps_per_canvas: list[int] = field(default_factory=list)
     decoder_passes: int = 0
     encoder_passes: int = 0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    canvas_started: float = 0.0
 
 
 @dataclass(slots=True)
@@ -93,6 +96,7 @@ class StepStats:
     num_committed: int = 0
     forward_seconds: float = 0.0
     step_seconds: float = 0.0
+    canvas_latencies: list[float] = field(default_factory=list)  # committed canvases
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -220,21 +224,21 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.rows:
             return []
+        self.last_step = StepStats(num_rows=len(plan.rows), num_tokens=plan.num_tokens)
         out = self.runner.execute(self._inputs(plan))
         outputs = self._sample(plan, out)
-        self.last_step = StepStats(
-            num_rows=len(plan.rows),
-            num_tokens=plan.num_tokens,
-            num_committed=sum(len(o.new_token_ids) for o in outputs),
-            forward_seconds=out.forward_seconds,
-            step_seconds=time.perf_counter() - start,
-        )
+        self.last_step.num_committed = sum(len(o.new_token_ids) for o in outputs)
+        self.last_step.forward_seconds = out.forward_seconds
+        self.last_step.step_seconds = time.perf_counter() - start
         return outputs
 
     def _inputs(self, plan: StepPlan) -> list[RowInput]:
         inputs = []
+        now = time.monotonic()
         for row in plan.rows:
             req = self.requests[row.seq_id]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
             pages = self.scheduler.running[row.seq_id].pages
             assert pages is not None
             if row.kind is RowKind.PREFILL:
@@ -247,6 +251,7 @@ class Engine:
                 inputs.append(RowInput(row, tokens, pages, wants_last_logits=last))
             elif row.kind is RowKind.DENOISE:
                 if req.canvas is None:
+                    req.canvas_started = now
                     req.canvas = start_canvas(
                         req.params,
                         self.model.cfg.vocab_size,
@@ -297,6 +302,7 @@ class Engine:
             return [StepOutput(req.request_id, [], draft=draft)] if draft is not None else []
         draft = canvas.argmax.tolist()
         req.steps_per_canvas.append(canvas.num_steps)
+        self.last_step.canvas_latencies.append(time.monotonic() - req.canvas_started)
         req.canvas = None
         tokens, reason = first_cut(
             draft, req.params.max_tokens - len(req.output_ids), req.params.eos_token_ids
@@ -336,6 +342,7 @@ class Engine:
             encoder_passes=req.encoder_passes,
             steps_per_canvas=tuple(req.steps_per_canvas),
             arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
             finish_time=now,
         )

@@ -1,4 +1,4 @@
-"""The `canvas` command line: generate (offline), make-tiny (test checkpoints), serve."""
+"""The `canvas` command line: serve (HTTP), generate (offline), make-tiny (test checkpoints)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--list", action="store_true", help="list the presets and exit")
 
-    sub.add_parser("serve", help="start the OpenAI-compatible server (not yet available)")
+    from server.serve import add_serve_arguments
+
+    add_serve_arguments(sub.add_parser("serve", help="start the OpenAI-compatible HTTP server"))
     return parser
 
 
@@ -124,12 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_generate(args)
     if args.command == "make-tiny":
         return cmd_make_tiny(args)
-    print("canvas serve: the HTTP server is not yet available (see the serving issue).")
-    print(
-        "Offline generation works now: canvas make-tiny /tmp/tiny && "
-        "canvas generate --model /tmp/tiny --prompt hi"
-    )
-    return 0
+    from server.serve import serve
+
+    return serve(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+"""Prometheus metrics.
+
+Standard serving metrics use vLLM's names (`vllm:` prefix, label `model_name`) because routers
+and autoscalers (Gateway API Inference Extension, llm-d, KEDA) are configured for them; the
+diffusion-specific ones use the `canvas:` prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+STEP_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
+TPF_BUCKETS = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def hist(name: str, doc: str, buckets: tuple) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in the engine's running set")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for admission")
+        self.kv_usage = gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)"
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
+        self._success = Counter(
+            "vllm:request_success",
+            "Finished requests",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions (Canvas reserves pages: 0)")
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds", "Time between streamed chunks", LATENCY_BUCKETS
+        )
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency", LATENCY_BUCKETS
+        )
+        self.queue_time = hist(
+            "vllm:request_queue_time_seconds", "Time waiting before the first step", LATENCY_BUCKETS
+        )
+        self.steps_per_canvas = hist(
+            "canvas:steps_per_canvas", "Denoising steps per committed canvas", STEP_BUCKETS
+        )
+        self.tokens_per_forward = hist(
+            "canvas:tokens_per_forward",
+            "Generated tokens per decoder pass, per request",
+            TPF_BUCKETS,
+        )
+        self.canvas_latency = hist(
+            "canvas:canvas_latency_seconds",
+            "Time from a canvas' first step to its commit",
+            LATENCY_BUCKETS,
+        )
+        self.committed_per_step = hist(
+            "canvas:committed_tokens_per_step", "Tokens committed by one engine step", TOKEN_BUCKETS
+        )
+        self.step_seconds = hist("canvas:step_seconds", "Engine step wall time", LATENCY_BUCKETS)
+        self.forward_seconds = hist(
+            "canvas:forward_seconds", "Model forward time per step", LATENCY_BUCKETS
+        )
+        self.positions = counter(
+            "canvas:positions_evaluated", "Token positions run through the model"
+        )
+
+    def success(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def on_step(self, engine: Any, outputs: list) -> None:
+        """Step-level metrics, called on the engine thread after each step."""
+        step = engine.last_step
+        self.committed_per_step.observe(step.num_committed)
+        self.step_seconds.observe(step.step_seconds)
+        self.forward_seconds.observe(step.forward_seconds)
+        self.positions.inc(step.num_tokens)
+        for latency in step.canvas_latencies:
+            self.canvas_latency.observe(latency)
+
+    def on_finish(self, stats: Any, reason: str, num_tokens: int) -> None:
+        self.success(reason)
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(num_tokens)
+        self.e2e.observe(stats.finish_time - stats.arrival_time)
+        if stats.first_scheduled_time is not None:
+            self.queue_time.observe(stats.first_scheduled_time - stats.arrival_time)
+        for steps in stats.steps_per_canvas:
+            self.steps_per_canvas.observe(steps)
+        if stats.decoder_passes:
+            self.tokens_per_forward.observe(stats.tokens_per_forward)
+
+    def render(self, running: int, waiting: int, kv_usage: float) -> bytes:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+        return generate_latest(self.registry)

@@ -1,0 +1,95 @@
+"""`canvas serve`: load a checkpoint, build the engine, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger("canvas")
+
+
+def default_model_dir() -> tuple[Path, str]:
+    """The built-in default model. Until the converted default model exists, a tiny
+    random-weight DiffusionGemma checkpoint (generated once, cached) stands in for it."""
+    from engine.tiny import DEFAULT_PRESET, make_tiny
+
+    cache = Path(os.environ.get("CANVAS_CACHE", Path.home() / ".cache" / "canvas"))
+    path = cache / f"tiny-{DEFAULT_PRESET}"
+    if not (path / "config.json").is_file():
+        make_tiny(path, DEFAULT_PRESET)
+    return path, "a TINY RANDOM-WEIGHT placeholder (no trained default model yet): output is noise"
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="checkpoint directory (default: built-in model)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="name clients pass as `model`")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    parser.add_argument("--max-queue", type=int, default=1024, help="requests waiting before 429")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step")
+    parser.add_argument(
+        "--kv-cache-tokens", type=int, default=131_072, help="full-attention KV positions"
+    )
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("CANVAS_API_KEY"), help="require this bearer key on /v1"
+    )
+
+
+def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from engine.async_engine import AsyncEngine
+    from engine.engine import Engine, EngineConfig
+    from engine.llm import has_tokenizer
+    from engine.model import load_model
+    from engine.params import DecodingDefaults
+    from engine.scheduler import SchedulerConfig
+    from engine.tokenizer import Tokenizer
+    from server.app import ServerState
+
+    note = ""
+    model_dir = Path(args.model) if args.model else None
+    if model_dir is None:
+        model_dir, note = default_model_dir()
+    model = load_model(model_dir, dtype=args.dtype, device=args.device)
+    tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
+    defaults = DecodingDefaults.from_checkpoint(model_dir, model.cfg.eos_token_ids)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_queue=args.max_queue,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        ),
+        kv_cache_tokens=args.kv_cache_tokens,
+    )
+    engine = AsyncEngine(Engine(model, defaults, config))
+    name = args.served_model_name or model_dir.name
+    state = ServerState(engine, tokenizer, defaults, name, api_key=args.api_key)
+    banner = [
+        f"Canvas serving {name!r} from {model_dir}",
+        f"  canvas length {model.config.canvas_length}, {model.cfg.num_layers} layers, "
+        f"dtype {next(model.parameters()).dtype}, device {args.device}",
+        f"  max-num-seqs {args.max_num_seqs}, max-queue {args.max_queue}, "
+        f"auth {'on' if args.api_key else 'off'}",
+        f"  http://{args.host}:{args.port}/v1  (docs: /docs, metrics: /metrics)",
+    ]
+    if note:
+        banner.append(f"  NOTE: the default model is {note}")
+    return state, banner
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from server.app import create_app
+
+    state, banner = build_state(args)
+    for line in banner:
+        logger.info(line)
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="info")
+    return 0

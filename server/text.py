@@ -1,0 +1,65 @@
+"""Incremental detokenization with stop strings, for one choice of one request.
+
+Committed tokens never change, so text only ever grows; a trailing incomplete UTF-8 sequence is
+held back until the next tokens complete it. Stop strings cut the text before their first
+occurrence, even inside a canvas, and end the choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+REPLACEMENT = "\ufffd"
+
+
+class TextStream:
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+        self.decode = decode
+        self.stop = stop
+        self.token_ids: list[int] = []
+        self.text = ""  # all text so far (stable part)
+        self.emitted = 0  # characters already handed out
+        self.stopped = False
+        self.num_tokens_at_stop: int | None = None
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """Append committed tokens; return the new text to send (possibly empty)."""
+        if self.stopped:
+            return ""
+        self.token_ids += token_ids
+        text = self.decode(self.token_ids)
+        if not final:
+            text = text.rstrip(REPLACEMENT)
+        cut = self._first_stop(text)
+        if cut is not None:
+            text = text[:cut]
+            self.stopped = True
+            self.num_tokens_at_stop = self._tokens_covering(cut)
+        self.text = text
+        delta = text[self.emitted :]
+        self.emitted = len(text)
+        return delta
+
+    @property
+    def num_tokens(self) -> int:
+        return (
+            self.num_tokens_at_stop if self.num_tokens_at_stop is not None else len(self.token_ids)
+        )
+
+    def _first_stop(self, text: str) -> int | None:
+        if not self.stop:
+            return None
+        start = max(0, self.emitted - max(len(s) for s in self.stop))
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _tokens_covering(self, num_chars: int) -> int:
+        """The fewest tokens whose text reaches `num_chars` characters (usage accounting)."""
+        lo, hi = 0, len(self.token_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.decode(self.token_ids[:mid])) >= num_chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
