@@ -40,9 +40,9 @@ class _Abort:
 
 @dataclass(frozen=True, slots=True)
 class EngineFailure:
-    """Put on a request's queue when the engine could not run it."""
+    """Put on a request's queue when the engine could not run it; `error` is re-raised."""
 
-    message: str
+    error: Exception
 
 
 @dataclass(slots=True)
@@ -71,7 +71,7 @@ class AsyncEngine:
         self.max_inflight = sched.max_num_seqs + sched.max_queue
         self._inflight = 0  # touched on the event loop only
 
-    # -- lifecycle ----------------------------------------------------------------------------------
+    # -- lifecycle --
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -98,7 +98,7 @@ class AsyncEngine:
     def num_inflight(self) -> int:
         return self._inflight
 
-    # -- requests -----------------------------------------------------------------------------------
+    # -- requests --
 
     async def generate(
         self,
@@ -124,7 +124,7 @@ class AsyncEngine:
                 item = await out_queue.get()
                 if isinstance(item, EngineFailure):
                     finished = True
-                    raise RuntimeError(item.message)
+                    raise item.error
                 if item.finish_reason is not None:
                     finished = True
                 yield item
@@ -139,7 +139,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
-    # -- the loop thread ------------------------------------------------------------------------------
+    # -- the loop thread --
 
     def _run(self) -> None:
         engine = self.engine
@@ -151,7 +151,7 @@ class AsyncEngine:
                 outputs = engine.step()
             except Exception:  # a model fault fails the running requests, not the server
                 logger.exception("engine step failed; failing the running requests")
-                self._fail_all("internal engine error")
+                self._fail_all(RuntimeError("internal engine error"))
                 continue
             self.stats.num_steps += 1
             self.stats.last_step_time = time.monotonic()
@@ -177,8 +177,8 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.want_drafts)
-            except (ValueError, QueueFull) as exc:
-                self._publish(cmd.request_id, EngineFailure(str(exc)))
+            except (ValueError, QueueFull) as exc:  # ParamError is a ValueError
+                self._publish(cmd.request_id, EngineFailure(exc))
 
     def _update_stats(self) -> None:
         sched = self.engine.scheduler
@@ -186,10 +186,10 @@ class AsyncEngine:
         self.stats.num_waiting = sched.num_waiting
         self.stats.kv_usage = self.engine.pages.usage()
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
-            self._publish(request_id, EngineFailure(message))
+            self._publish(request_id, EngineFailure(error))
 
     def _publish(self, request_id: str, item: StepOutput | EngineFailure) -> None:
         loop = self._loop

@@ -38,7 +38,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences admitted (running) at once
     max_num_batched_tokens: int = 8192  # tokens per forward pass
     max_prefill_chunk: int = 2048  # prompt tokens per prefill row
-    max_queue: int = 1024  # waiting sequences before add() is refused
+    max_queue: int = 1024  # waiting sequences (beyond free running slots) before add() refuses
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_queue"):
@@ -93,8 +93,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if not self.pages.fits_ever(seq.context):
             raise ValueError(f"a context of {seq.context} positions does not fit in the KV cache")
-        if len(self.waiting) >= self.config.max_queue:
-            raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue)")
+        capacity = self.config.max_num_seqs + self.config.max_queue
+        if len(self.waiting) + len(self.running) >= capacity:
+            raise QueueFull(
+                f"{len(self.running)} requests running and {len(self.waiting)} waiting "
+                f"(max_num_seqs + max_queue = {capacity})"
+            )
         self.waiting.append(seq)
 
     def finish(self, seq_id: str) -> Sequence | None:

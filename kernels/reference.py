@@ -8,6 +8,8 @@ in fp32 Canvas reproduces the reference's numbers (and therefore its sampled tok
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -128,3 +130,225 @@ def fused_moe(
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
     return out[inv_perm].view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+
+
+# -- canvas attention over a paged prefix --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PagedRows:
+    """The rows of one forward pass as the attention kernels see them (one pool's page tables).
+
+    Tensors are int32 on the device of the pools, one entry per row: `start` (prefix length =
+    position of the first new token), `offset` (packed index of the row's first new token),
+    `num_tokens`, `decode` (1 = DECODE row: bidirectional canvas, writes nothing; 0 = ENCODE row:
+    causal, writes its KV) and `page_table` [R, max_pages] (-1 = no page). `max_tokens` is the
+    largest `num_tokens`, kept on the host so that launchers never wait for the device.
+    """
+
+    start: torch.Tensor  # [R] int32
+    offset: torch.Tensor  # [R] int32
+    num_tokens: torch.Tensor  # [R] int32
+    decode: torch.Tensor  # [R] int32
+    page_table: torch.Tensor  # [R, max_pages] int32
+    max_tokens: int
+
+    @staticmethod
+    def build(
+        starts: list[int],
+        num_tokens: list[int],
+        decode: list[bool],
+        page_tables: list[list[int]],
+        device: torch.device | str = "cpu",
+    ) -> PagedRows:
+        """Pack per-row Python lists (as the engine's rows hold them) into device tensors."""
+        offsets = [sum(num_tokens[:i]) for i in range(len(num_tokens))]
+        width = max(1, max(len(t) for t in page_tables))
+        table = [t + [-1] * (width - len(t)) for t in page_tables]
+
+        def i32(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        return PagedRows(
+            start=i32(starts),
+            offset=i32(offsets),
+            num_tokens=i32(num_tokens),
+            decode=i32([int(d) for d in decode]),
+            page_table=i32(table),
+            max_tokens=max(num_tokens),
+        )
+
+
+def prefix_range(start: int, window: int) -> tuple[int, int]:
+    """[lo, hi) of cached prefix positions a row reads: the last `window - 1` positions on a
+    sliding layer (`window` > 0), all of them on a full layer (`window` = 0)."""
+    return (max(0, start - (window - 1)) if window > 0 else 0), start
+
+
+def _host_rows(rows: PagedRows) -> list[tuple[int, int, int, int, list[int]]]:
+    """(start, offset, num_tokens, decode, page table) of every row, as Python values."""
+    columns = [t.tolist() for t in (rows.start, rows.offset, rows.num_tokens, rows.decode)]
+    return list(zip(*columns, rows.page_table.tolist(), strict=True))
+
+
+def _gather_pages(pool: torch.Tensor, pages: list[int], lo: int, hi: int) -> torch.Tensor:
+    """Positions [lo, hi) of a row from pool [P, Hkv, page, D] -> [Hkv, hi - lo, D]."""
+    size = pool.shape[2]
+    if hi <= lo:
+        return pool.new_zeros(pool.shape[1], 0, pool.shape[3])
+    index = torch.tensor(pages[lo // size : -(-hi // size)], device=pool.device)
+    flat = pool.index_select(0, index).transpose(0, 1).flatten(1, 2)  # [Hkv, n*page, D]
+    base = (lo // size) * size
+    return flat[:, lo - base : hi - base]
+
+
+def canvas_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    rows: PagedRows,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of every row's new tokens over its cached prefix and its own new tokens.
+
+    q: [N, Hq, D]; k, v: [N, Hkv, D] (the packed new tokens of all rows, Hq a multiple of Hkv);
+    pools: [num_pages, Hkv, page_size, D], read-only here. A row reads its prefix range
+    (`prefix_range(start, window)`), then its new keys: all of them for a DECODE row; for an
+    ENCODE row a key at position p is visible to a query at position q iff p <= q and (sliding
+    layers) p > q - window — `ForwardBatch._build_mask` exactly. Returns [N, Hq, D].
+    """
+    out = torch.empty_like(q)
+    for start, offset, n, decode, table in _host_rows(rows):
+        lo, hi = prefix_range(start, window)
+        new = slice(offset, offset + n)
+        keys = torch.cat([_gather_pages(k_pool, table, lo, hi), k[new].transpose(0, 1)], 1)
+        values = torch.cat([_gather_pages(v_pool, table, lo, hi), v[new].transpose(0, 1)], 1)
+        mask = None
+        if not decode:
+            key_pos = torch.cat([torch.arange(lo, hi), torch.arange(start, start + n)])
+            q_pos = torch.arange(start, start + n)[:, None]
+            mask = key_pos[None, :] <= q_pos
+            if window > 0:
+                mask &= key_pos[None, :] > q_pos - window
+            mask = mask[None, None].to(q.device)
+        row_out = attention(q[new].transpose(0, 1)[None], keys[None], values[None], mask, scale)
+        out[new] = row_out[0].transpose(0, 1)
+    return out
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: PagedRows
+) -> None:
+    """Store the new k, v ([N, Hkv, D]) of every ENCODE row at positions start.. of its pages
+    (in place); DECODE rows write nothing."""
+    size = k_pool.shape[2]
+    for start, offset, n, decode, table in _host_rows(rows):
+        if decode:
+            continue
+        for i in range(n):
+            page, slot = table[(start + i) // size], (start + i) % size
+            k_pool[page, :, slot] = k[offset + i]
+            v_pool[page, :, slot] = v[offset + i]
+
+
+# -- fused sampler ------------------------------------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)
+_PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
+# Triton's uint32 -> [0, 1) scale: the largest value with (2**31 - 1) * scale < 1 in fp32.
+_UNIFORM_SCALE = 4.6566127342e-10
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of a * b for a uint32 constant and uint32 values held in int64
+    (split into 16-bit halves so that no product overflows int64)."""
+    p_hi, p_lo = a * (b >> 16), a * (b & 0xFFFF)  # each < 2**48
+    lo = (((p_hi & 0xFFFF) << 16) + p_lo) & _MASK32
+    return (p_hi + (p_lo >> 16)) >> 16, lo
+
+
+def philox_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """`tl.rand(seed, counter)` bit for bit: Philox4x32-10 keyed by the 64-bit seed on the
+    64-bit counter (low word, high word, 0, 0), first output word mapped to [0, 1) as Triton
+    does. seeds, counters: int64, broadcastable. Returns fp32 of the broadcast shape."""
+    k0, k1 = seeds & _MASK32, (seeds >> 32) & _MASK32
+    c0, c1 = counters & _MASK32, (counters >> 32) & _MASK32
+    c2 = c3 = torch.zeros_like(c0)
+    c0, c1, k0, k1 = torch.broadcast_tensors(c0, c1, k0, k1)
+    for _ in range(10):
+        hi_b, lo_b = _mul_hi_lo(_PHILOX_ROUND[1], c2)
+        hi_a, lo_a = _mul_hi_lo(_PHILOX_ROUND[0], c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY[0]) & _MASK32, (k1 + _PHILOX_KEY[1]) & _MASK32
+    # Triton reads the word as int32 and folds negatives with ~x: x >= 2**31 -> 2**32 - 1 - x.
+    folded = torch.where(c0 >= 2**31, c0 ^ _MASK32, c0)
+    return folded.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    """Per canvas position: the sampled token, the argmax token (int64), the entropy of the
+    softmax and its log-normaliser logsumexp(logits / T) (fp32)."""
+
+    sample: torch.Tensor  # [P] int64
+    argmax: torch.Tensor  # [P] int64
+    entropy: torch.Tensor  # [P] fp32
+    lse: torch.Tensor  # [P] fp32
+
+
+def fused_sample(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor
+) -> SampleResult:
+    """Sample every canvas position from softmax(logits / T) by an exponential race.
+
+    logits: [P, V] fp32; temperature: [P] fp32; seeds, offsets: [P] int64. Position p's random
+    stream is Philox(seeds[p]) at counters offsets[p] + i for vocabulary entry i, so callers
+    advance a position's offset by at least V between draws. The sample is argmax_i p_i / E_i
+    with E_i = -log(u_i), computed as argmax_i (s_i - log E_i) with s = logits / T (the same
+    argmax, and independent of the normaliser). Ties go to the lowest index.
+    """
+    num_positions, vocab = logits.shape
+    sample = torch.empty(num_positions, dtype=torch.int64, device=logits.device)
+    chunk = max(1, (1 << 22) // vocab)  # bound the int64 Philox temporaries to ~32 MiB each
+    vocab_ids = torch.arange(vocab, device=logits.device)
+    scaled = logits / temperature[:, None]  # [P, V]
+    for p0 in range(0, num_positions, chunk):
+        rows = slice(p0, p0 + chunk)
+        u = philox_uniform(seeds[rows, None], offsets[rows, None] + vocab_ids)
+        race = scaled[rows] - torch.log(-torch.log(u))
+        sample[rows] = race.argmax(dim=-1)
+    lse = torch.logsumexp(scaled, dim=-1)
+    log_probs = scaled - lse[:, None]
+    entropy = -(torch.exp(log_probs) * log_probs).nan_to_num().sum(-1)
+    return SampleResult(sample=sample, argmax=scaled.argmax(dim=-1), entropy=entropy, lse=lse)
+
+
+def entropy_accept(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Entropy-bound acceptance. entropy: [R, L] fp32; bound: [R] fp32. Returns bool [R, L]:
+    positions sorted by entropy (ties by position), accepted while cumulative entropy minus own
+    entropy <= the row's bound."""
+    sorted_entropy, order = torch.sort(entropy, dim=-1, stable=True)
+    before = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy
+    accept_sorted = before <= bound[:, None]
+    return torch.zeros_like(accept_sorted).scatter(-1, order, accept_sorted)
+
+
+def soft_embedding(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    lse: torch.Tensor,
+    weight: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Self-conditioning signal: softmax(logits / T) @ weight * scale, in weight's dtype.
+
+    logits: [P, V] fp32; temperature, lse: [P] fp32 (lse from `fused_sample`); weight: [V, H]
+    (the embedding matrix); scale: sqrt(hidden) as the model rounds it. The probabilities are
+    exp(logits / T - lse) in fp32, cast to weight's dtype, then multiplied (fp32 accumulation).
+    """
+    probs = torch.exp(logits / temperature[:, None] - lse[:, None])  # [P, V]
+    return torch.matmul(probs.to(weight.dtype), weight) * torch.tensor(scale, dtype=weight.dtype)

@@ -126,12 +126,16 @@ def test_row_and_token_budgets_are_respected():
 
 
 def test_queue_limit_and_oversized_requests_are_refused():
-    sched = Scheduler(SchedulerConfig(max_queue=1), KVPages(geometry(), 4, 100))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_queue=1), KVPages(geometry(), 4, 100))
     with pytest.raises(ValueError, match="does not fit"):
         sched.add(seq("huge", context=1000))
     sched.add(seq("a", context=8))
+    sched.add(seq("b", context=8))  # one running slot + one queue slot
+    with pytest.raises(QueueFull, match="max_num_seqs \\+ max_queue = 2"):
+        sched.add(seq("c", context=8))
+    run_rows(sched)  # a is admitted; b still waits; still full
     with pytest.raises(QueueFull):
-        sched.add(seq("b", context=8))
+        sched.add(seq("c", context=8))
 
 
 def test_abort_of_a_waiting_request_removes_it():

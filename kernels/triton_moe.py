@@ -1,0 +1,295 @@
+"""The DiffusionGemma router and fused mixture of experts, in Triton. Twins:
+`reference.route_experts`, `reference.fused_moe`, `reference.grouped_mm` (same signatures).
+
+- Router: one program per block of tokens computes rmsnorm(hidden) * scale / sqrt(H), the
+  expert scores, the fp32 softmax, the top-k (ties to the lowest expert id), the renormalised
+  weights and the per_expert_scale product, without writing the scores.
+- Experts: token-expert pairs are grouped by expert into blocks of BLOCK_M rows (each block
+  belongs to one expert; padding rows are skipped), then two grouped GEMMs: gate_up with the
+  GeGLU (gelu tanh) epilogue, and down with the routing weight epilogue. Pair outputs land in
+  (token, slot) order and are summed over the slots in fp32, as the twin does.
+
+Every pair's value is computed by one program over a fixed K order, independent of the other
+pairs, so results are batch invariant by construction; `segments` is accepted and not needed.
+Intermediate roundings follow the twin (outputs of each GEMM in the weight dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import dot_precision, expect, interpreting
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _router_kernel(
+    h_ptr, scale_ptr, proj_ptr, pes_ptr, w_ptr, id_ptr,
+    num_tokens, hidden, num_experts, sh_n, sp_e, sw_n, si_n, eps, inv_sqrt_hidden,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_mask = rows < num_tokens
+    row_ptr = h_ptr + rows.to(tl.int64)[:, None] * sh_n
+    dt = h_ptr.dtype.element_ty
+    sum_sq = tl.zeros([BLOCK_M], tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        c = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(row_ptr + c[None, :], mask=r_mask[:, None] & (c < hidden)[None, :], other=0.0)
+        x = x.to(tl.float32)
+        sum_sq += tl.sum(x * x, 1)
+    rstd = 1.0 / tl.sqrt(sum_sq / hidden + eps)
+    e = tl.arange(0, BLOCK_E)
+    e_mask = e < num_experts
+    scores = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        c = h0 + tl.arange(0, BLOCK_H)
+        c_mask = c < hidden
+        x = tl.load(row_ptr + c[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
+        # The twin's roundings: rms_norm returns the input dtype, then two products in it.
+        x = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+        x = (x * tl.load(scale_ptr + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]).to(dt)
+        x = (x.to(tl.float32) * inv_sqrt_hidden).to(dt)
+        w = tl.load(
+            proj_ptr + e[None, :] * sp_e + c[:, None], mask=c_mask[:, None] & e_mask[None, :]
+        )
+        scores = tl.dot(x, w, scores, input_precision=PRECISION)
+    scores = tl.where(e_mask[None, :], scores.to(dt).to(tl.float32), float("-inf"))
+    probs = tl.exp(scores - tl.max(scores, 1)[:, None])
+    probs = probs / tl.sum(probs, 1)[:, None]
+    probs = tl.where(e_mask[None, :], probs, -1.0)  # padding lanes are never chosen
+    slot = tl.arange(0, K_PAD)
+    top = tl.zeros([BLOCK_M, K_PAD], tl.float32)
+    top_ids = tl.zeros([BLOCK_M, K_PAD], tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(probs, 1)
+        best_id = tl.argmax(probs, 1, tie_break_left=True)
+        top = tl.where(slot[None, :] == i, best[:, None], top)
+        top_ids = tl.where(slot[None, :] == i, best_id[:, None], top_ids)
+        probs = tl.where(e[None, :] == best_id[:, None], -1.0, probs)
+    weights = top / tl.sum(top, 1)[:, None]
+    out_mask = r_mask[:, None] & (slot < TOP_K)[None, :]
+    weights *= tl.load(pes_ptr + top_ids, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(w_ptr + rows[:, None] * sw_n + slot[None, :], weights, mask=out_mask)
+    tl.store(id_ptr + rows[:, None] * si_n + slot[None, :], top_ids.to(tl.int64), mask=out_mask)
+
+
+@triton.jit
+def _gelu_tanh(x):
+    # tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf, no libdevice needed.
+    y = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+
+
+# Epilogues of the expert GEMM (constexpr globals: the kernel branches on them at compile time).
+PLAIN = tl.constexpr(0)
+GEGLU = tl.constexpr(1)
+WEIGHTED = tl.constexpr(2)
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, block_expert_ptr,
+    num_pairs, num_experts, k_dim, n_dim, sx_n, sw_e, sw_o, so_n, sr_n, sr_k,
+    TOP_K: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One expert block x one column block of x @ W[expert]^T. PLAIN: rows gathered by pair,
+    output by pair. GEGLU (W = gate_up): rows gathered by token (pair // TOP_K), output
+    gelu(gate) * up in padded-row order. WEIGHTED (W = down): rows in padded-row order, output
+    times the pair's routing weight, fp32, by pair (= token * TOP_K + slot)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + rows)
+    valid = pair < num_pairs
+    x_rows = rows if EPILOGUE == WEIGHTED else pair // TOP_K
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_mask = cols < n_dim
+    w_base = w_ptr + expert.to(tl.int64) * sw_e
+    dt = w_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = kk < k_dim
+        x = tl.load(
+            x_ptr + x_rows.to(tl.int64)[:, None] * sx_n + kk[None, :],
+            mask=valid[:, None] & k_mask[None, :],
+            other=0.0,
+        ).to(dt)
+        w_mask = k_mask[:, None] & c_mask[None, :]
+        w = tl.load(w_base + cols[None, :] * sw_o + kk[:, None], mask=w_mask, other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if EPILOGUE == GEGLU:
+            w_up = tl.load(
+                w_base + (cols + n_dim)[None, :] * sw_o + kk[:, None], mask=w_mask, other=0.0
+            )
+            acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
+    mask = valid[:, None] & c_mask[None, :]
+    acc = acc.to(dt).to(tl.float32)  # each grouped GEMM's output is in the weight dtype
+    out_rows = rows if EPILOGUE == GEGLU else pair
+    out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * so_n + cols[None, :]
+    if EPILOGUE == GEGLU:
+        acc = _gelu_tanh(acc).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
+    if EPILOGUE == WEIGHTED:
+        token, slot = pair // TOP_K, pair % TOP_K
+        acc *= tl.load(weights_ptr + token * sr_n + slot * sr_k, mask=valid, other=0.0)[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_m() -> int:
+    # Fixed (not chosen from the token count) so that each pair's arithmetic never depends on
+    # the batch; 64 rows fill a Hopper warpgroup MMA.
+    return 16 if interpreting() else 64
+
+
+def align_pairs(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the N*K token-expert pairs (pair = token * K + slot) by expert, each expert padded
+    to whole blocks of `block_m` rows. Returns (sorted pair ids [capacity] int32, padding rows
+    = N*K; expert of each block [capacity / block_m] int32, num_experts for unused blocks).
+    Capacity is a bound known on the host, so nothing waits for the device."""
+    flat = ids.reshape(-1)
+    num_pairs = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    expert_sorted = flat[order]
+    rank = (
+        torch.arange(num_pairs, device=ids.device)
+        - (torch.cumsum(counts, 0) - counts)[expert_sorted]
+    )
+    dest = (padded_end - padded)[expert_sorted] + rank
+    capacity = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    capacity *= block_m
+    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=ids.device)
+    sorted_pairs[dest] = order.to(torch.int32)
+    block_start = torch.arange(0, capacity, block_m, device=ids.device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+def _gemm_blocks() -> tuple[int, int]:
+    return (32, 32) if interpreting() else (64, 64)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """See `reference.grouped_mm`: rows of x [S, In] grouped by expert (offsets [E] int32
+    cumulative row counts) times weight [E, Out, In]^T. Returns [S, Out] in weight's dtype."""
+    num_rows, in_dim = x.shape
+    num_experts, out_dim, _ = weight.shape
+    expect(x, "x", (num_rows, in_dim), _FLOATS, x.device)
+    expect(weight, "weight", (num_experts, out_dim, in_dim), _FLOATS, x.device)
+    expect(offsets, "offsets", (num_experts,), (torch.int32, torch.int64), x.device)
+    out = torch.zeros(num_rows, out_dim, dtype=weight.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    block_m, (block_n, block_k) = _block_m(), _gemm_blocks()
+    row_expert = torch.searchsorted(
+        offsets.to(torch.int64), torch.arange(num_rows, device=x.device), right=True
+    )  # [S]; rows past offsets[-1] get num_experts and stay zero, as in the twin
+    sorted_rows, block_expert = align_pairs(row_expert[:, None], num_experts + 1, block_m)
+    block_expert = torch.where(block_expert >= num_experts, num_experts, block_expert)
+    _expert_gemm_kernel[(block_expert.shape[0], triton.cdiv(out_dim, block_n))](
+        x, weight, out, x, sorted_rows, block_expert,
+        num_rows, num_experts, in_dim, out_dim, x.stride(0), weight.stride(0), weight.stride(1),
+        out.stride(0), 0, 0,
+        TOP_K=1, EPILOGUE=PLAIN, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=dot_precision(weight.dtype), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def route_experts(
+    hidden: torch.Tensor,
+    scale: torch.Tensor,
+    proj: torch.Tensor,
+    per_expert_scale: torch.Tensor,
+    top_k: int,
+    eps: float,
+    segments: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `reference.route_experts`. Returns (weights [N, K] fp32, expert ids [N, K] int64)."""
+    del segments  # batch invariant by construction (see the module docstring)
+    num_tokens, hidden_size = hidden.shape
+    num_experts = proj.shape[0]
+    expect(hidden, "hidden", (num_tokens, hidden_size), _FLOATS, hidden.device)
+    expect(scale, "scale", (hidden_size,), _FLOATS, hidden.device)
+    expect(proj, "proj", (num_experts, hidden_size), (hidden.dtype,), hidden.device)
+    expect(per_expert_scale, "per_expert_scale", (num_experts,), _FLOATS, hidden.device)
+    assert 0 < top_k <= num_experts, "top_k must be in [1, num_experts]"
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=hidden.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=hidden.device)
+    if num_tokens == 0:
+        return weights, ids
+    block_m = 16
+    _router_kernel[(triton.cdiv(num_tokens, block_m),)](
+        hidden, scale, proj, per_expert_scale, weights, ids,
+        num_tokens, hidden_size, num_experts, hidden.stride(0), proj.stride(0),
+        weights.stride(0), ids.stride(0), eps, hidden_size**-0.5,
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_M=block_m,
+        BLOCK_H=min(64, triton.next_power_of_2(hidden_size)),
+        BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        PRECISION=dot_precision(hidden.dtype),
+    )  # fmt: skip
+    return weights, ids
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    segments: list[int] | None = None,
+) -> torch.Tensor:
+    """See `reference.fused_moe`. Returns [N, H] in hidden's dtype."""
+    del segments  # batch invariant by construction (see the module docstring)
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter, top_k = two_inter // 2, ids.shape[1]
+    dev = hidden.device
+    expect(hidden, "hidden", (num_tokens, hidden_size), _FLOATS, dev)
+    expect(gate_up, "gate_up", (num_experts, 2 * inter, hidden_size), _FLOATS, dev)
+    expect(down, "down", (num_experts, hidden_size, inter), (gate_up.dtype,), dev)
+    expect(weights, "weights", (num_tokens, top_k), (torch.float32,), dev)
+    expect(ids, "ids", (num_tokens, top_k), (torch.int64, torch.int32), dev)
+    assert gate_up.stride(1) == hidden_size and down.stride(1) == inter, "expert rows packed"
+    num_pairs = num_tokens * top_k
+    out_pairs = torch.zeros(num_pairs, hidden_size, dtype=torch.float32, device=dev)
+    if num_pairs == 0:
+        return out_pairs.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
+    block_m = _block_m()
+    sorted_pairs, block_expert = align_pairs(ids, num_experts, block_m)
+    act = torch.empty(sorted_pairs.shape[0], inter, dtype=gate_up.dtype, device=dev)
+    block_n, block_k = _gemm_blocks()
+    common = dict(
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=dot_precision(gate_up.dtype), num_warps=4,
+    )  # fmt: skip
+    _expert_gemm_kernel[(block_expert.shape[0], triton.cdiv(inter, block_n))](
+        hidden, gate_up, act, weights, sorted_pairs, block_expert,
+        num_pairs, num_experts, hidden_size, inter, hidden.stride(0), gate_up.stride(0),
+        gate_up.stride(1), act.stride(0), weights.stride(0), weights.stride(1),
+        EPILOGUE=GEGLU, **common,
+    )  # fmt: skip
+    _expert_gemm_kernel[(block_expert.shape[0], triton.cdiv(hidden_size, block_n))](
+        act, down, out_pairs, weights, sorted_pairs, block_expert,
+        num_pairs, num_experts, inter, hidden_size, act.stride(0), down.stride(0),
+        down.stride(1), out_pairs.stride(0), weights.stride(0), weights.stride(1),
+        EPILOGUE=WEIGHTED, **common,
+    )  # fmt: skip
+    # Sum over the slots in (token, slot) order in fp32, exactly as the twin does.
+    return out_pairs.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
+
+
+KERNELS = (route_experts, fused_moe, grouped_mm)

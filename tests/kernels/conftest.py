@@ -1,0 +1,21 @@
+"""Kernel tests run the Triton kernels in Triton's CPU interpreter when there is no GPU (set
+before triton is imported: `triton.jit` reads it when a kernel is defined), and compiled on the
+GPU otherwise. Modules that need triton skip cleanly without it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where the parity sweeps run: the CPU under the interpreter, else the GPU."""
+    from kernels import interpreting
+
+    return torch.device("cpu" if interpreting() else "cuda")

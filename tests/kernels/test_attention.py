@@ -1,0 +1,181 @@
+"""Canvas attention and the paged KV write: Triton kernel vs twin, and twin vs the engine's
+own per-row path (ForwardBatch masks over PagedKVCache gathers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.model.config import LayerSpec, LayerType
+from engine.model.kv_cache import ForwardBatch, Mode, PagedKVCache, Row
+from kernels import reference
+
+pytest.importorskip("triton")
+from kernels import triton_attention  # noqa: E402  (needs triton)
+
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    starts: tuple[int, ...]
+    num_tokens: tuple[int, ...]
+    decode: tuple[bool, ...]
+    window: int = 0  # 0 = full layer
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    page_size: int = 4
+
+
+SCENARIOS = {
+    "decode-batch1-empty-prefix": Scenario((0,), (16,), (True,)),
+    "encode-batch1-odd": Scenario((0,), (13,), (False,)),
+    "mixed-full-page-crossing": Scenario((5, 9, 0), (7, 16, 3), (False, True, False)),
+    # start = W - 1 (whole prefix visible), = W (first position drops out), > W (pages freed)
+    "mixed-sliding-window-edge": Scenario(
+        (5, 6, 13, 0), (9, 16, 17, 4), (False, True, False, True), window=6
+    ),
+    "gqa4-d32-page8": Scenario(
+        (11, 3), (16, 5), (True, False), num_heads=8, head_dim=32, page_size=8
+    ),  # fmt: skip
+    "mha-sliding-encode-3-query-blocks": Scenario(
+        (20,), (37,), (False,), window=5, num_heads=2, num_kv_heads=2
+    ),
+    "decode-sliding-long-prefix": Scenario((40,), (16,), (True,), window=7, num_kv_heads=1),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    q: torch.Tensor  # [N, Hq, D] (a transposed view: not contiguous)
+    k: torch.Tensor  # [N, Hkv, D] (a slice of a packed kv tensor: not contiguous)
+    v: torch.Tensor
+    k_pool: torch.Tensor  # [P, Hkv, page, D]; pages no row reads hold NaN
+    v_pool: torch.Tensor
+    tables: list[list[int]]  # per row; -1 = page released (below the sliding window)
+    rows: reference.PagedRows
+
+
+def make_inputs(sc: Scenario, device: torch.device, dtype: torch.dtype = torch.float32) -> Inputs:
+    gen = torch.Generator().manual_seed(sum(sc.starts) * 31 + sum(sc.num_tokens))
+    size, n = sc.page_size, sum(sc.num_tokens)
+    counts = [-(-(s + t) // size) for s, t in zip(sc.starts, sc.num_tokens, strict=True)]
+    num_pages = sum(counts) + 3
+    perm = torch.randperm(num_pages, generator=gen).tolist()  # pages out of order
+    tables, used = [], 0
+    for start, count in zip(sc.starts, counts, strict=True):
+        table = perm[used : used + count]
+        used += count
+        lo, _ = reference.prefix_range(start, sc.window)
+        tables.append([-1 if (i + 1) * size <= lo else p for i, p in enumerate(table)])
+    shape = (num_pages, sc.num_kv_heads, size, sc.head_dim)
+    k_pool = torch.randn(shape, generator=gen).to(dtype)
+    v_pool = torch.randn(shape, generator=gen).to(dtype)
+    live = {p for t in tables for p in t if p >= 0}
+    for p in set(range(num_pages)) - live:  # any read of these poisons the output
+        k_pool[p] = float("nan")
+        v_pool[p] = float("nan")
+    q = torch.randn(sc.num_heads, n, sc.head_dim, generator=gen).to(dtype).transpose(0, 1)
+    kv = torch.randn(n, 2 * sc.num_kv_heads, sc.head_dim, generator=gen).to(dtype)
+    rows = reference.PagedRows.build(
+        list(sc.starts), list(sc.num_tokens), list(sc.decode), tables, device
+    )
+    return Inputs(
+        q=q.to(device),
+        k=kv[:, : sc.num_kv_heads].to(device),
+        v=kv[:, sc.num_kv_heads :].to(device),
+        k_pool=k_pool.to(device),
+        v_pool=v_pool.to(device),
+        tables=tables,
+        rows=rows,
+    )
+
+
+def run(impl: object, x: Inputs, sc: Scenario) -> torch.Tensor:
+    return impl.canvas_attention(x.q, x.k, x.v, x.k_pool, x.v_pool, x.rows, sc.window, 1.0)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_canvas_attention_matches_twin(name: str, device: torch.device) -> None:
+    sc = SCENARIOS[name]
+    x = make_inputs(sc, device)
+    assert not x.q.is_contiguous() and not x.k.is_contiguous()
+    got, want = run(triton_attention, x, sc), run(reference, x, sc)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_canvas_attention_fp16_matches_twin(device: torch.device) -> None:
+    sc = SCENARIOS["mixed-sliding-window-edge"]
+    x = make_inputs(sc, device, torch.float16)
+    got, want = run(triton_attention, x, sc), run(reference, x, sc)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["mixed-full-page-crossing", "mixed-sliding-window-edge"])
+def test_write_kv_matches_twin_and_leaves_decode_rows_alone(
+    name: str, device: torch.device
+) -> None:
+    sc = SCENARIOS[name]
+    x = make_inputs(sc, device)
+    pools = [x.k_pool.clone(), x.v_pool.clone()]
+    triton_attention.write_kv(x.k, x.v, x.k_pool, x.v_pool, x.rows)
+    reference.write_kv(x.k, x.v, pools[0], pools[1], x.rows)
+    assert torch.equal(x.k_pool.nan_to_num(7.0), pools[0].nan_to_num(7.0))
+    assert torch.equal(x.v_pool.nan_to_num(7.0), pools[1].nan_to_num(7.0))
+    first_decode = sc.decode.index(True)
+    page = x.tables[first_decode][sc.starts[first_decode] // sc.page_size]
+    slot = sc.starts[first_decode] % sc.page_size
+    token = sum(sc.num_tokens[:first_decode])
+    assert not torch.equal(x.k_pool[page, :, slot], x.k[token])
+
+
+@pytest.mark.parametrize("name", ["mixed-full-page-crossing", "mixed-sliding-window-edge"])
+def test_twin_matches_the_engine_row_path(name: str) -> None:
+    """The twin's contract is the engine's: gather the prefix range from PagedKVCache, append
+    the new keys, mask with ForwardBatch, attend (ENCODE rows write their KV first)."""
+    sc = SCENARIOS[name]
+    x = make_inputs(sc, torch.device("cpu"))
+    kind = LayerType.SLIDING if sc.window else LayerType.FULL
+    spec = LayerSpec(kind, sc.head_dim, sc.num_kv_heads, has_v_proj=True)
+    cache = PagedKVCache(
+        SimpleNamespace(layers=[spec]), {kind: x.k_pool.shape[0]}, sc.page_size, torch.float32
+    )
+    cache.keys[0].copy_(x.k_pool)
+    cache.values[0].copy_(x.v_pool)
+    rows = [
+        Row(Mode.DECODE if d else Mode.ENCODE, s, n, {kind: t})
+        for s, n, d, t in zip(sc.starts, sc.num_tokens, sc.decode, x.tables, strict=True)
+    ]
+    batch = ForwardBatch(rows, sliding_window=sc.window or 1024, page_size=sc.page_size)
+    parts = []
+    for i, (row, offset) in enumerate(zip(rows, batch.offsets, strict=True)):
+        new = slice(offset, offset + row.num_tokens)
+        k, v = x.k[new].transpose(0, 1), x.v[new].transpose(0, 1)  # [Hkv, T, D]
+        if row.mode is Mode.ENCODE:
+            cache.write(0, row, k, v)
+        prefix_k, prefix_v = cache.gather(0, row, *batch.key_range(row, bool(sc.window)))
+        keys, values = torch.cat([prefix_k, k[None]], 2), torch.cat([prefix_v, v[None]], 2)
+        mask = batch.mask(i, bool(sc.window), torch.device("cpu"))
+        q = x.q[new].transpose(0, 1)[None]
+        parts.append(reference.attention(q, keys, values, mask, 1.0)[0].transpose(0, 1))
+    torch.testing.assert_close(run(reference, x, sc), torch.cat(parts), rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("head_dim,num_kv_heads,window", [(256, 8, 1024), (512, 2, 0)])
+def test_canvas_attention_real_shapes_bf16_on_gpu(
+    head_dim: int, num_kv_heads: int, window: int
+) -> None:
+    sc = Scenario(
+        (3000, 700, 0), (256, 256, 300), (True, True, False), window=window,
+        num_heads=16, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=64,
+    )  # fmt: skip
+    x = make_inputs(sc, torch.device("cuda"), torch.bfloat16)
+    got, want = run(triton_attention, x, sc), run(reference, x, sc)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

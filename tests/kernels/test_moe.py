@@ -1,0 +1,138 @@
+"""Router, fused MoE and grouped GEMM: Triton kernels vs their twins."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels import reference
+
+pytest.importorskip("triton")
+from kernels import triton_moe  # noqa: E402  (needs triton)
+
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@dataclass(frozen=True, slots=True)
+class MoeShape:
+    num_tokens: int
+    hidden: int
+    num_experts: int
+    top_k: int
+    inter: int
+
+
+# Sizes are not powers of two but keep rows 16-byte aligned, which the twin's F.grouped_mm
+# requires (the real model's 2816 and 704 are).
+SHAPES = {
+    "batch1-top1": MoeShape(1, 32, 4, 1, 16),
+    "odd-tokens-non-power-of-two-dims": MoeShape(7, 40, 6, 2, 24),
+    "more-tokens-than-a-block": MoeShape(37, 24, 5, 3, 12),
+    "experts-not-power-of-two": MoeShape(9, 64, 12, 4, 16),
+}
+
+
+def make_layer(s: MoeShape, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(s.num_tokens * 7 + s.hidden)
+
+    def rand(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(dtype).to(device)
+
+    wide = rand(s.num_tokens, s.hidden + 5)  # rows of a wider tensor: not contiguous
+    return {
+        "hidden": wide[:, 2 : 2 + s.hidden],
+        "scale": (torch.rand(s.hidden, generator=gen) + 0.5).to(dtype).to(device),
+        "proj": rand(s.num_experts, s.hidden),
+        "per_expert_scale": (torch.rand(s.num_experts, generator=gen) + 0.5).to(dtype).to(device),
+        "gate_up": rand(s.num_experts, 2 * s.inter, s.hidden, std=s.hidden**-0.5),
+        "down": rand(s.num_experts, s.hidden, s.inter, std=s.inter**-0.5),
+    }
+
+
+def route(impl: object, w: dict[str, torch.Tensor], s: MoeShape) -> tuple[torch.Tensor, ...]:
+    args = (w["hidden"], w["scale"], w["proj"], w["per_expert_scale"], s.top_k, 1e-6)
+    return impl.route_experts(*args)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_router_matches_twin(name: str, device: torch.device) -> None:
+    s = SHAPES[name]
+    w = make_layer(s, device, torch.float32)
+    (got_w, got_ids), (want_w, want_ids) = route(triton_moe, w, s), route(reference, w, s)
+    assert s.num_tokens == 1 or not w["hidden"].is_contiguous()
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_fused_moe_matches_twin(name: str, device: torch.device) -> None:
+    s = SHAPES[name]
+    w = make_layer(s, device, torch.float32)
+    weights, ids = route(reference, w, s)
+    args = (w["hidden"], w["gate_up"], w["down"], weights, ids)
+    got, want = triton_moe.fused_moe(*args), reference.fused_moe(*args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_moe_fp16_rounds_like_the_twin(device: torch.device) -> None:
+    s = SHAPES["odd-tokens-non-power-of-two-dims"]
+    w = make_layer(s, device, torch.float16)
+    weights, ids = route(reference, w, s)
+    args = (w["hidden"], w["gate_up"], w["down"], weights, ids)
+    got, want = triton_moe.fused_moe(*args), reference.fused_moe(*args)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+def test_fused_moe_is_batch_invariant(device: torch.device) -> None:
+    """A token's output is bitwise the same alone and in a batch (no segments needed)."""
+    s = SHAPES["more-tokens-than-a-block"]
+    w = make_layer(s, device, torch.float32)
+    weights, ids = route(triton_moe, w, s)
+    moe = triton_moe.fused_moe
+    together = moe(w["hidden"], w["gate_up"], w["down"], weights, ids)
+    alone = moe(w["hidden"][5:6], w["gate_up"], w["down"], weights[5:6], ids[5:6])
+    assert torch.equal(together[5:6], alone)
+
+
+def test_align_pairs_groups_every_pair_once_by_expert() -> None:
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2], [4, 2]])
+    pairs, block_expert = triton_moe.align_pairs(ids, num_experts=5, block_m=2)
+    flat = ids.reshape(-1)
+    real = pairs[pairs < flat.numel()]
+    assert sorted(real.tolist()) == list(range(flat.numel()))
+    for b, expert in enumerate(block_expert.tolist()):
+        block = pairs[2 * b : 2 * b + 2]
+        block = block[block < flat.numel()]
+        assert expert == 5 or (flat[block.long()] == expert).all()
+    assert block_expert.tolist()[:4] == [0, 1, 2, 2] and 4 in block_expert.tolist()
+
+
+@pytest.mark.parametrize(
+    "offsets", [[3, 3, 8, 9, 9, 14], [0, 0, 0, 0, 0, 14], [14, 14, 14, 14, 14, 14]]
+)
+def test_grouped_mm_matches_twin(offsets: list[int], device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(len(offsets))
+    x = torch.randn(14, 40, generator=gen).to(device)
+    weight = torch.randn(6, 24, 40, generator=gen).to(device)
+    index = torch.tensor(offsets, dtype=torch.int32, device=device)
+    got, want = triton_moe.grouped_mm(x, weight, index), reference.grouped_mm(x, weight, index)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("num_tokens", [256, 4096])
+def test_moe_real_shapes_bf16_on_gpu(num_tokens: int) -> None:
+    s = MoeShape(num_tokens, 2816, 128, 8, 704)
+    w = make_layer(s, torch.device("cuda"), torch.bfloat16)
+    (got_w, got_ids), (want_w, want_ids) = route(triton_moe, w, s), route(reference, w, s)
+    same = (got_ids == want_ids).all(dim=1)
+    assert same.float().mean() > 0.99  # bf16 near-ties may swap experts
+    torch.testing.assert_close(got_w[same], want_w[same], rtol=2e-2, atol=2e-2)
+    args = (w["hidden"], w["gate_up"], w["down"], want_w, want_ids)
+    got, want = triton_moe.fused_moe(*args), reference.fused_moe(*args)
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)

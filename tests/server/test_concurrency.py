@@ -1,0 +1,169 @@
+"""Many clients at once: batch invariance, disconnects, overload, load; auth."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import start_server
+
+
+async def _complete(
+    client: httpx.AsyncClient, url: str, prompt: list[int], seed: int, max_tokens: int
+) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "seed": seed}
+    r = await client.post(f"{url}/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def test_sixteen_concurrent_requests_equal_their_one_at_a_time_outputs(live_server):
+    prompts = [[3 + i, 40 + 2 * i, 7] * (1 + i % 4) for i in range(16)]
+    seeds = list(range(100, 116))
+    budgets = [12 + 5 * i for i in range(16)]
+
+    async def run() -> tuple[list[str], list[str]]:
+        async with httpx.AsyncClient() as client:
+            alone = [
+                await _complete(client, live_server.v1, p, s, m)
+                for p, s, m in zip(prompts, seeds, budgets, strict=True)
+            ]
+            together = await asyncio.gather(
+                *(
+                    _complete(client, live_server.v1, p, s, m)
+                    for p, s, m in zip(prompts, seeds, budgets, strict=True)
+                )
+            )
+        return alone, list(together)
+
+    alone, together = asyncio.run(run())
+    assert together == alone
+
+
+def test_client_disconnect_aborts_the_request_and_frees_its_pages(live_server):
+    engine = live_server.state.engine.engine
+    free_before = (engine.pages.full.num_free, engine.pages.sliding.num_free)
+    body = {
+        "model": "tiny",
+        "prompt": "abc",
+        "max_tokens": 4000,
+        "stream": True,
+        "extra_body": None,
+    }
+    body.pop("extra_body")
+    body["ignore_eos"] = True
+    with httpx.stream("POST", f"{live_server.v1}/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data:") and '"text":"' in line and '"text":""' not in line:
+                break  # first committed canvas arrived: the request is running
+        assert live_server.metric("vllm:num_requests_running") >= 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if (
+            live_server.metric("vllm:num_requests_running") == 0
+            and (engine.pages.full.num_free, engine.pages.sliding.num_free) == free_before
+        ):
+            break
+        time.sleep(0.1)
+    assert live_server.metric("vllm:num_requests_running") == 0
+    assert (engine.pages.full.num_free, engine.pages.sliding.num_free) == free_before
+    assert not engine.requests
+
+
+def test_sixty_four_concurrent_streams_complete_while_health_answers(live_server):
+    async def stream_one(client: httpx.AsyncClient, i: int) -> str:
+        body = {"model": "tiny", "prompt": [5, i + 3], "max_tokens": 40, "seed": i, "stream": True}
+        text = ""
+        async with client.stream(
+            "POST", f"{live_server.v1}/completions", json=body, timeout=300
+        ) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    assert '"error"' not in line, line
+                    text += line
+        return text
+
+    async def health_probe(stop: asyncio.Event) -> list[int]:
+        codes = []
+        async with httpx.AsyncClient() as client:
+            while not stop.is_set():
+                codes.append(
+                    (await client.get(f"{live_server.url}/health", timeout=10)).status_code
+                )
+                await asyncio.sleep(0.2)
+        return codes
+
+    async def run() -> tuple[list[str], list[int]]:
+        stop = asyncio.Event()
+        probe = asyncio.create_task(health_probe(stop))
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(limits=limits) as client:
+            results = await asyncio.gather(*(stream_one(client, i) for i in range(64)))
+        stop.set()
+        return list(results), await probe
+
+    results, codes = asyncio.run(run())
+    assert len(results) == 64 and all(results)
+    assert codes and all(c == 200 for c in codes)
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_checkpoint):
+    server, stop = start_server(
+        str(tiny_checkpoint("c16")),
+        "--served-model-name",
+        "tiny",
+        "--max-num-seqs",
+        "1",
+        "--max-queue",
+        "1",
+        "--api-key",
+        "sekrit",
+    )
+    yield server
+    stop()
+
+
+def test_full_queue_is_429_with_retry_after(small_server):
+    headers = {"authorization": "Bearer sekrit"}
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 8000, "ignore_eos": True}
+    engine = small_server.state.engine
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(headers=headers, timeout=120) as client:
+            url = f"{small_server.v1}/completions"
+            tasks = [asyncio.create_task(client.post(url, json=body)) for _ in range(2)]
+            deadline = time.monotonic() + 20
+            while engine.num_inflight < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)  # one running (max-num-seqs 1), one queued (max-queue 1)
+            third = await client.post(url, json=body)
+            for t in tasks:
+                t.cancel()
+            return third
+
+    third = asyncio.run(run())
+    assert third.status_code == 429
+    assert third.headers["retry-after"] == "1"
+    assert third.json()["error"]["code"] == "queue_full"
+
+
+def test_api_key_is_required_on_v1_but_not_on_health(small_server):
+    assert httpx.get(f"{small_server.v1}/models").status_code == 401
+    assert (
+        httpx.get(
+            f"{small_server.v1}/models", headers={"authorization": "Bearer wrong"}
+        ).status_code
+        == 401
+    )
+    assert (
+        httpx.get(
+            f"{small_server.v1}/models", headers={"authorization": "Bearer sekrit"}
+        ).status_code
+        == 200
+    )
+    assert httpx.get(f"{small_server.url}/health").status_code == 200
