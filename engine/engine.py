@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_pages import KVPages, PageGeometry
-from engine.model import DiffusionGemma, PagedKVCache
+from engine.model import DiffusionLM, PagedKVCache
 from engine.model.config import LayerType
 from engine.params import DecodeMode, DecodingDefaults, ParamError, ResolvedParams
 from engine.runner import ModelRunner, RowInput, RunOutput
@@ -122,7 +122,7 @@ def first_cut(
 
 class Engine:
     def __init__(
-        self, model: DiffusionGemma, defaults: DecodingDefaults, config: EngineConfig | None = None
+        self, model: DiffusionLM, defaults: DecodingDefaults, config: EngineConfig | None = None
     ) -> None:
         self.model = model
         self.defaults = defaults
@@ -223,6 +223,7 @@ class Engine:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.rows:
+            self.last_step = StepStats()
             return []
         self.last_step = StepStats(num_rows=len(plan.rows), num_tokens=plan.num_tokens)
         out = self.runner.execute(self._inputs(plan))

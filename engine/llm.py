@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.engine import Engine, EngineConfig
-from engine.model import DiffusionGemma, load_model
+from engine.model import DiffusionLM, load_model
 from engine.params import DecodingDefaults, ParamError, SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -45,7 +45,7 @@ def has_tokenizer(model_dir: str | Path) -> bool:
 class LLM:
     def __init__(
         self,
-        model: DiffusionGemma,
+        model: DiffusionLM,
         tokenizer: Tokenizer | None,
         defaults: DecodingDefaults,
         config: EngineConfig | None = None,

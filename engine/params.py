@@ -38,7 +38,7 @@ class SamplingParams:
     """What a request asks for. Fields left None take the checkpoint's defaults."""
 
     max_tokens: int | None = None
-    mode: DecodeMode = DecodeMode.DIFFUSION
+    mode: DecodeMode | None = None  # None: the checkpoint's default mode
     seed: int | None = None
     ignore_eos: bool = False
     eos_token_ids: tuple[int, ...] | None = None  # overrides the checkpoint's EOS set
@@ -54,7 +54,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
-        _check(isinstance(self.mode, DecodeMode), "mode", "must be 'diffusion' or 'ar'")
+        _check(
+            self.mode is None or isinstance(self.mode, DecodeMode),
+            "mode",
+            "must be 'diffusion' or 'ar'",
+        )
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
         _check(
             self.max_denoising_steps is None or 1 <= self.max_denoising_steps <= 1024,
@@ -110,6 +114,7 @@ class DecodingDefaults:
     confidence_threshold: float = 0.005
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    mode: DecodeMode = DecodeMode.DIFFUSION  # Canvas' `canvas_default_mode` key
 
     @classmethod
     def from_checkpoint(
@@ -127,6 +132,9 @@ class DecodingDefaults:
             "stability_threshold": raw.get("stability_threshold"),
             "confidence_threshold": raw.get("confidence_threshold"),
             "pad_token_id": raw.get("pad_token_id"),
+            "mode": DecodeMode(raw["canvas_default_mode"])
+            if raw.get("canvas_default_mode")
+            else None,
         }
         eos = raw.get("eos_token_id")
         values["eos_token_ids"] = (
@@ -142,7 +150,7 @@ class DecodingDefaults:
         eos = params.eos_token_ids if params.eos_token_ids is not None else self.eos_token_ids
         return ResolvedParams(
             max_tokens=pick(params.max_tokens, self.max_new_tokens),
-            mode=params.mode,
+            mode=pick(params.mode, self.mode),
             seed=params.seed,
             eos_token_ids=frozenset() if params.ignore_eos else frozenset(eos),
             max_denoising_steps=pick(params.max_denoising_steps, self.max_denoising_steps),

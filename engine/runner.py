@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_pages import PageTables
-from engine.model import DiffusionGemma, ForwardBatch, Mode, PagedKVCache
+from engine.model import DiffusionLM, ForwardBatch, Mode, PagedKVCache
 from engine.model.config import LayerType
 from engine.model.kv_cache import Row
 from engine.scheduler import RowKind, ScheduledRow
@@ -39,7 +39,7 @@ class RunOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DiffusionGemma, cache: PagedKVCache) -> None:
+    def __init__(self, model: DiffusionLM, cache: PagedKVCache) -> None:
         self.model = model
         self.cache = cache
         self.device = model.embed_tokens.weight.device

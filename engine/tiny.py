@@ -1,11 +1,16 @@
 """Tiny random-weight DiffusionGemma checkpoints, built with transformers' reference classes.
 
-Used by the tests and by `canvas make-tiny DIR [--preset NAME]`. Each preset is a real
-`diffusion_gemma` checkpoint directory (config.json, generation_config.json, model.safetensors,
-an offline byte-level tokenizer with a chat template) that both Canvas and
+Used by the tests, the benchmarks and `canvas make-tiny DIR [--preset NAME]`. Each preset is a
+real `diffusion_gemma` checkpoint directory (config.json, generation_config.json,
+model.safetensors, an offline byte-level tokenizer with a chat template) that both Canvas and
 `DiffusionGemmaForBlockDiffusion.from_pretrained` load. Weights are random but shaped so that
 the denoiser is confident (peaky logits): canvases converge before the step cap, as a trained
 model's do. The vision tower is shrunk to one tiny layer.
+
+`bench-small` is the CPU benchmark checkpoint: the real model's layer pattern, attention
+geometry and MoE structure scaled down to a few tens of millions of parameters.
+`REAL_26B_A4B_TEXT_CONFIG` describes the real 26B-A4B text stack (config only: 25B parameters
+are never instantiated on a CPU).
 """
 
 from __future__ import annotations
@@ -88,8 +93,112 @@ PRESETS: dict[str, TinyPreset] = {
         },
         description="12 layers (2 full), GQA 8:1 sliding / 8:4 full",
     ),
+    # The 26B-A4B text stack scaled to a 2-core CPU: 5 sliding + 1 full layer, GQA 2:1 on
+    # sliding layers and 8:1 with a double head_dim and no v_proj on the full layer, a dense
+    # GeGLU of 0.75 x hidden plus 16 experts (top-2) of 0.25 x hidden, the window 4x the canvas.
+    "bench-small": TinyPreset(
+        64,
+        {
+            "vocab_size": 8192,
+            "hidden_size": 512,
+            "intermediate_size": 384,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 64,
+            "global_head_dim": 128,
+            "num_global_key_value_heads": 1,
+            "sliding_window": 256,
+            "num_experts": 16,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 128,
+        },
+        description="CPU benchmark: canvas 64, hidden 512, 6 layers (5 sliding + 1 full), "
+        "16 experts top-2, vocab 8192",
+    ),
 }
 DEFAULT_PRESET = "c16"
+
+# The text stack of google/diffusiongemma-26B-A4B-it (DESIGN.md section 1), for GPU benchmarks
+# with random weights. Config only: its 25.2B parameters are never instantiated on a CPU.
+REAL_26B_A4B_TEXT_CONFIG: dict[str, Any] = {
+    "vocab_size": 262_144,
+    "hidden_size": 2816,
+    "intermediate_size": 2112,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "num_global_key_value_heads": 2,
+    "attention_k_eq_v": True,
+    "sliding_window": 1024,
+    "num_experts": 128,
+    "top_k_experts": 8,
+    "moe_intermediate_size": 704,
+    "max_position_embeddings": 262_144,
+    "pad_token_id": 0,
+    "eos_token_id": [1, 106],
+    "bos_token_id": 2,
+}
+REAL_26B_A4B_CANVAS_LENGTH = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ParamCount:
+    """Parameters of a text stack: all of them, and those one token runs through (the experts
+    count top_k / num_experts; the tied embedding counts once, as the LM head)."""
+
+    total: int
+    active: int
+
+
+def preset_text_config(preset: str) -> dict[str, Any]:
+    """The text_config dict a preset writes (the base tiny config with its overrides)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    return {**BASE_TEXT_CONFIG, **PRESETS[preset].text}
+
+
+def estimate_parameters(text: dict[str, Any]) -> ParamCount:
+    """Count the text stack's parameters from a text_config dict, without building it.
+
+    Layer i is full-attention when (i + 1) % 6 == 0 or it is the last layer (the config's
+    default pattern); full layers use `global_head_dim` and `num_global_key_value_heads` and
+    have no v_proj (k_eq_v). Norm weights are included; the vision tower is not.
+    """
+    hidden, heads = text["hidden_size"], text["num_attention_heads"]
+    num_layers = text["num_hidden_layers"]
+    dense = 3 * hidden * text["intermediate_size"]  # GeGLU gate, up, down
+    expert = 3 * hidden * text["moe_intermediate_size"]
+    num_experts, top_k = text["num_experts"], text["top_k_experts"]
+    total = active = 0
+    for i in range(num_layers):
+        full = (i + 1) % 6 == 0 or i == num_layers - 1
+        head_dim = text["global_head_dim"] if full else text["head_dim"]
+        kv = text["num_global_key_value_heads"] if full else text["num_key_value_heads"]
+        attention = 2 * hidden * heads * head_dim + (1 if full else 2) * hidden * kv * head_dim
+        router = hidden * num_experts + hidden + num_experts
+        norms = 7 * hidden + 2 * head_dim
+        shared = attention + dense + router + norms
+        total += shared + num_experts * expert
+        active += shared + top_k * expert
+    embed = text["vocab_size"] * hidden
+    self_conditioning = dense + hidden
+    rest = embed + self_conditioning + hidden  # + the final norm
+    return ParamCount(total + rest, active + rest)
+
+
+def real_26b_a4b_config() -> Any:
+    """The `DiffusionGemmaConfig` of the real 26B-A4B text stack, with the tiny vision tower
+    (text benchmarks never run it). Build its weights only on a GPU."""
+    from transformers import DiffusionGemmaConfig
+
+    return DiffusionGemmaConfig(
+        text_config=dict(REAL_26B_A4B_TEXT_CONFIG),
+        vision_config=dict(TINY_VISION_CONFIG),
+        canvas_length=REAL_26B_A4B_CANVAS_LENGTH,
+    )
 
 
 def build_tokenizer(vocab_size: int) -> Any:
@@ -151,10 +260,8 @@ def make_tiny(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0) 
         EntropyBoundSamplerConfig,
     )
 
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    text = preset_text_config(preset)
     spec = PRESETS[preset]
-    text = {**BASE_TEXT_CONFIG, **spec.text}
     config = DiffusionGemmaConfig(
         text_config=text, vision_config=dict(TINY_VISION_CONFIG), canvas_length=spec.canvas_length
     )

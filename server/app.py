@@ -195,7 +195,7 @@ def _resolve(
     if max_tokens is None:  # chat default: the checkpoint's, bounded by what fits
         room = (limit - num_prompt) // engine.canvas_length * engine.canvas_length
         max_tokens = max(1, min(state.defaults.max_new_tokens, room))
-    mode = DecodeMode(body.mode)
+    mode = DecodeMode(body.mode) if body.mode else state.defaults.mode
     t_min, t_max = body.t_min, body.t_max
     temperature = body.temperature
     if mode is DecodeMode.DIFFUSION and temperature is not None:

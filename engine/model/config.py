@@ -15,7 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("diffusion_gemma",)
+SUPPORTED_MODEL_TYPES = ("diffusion_gemma", "canvas_llama")
 
 
 class CheckpointError(ValueError):
@@ -73,6 +73,11 @@ class TextConfig:
     pad_token_id: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Backbone switches (DiffusionGemma's values by default)
+    embed_scale: bool = True  # embeddings × sqrt(hidden)
+    qk_norm: bool = True  # weighted q/k RMSNorm and unweighted v RMSNorm in attention
+    sc_post_norm: bool = True  # RMSNorm (no weight) after adding the self-conditioning signal
+    attention_scale: float | None = 1.0  # None: 1 / sqrt(head_dim)
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.num_layers:
@@ -92,10 +97,10 @@ class TextConfig:
                 f"text_config: top_k_experts={self.top_k_experts} exceeds "
                 f"num_experts={self.num_experts}"
             )
-        if self.hidden_activation != "gelu_pytorch_tanh":
+        if self.hidden_activation not in ("gelu_pytorch_tanh", "silu"):
             raise CheckpointError(
                 f"text_config.hidden_activation={self.hidden_activation!r} is not supported; "
-                "expected 'gelu_pytorch_tanh'"
+                "expected 'gelu_pytorch_tanh' or 'silu'"
             )
 
 
@@ -222,6 +227,43 @@ def parse_text_config(tc: dict[str, Any]) -> TextConfig:
     )
 
 
+def parse_llama_text_config(tc: dict[str, Any]) -> TextConfig:
+    """A Llama-style backbone (converted from an AR checkpoint): every layer full attention with
+    its own v_proj, SwiGLU MLP, default RoPE, no MoE, no soft-capping, unscaled embeddings."""
+    where = "config.json text_config"
+    num_layers = int(_require(tc, "num_hidden_layers", where))
+    num_heads = int(_require(tc, "num_attention_heads", where))
+    hidden = int(_require(tc, "hidden_size", where))
+    head_dim = int(tc.get("head_dim") or hidden // num_heads)
+    num_kv = int(tc.get("num_key_value_heads") or num_heads)
+    max_pos = int(tc.get("max_position_embeddings", 8192))
+    spec = LayerSpec(LayerType.FULL, head_dim, num_kv, has_v_proj=True)
+    return TextConfig(
+        vocab_size=int(_require(tc, "vocab_size", where)),
+        hidden_size=hidden,
+        intermediate_size=int(_require(tc, "intermediate_size", where)),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        layers=(spec,) * num_layers,
+        rope={LayerType.FULL: RopeSpec("default", float(tc.get("rope_theta", 10_000.0)))},
+        sliding_window=max_pos,
+        rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
+        num_experts=0,
+        top_k_experts=0,
+        moe_intermediate_size=0,
+        final_logit_softcapping=None,
+        hidden_activation=tc.get("hidden_activation", "silu"),
+        max_position_embeddings=max_pos,
+        pad_token_id=tc.get("pad_token_id"),
+        eos_token_ids=_token_ids(tc.get("eos_token_id")),
+        bos_token_id=tc.get("bos_token_id"),
+        embed_scale=False,
+        qk_norm=False,
+        sc_post_norm=False,
+        attention_scale=None,
+    )
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Parse `model_dir/config.json`; raises CheckpointError naming the missing or bad key."""
     path = Path(model_dir) / "config.json"
@@ -240,9 +282,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise CheckpointError(f"{path}: missing required key 'text_config'")
+    parse = parse_llama_text_config if model_type == "canvas_llama" else parse_text_config
     return ModelConfig(
         model_type=model_type,
-        text=parse_text_config(text),
+        text=parse(text),
         canvas_length=int(raw.get("canvas_length", 256)),
         dtype=raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype"),
     )

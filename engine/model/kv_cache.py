@@ -154,3 +154,33 @@ class PagedKVCache:
         """[P, Hkv, page, D] -> [1, Hkv, P*page, D]."""
         num_pages, heads, size, dim = pages.shape
         return pages.transpose(0, 1).reshape(1, heads, num_pages * size, dim)
+
+
+class TrainKVCache:
+    """KV storage for training: functional (no in-place writes), so gradients flow from the
+    decoder's loss back through the prefix keys into the encoder. Each row's sequence is named
+    by the first entry of its full-attention page table (any unique int)."""
+
+    def __init__(self) -> None:
+        self._kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def _seq(row: Row) -> int:
+        return row.pages[LayerType.FULL][0]
+
+    def write(self, layer: int, row: Row, k: torch.Tensor, v: torch.Tensor) -> None:
+        key = (layer, self._seq(row))
+        if key in self._kv:
+            old_k, old_v = self._kv[key]
+            k = torch.cat([old_k[:, : row.start], k], dim=1)
+            v = torch.cat([old_v[:, : row.start], v], dim=1)
+        elif row.start != 0:
+            raise ValueError(f"sequence {key[1]}: first write must start at position 0")
+        self._kv[key] = (k, v)
+
+    def gather(self, layer: int, row: Row, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (layer, self._seq(row))
+        if key not in self._kv:
+            raise KeyError(f"sequence {key[1]} has no cached prefix on layer {layer}")
+        k, v = self._kv[key]
+        return k[None, :, lo:hi], v[None, :, lo:hi]

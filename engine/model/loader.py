@@ -18,8 +18,10 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from engine.model.base import DiffusionLM
 from engine.model.config import CheckpointError, ModelConfig, load_model_config
 from engine.model.diffusion_gemma import DiffusionGemma
+from engine.model.llama import LlamaDiffusion
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +29,10 @@ VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."
 PROGRESS_BAR_BYTES = 256 << 20
+BACKBONES: dict[str, type[DiffusionLM]] = {
+    "diffusion_gemma": DiffusionGemma,
+    "canvas_llama": LlamaDiffusion,
+}
 
 DTYPES = {
     "float32": torch.float32,
@@ -106,13 +112,13 @@ SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 def load_model(
     model_dir: str | Path, dtype: str | None = "auto", device: str | torch.device = "cpu"
-) -> DiffusionGemma:
+) -> DiffusionLM:
     """Build the Canvas model from a checkpoint directory."""
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     target = resolve_dtype(dtype, config)
     with torch.device("meta"):
-        model = DiffusionGemma(config)
+        model = BACKBONES[config.model_type](config)
     expected = dict(model.state_dict())
     with ExitStack() as stack:
         tensors = _Tensors(weight_files(model_dir), stack)
@@ -127,7 +133,10 @@ def load_model(
             disable=total < PROGRESS_BAR_BYTES,
         )
         for name, key in bar:
-            state[name] = tensors.get(key).to(device=device, dtype=target)
+            tensor = tensors.get(key).to(device=device, dtype=target)
+            # Own, aligned memory (not a view into the file): CPU GEMM results depend on
+            # alignment in the last bit, and runs must be reproducible.
+            state[name] = tensor.clone() if tensor.device.type == "cpu" else tensor
     model.load_state_dict(state, assign=True, strict=True)
     model.init_rope(device)  # non-persistent buffers were created on the meta device
     return model.eval().requires_grad_(False)
@@ -171,3 +180,15 @@ def _plan(
     if unknown:
         logger.warning("Ignoring %d unrecognised tensors, e.g. %s", len(unknown), unknown[:3])
     return plan
+
+
+def save_weights(model: DiffusionLM, path: str | Path) -> None:
+    """Write the model's weights as a safetensors file in the checkpoint layout `load_model`
+    reads (each tensor under its first checkpoint name, e.g. `model.decoder.layers.0...`)."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        checkpoint_names(name)[0]: t.detach().contiguous().cpu()
+        for name, t in model.state_dict().items()
+    }
+    save_file(tensors, str(path), metadata={"format": "pt"})

@@ -34,10 +34,12 @@ class LiveServer:
         raise KeyError(name)
 
 
-def start_server(checkpoint: str, *flags: str) -> tuple[LiveServer, Callable[[], None]]:
+def start_server(checkpoint: str | None, *flags: str) -> tuple[LiveServer, Callable[[], None]]:
+    """Start a server on `checkpoint` (None: the built-in default model)."""
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    args = parser.parse_args(["--model", checkpoint, "--port", "0", *flags])
+    model = ["--model", checkpoint] if checkpoint else []
+    args = parser.parse_args([*model, "--port", "0", *flags])
     state, _ = build_state(args)
     server = uvicorn.Server(
         uvicorn.Config(

@@ -1,0 +1,209 @@
+"""`canvas eval`: quality and speed of a checkpoint per decoding mode, on a fixed prompt set.
+
+For each mode, every prompt of `data/eval_prompts.jsonl` (a short factual question, chat-
+templated when the checkpoint has a template) is generated in one batch; prompt i uses seed
+`seed + i`. Reported per mode:
+- tokens per forward: output tokens / passes (decoder passes; encoder passes in AR mode);
+- tokens/s: output tokens / wall-clock seconds of the batch;
+- accuracy: fraction of outputs that contain the answer (or one of its aliases),
+  case-insensitive;
+- mean log-likelihood: the mean, over all output tokens, of log p(token | prompt, earlier output)
+  under the source model's encoder (teacher-forced, one causal pass over prompt + output);
+  generative perplexity = exp(-mean log-likelihood). The source defaults to the evaluated model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.llm import LLM, RequestOutput
+from engine.model import DiffusionLM, ForwardBatch, Mode, Row, TrainKVCache, load_model
+from engine.model.config import LayerType
+from engine.params import DecodeMode, SamplingParams
+from engine.tokenizer import Tokenizer
+
+EVAL_PROMPTS = Path(__file__).parent / "data" / "eval_prompts.jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class EvalPrompt:
+    question: str
+    answer: str
+    aliases: tuple[str, ...] = ()
+
+    def is_answered_by(self, text: str) -> bool:
+        text = text.lower()
+        return any(a.lower() in text for a in (self.answer, *self.aliases))
+
+
+@dataclass(frozen=True, slots=True)
+class EvalConfig:
+    model_dir: Path
+    source_dir: Path | None = None  # None: the evaluated model is its own reference
+    modes: tuple[DecodeMode, ...] = (DecodeMode.DIFFUSION, DecodeMode.AR)
+    max_tokens: int = 64
+    limit: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.modes:
+            raise ValueError("--modes: name at least one of diffusion, ar")
+        if self.max_tokens < 1:
+            raise ValueError("--max-tokens must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError("--limit must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ModeResult:
+    mode: str
+    num_prompts: int
+    num_correct: int
+    accuracy: float
+    num_output_tokens: int
+    decoder_passes: int
+    encoder_passes: int
+    tokens_per_forward: float
+    tokens_per_second: float
+    seconds: float
+    mean_steps_per_canvas: float  # 0 in AR mode
+    mean_loglik: float  # per output token, under the source model (nan: no output tokens)
+    generative_perplexity: float
+
+
+def load_eval_prompts(path: Path = EVAL_PROMPTS, limit: int | None = None) -> list[EvalPrompt]:
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    prompts = [EvalPrompt(r["question"], r["answer"], tuple(r.get("aliases", ()))) for r in records]
+    return prompts[:limit] if limit is not None else prompts
+
+
+def question_ids(tokenizer: Tokenizer, question: str) -> list[int]:
+    """The question as a chat turn, or as a plain Q/A prompt for a checkpoint without a
+    chat template."""
+    try:
+        return tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    except ValueError:
+        return tokenizer.encode(f"Question: {question}\nAnswer:")
+
+
+@torch.inference_mode()
+def teacher_forced_log_probs(
+    model: DiffusionLM, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
+    """log p(. | prompt, output[:i]) for each output position i: [len(output), V] fp32, from
+    one causal encoder pass over prompt + output."""
+    device = model.embed_tokens.weight.device
+    ids = torch.tensor(prompt_ids + output_ids[:-1], device=device)  # the last token is no input
+    pages = {LayerType.FULL: [0], LayerType.SLIDING: [0]}
+    batch = ForwardBatch([Row(Mode.ENCODE, 0, len(ids), pages)], model.cfg.sliding_window, 16)
+    hidden = model(ids, [], batch, TrainKVCache())  # [P + T - 1, H]
+    return torch.log_softmax(model.logits(hidden[len(prompt_ids) - 1 :]), dim=-1)
+
+
+def output_logliks(model: DiffusionLM, outputs: list[RequestOutput]) -> list[float]:
+    """Log-likelihood of every output token of every output, under `model`."""
+    values: list[float] = []
+    for out in outputs:
+        if out.output_ids:
+            log_probs = teacher_forced_log_probs(model, out.prompt_ids, out.output_ids)
+            chosen = log_probs.gather(
+                1, torch.tensor(out.output_ids, device=log_probs.device)[:, None]
+            )
+            values += chosen[:, 0].tolist()
+    return values
+
+
+def evaluate_mode(
+    llm: LLM, source: DiffusionLM, prompts: list[EvalPrompt], mode: DecodeMode, cfg: EvalConfig
+) -> ModeResult:
+    assert llm.tokenizer is not None
+    ids = [question_ids(llm.tokenizer, p.question) for p in prompts]
+    params = [
+        SamplingParams(max_tokens=cfg.max_tokens, mode=mode, seed=cfg.seed + i)
+        for i in range(len(prompts))
+    ]
+    outputs = llm.generate(ids, params)
+    seconds = max(o.seconds for o in outputs)  # each output's clock starts with the batch
+    num_tokens = sum(len(o.output_ids) for o in outputs)
+    passes = sum(o.decoder_passes or o.encoder_passes for o in outputs)
+    steps = [s for o in outputs for s in o.steps_per_canvas]
+    correct = sum(p.is_answered_by(o.text) for p, o in zip(prompts, outputs, strict=True))
+    logliks = output_logliks(source, outputs)
+    mean_loglik = sum(logliks) / len(logliks) if logliks else math.nan
+    return ModeResult(
+        mode=mode.value,
+        num_prompts=len(prompts),
+        num_correct=correct,
+        accuracy=correct / len(prompts),
+        num_output_tokens=num_tokens,
+        decoder_passes=sum(o.decoder_passes for o in outputs),
+        encoder_passes=sum(o.encoder_passes for o in outputs),
+        tokens_per_forward=num_tokens / passes if passes else 0.0,
+        tokens_per_second=num_tokens / seconds if seconds > 0 else 0.0,
+        seconds=seconds,
+        mean_steps_per_canvas=sum(steps) / len(steps) if steps else 0.0,
+        mean_loglik=mean_loglik,
+        generative_perplexity=math.exp(min(-mean_loglik, 700.0)),  # no OverflowError
+    )
+
+
+def evaluate(cfg: EvalConfig) -> dict[str, Any]:
+    """Run every mode; returns the report as a JSON-ready dict ({"modes": {mode: result}})."""
+    llm = LLM.from_pretrained(cfg.model_dir, dtype=cfg.dtype, device=cfg.device)
+    if llm.tokenizer is None:
+        raise ValueError(
+            f"--model {cfg.model_dir}: canvas eval needs a checkpoint with a tokenizer"
+        )
+    source = llm.model
+    if cfg.source_dir is not None:
+        source = load_model(cfg.source_dir, dtype=cfg.dtype, device=cfg.device)
+        if source.cfg.vocab_size != llm.model.cfg.vocab_size:
+            raise ValueError(
+                f"--source {cfg.source_dir}: vocab size {source.cfg.vocab_size} differs from the "
+                f"model's {llm.model.cfg.vocab_size}; the source must share the tokenizer"
+            )
+    prompts = load_eval_prompts(limit=cfg.limit)
+    results = {m.value: asdict(evaluate_mode(llm, source, prompts, m, cfg)) for m in cfg.modes}
+    return {
+        "model": str(cfg.model_dir),
+        "source": str(cfg.source_dir or cfg.model_dir),
+        "num_prompts": len(prompts),
+        "max_tokens": cfg.max_tokens,
+        "seed": cfg.seed,
+        "modes": results,
+    }
+
+
+COLUMNS = (
+    ("mode", "mode", "{}"),
+    ("accuracy", "accuracy", "{:.3f}"),
+    ("tokens", "num_output_tokens", "{}"),
+    ("TPF", "tokens_per_forward", "{:.3f}"),
+    ("tok/s", "tokens_per_second", "{:.1f}"),
+    ("steps/canvas", "mean_steps_per_canvas", "{:.1f}"),
+    ("mean loglik", "mean_loglik", "{:.3f}"),
+    ("gen ppl", "generative_perplexity", "{:.2f}"),
+)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report (as `evaluate` returns it) as a plain-text table, one row per mode."""
+    rows = [[fmt.format(r[key]) for _, key, fmt in COLUMNS] for r in report["modes"].values()]
+    header = [name for name, _, _ in COLUMNS]
+    widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
+    lines = [
+        "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in [header, *rows]
+    ]
+    title = (
+        f"canvas eval: {report['model']} ({report['num_prompts']} prompts, max_tokens "
+        f"{report['max_tokens']}, seed {report['seed']}; loglik under {report['source']})"
+    )
+    return "\n".join([title, *lines])

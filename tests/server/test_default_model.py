@@ -1,0 +1,36 @@
+"""`canvas serve` with no --model: the built-in default model (SmolLM2-135M-Instruct converted
+into the block-diffusion scheme, built offline on first use) answers real questions."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.server.conftest import start_server
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("CANVAS_CACHE", str(tmp_path_factory.mktemp("canvas-cache")))
+    server, stop = start_server(None, "--served-model-name", "canvas-default")
+    yield server
+    stop()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_default_model_answers_the_capital_of_france(default_server):
+    client = openai.OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0)
+    r = client.chat.completions.create(
+        model="canvas-default",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+    )
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert default_server.state.engine.engine.model.config.model_type == "canvas_llama"
