@@ -42,4 +42,5 @@ def reference_model() -> Callable[[Path], torch.nn.Module]:
     return get
 
 
-ALL_PRESETS = sorted(PRESETS)
+# The tiny test presets (`bench-small` is a benchmark checkpoint, too big for per-seed parity).
+ALL_PRESETS = sorted(name for name in PRESETS if name != "bench-small")

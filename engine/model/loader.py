@@ -133,10 +133,10 @@ def load_model(
             disable=total < PROGRESS_BAR_BYTES,
         )
         for name, key in bar:
-            tensor = tensors.get(key).to(device=device, dtype=target)
-            # Own, aligned memory (not a view into the file): CPU GEMM results depend on
-            # alignment in the last bit, and runs must be reproducible.
-            state[name] = tensor.clone() if tensor.device.type == "cpu" else tensor
+            # Kept as views into the memory-mapped file when no cast is needed (as transformers
+            # does): CPU GEMM results depend on operand alignment in the last bit, and matching
+            # the reference bit for bit needs the same memory layout.
+            state[name] = tensors.get(key).to(device=device, dtype=target)
     model.load_state_dict(state, assign=True, strict=True)
     model.init_rope(device)  # non-persistent buffers were created on the meta device
     return model.eval().requires_grad_(False)
