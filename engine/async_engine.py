@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.engine import Engine, StepOutput
@@ -66,7 +66,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.on_step: list = []  # callables(engine, outputs) run on the loop thread (metrics)
+        # Run on the loop thread after every step that ran rows (metrics).
+        self.on_step: list[Callable[[Engine, list[StepOutput]], None]] = []
         sched = engine.scheduler.config
         self.max_inflight = sched.max_num_seqs + sched.max_queue
         self._inflight = 0  # touched on the event loop only

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -289,8 +289,6 @@ class _Run:
         seed = self.params.seed
         if seed is None or index == 0:
             return self.params
-        from dataclasses import replace
-
         return replace(self.params, seed=(seed + index) % 2**63)
 
     async def _run_choice(self, choice: Choice, sink: asyncio.Queue | None) -> None:

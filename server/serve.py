@@ -60,6 +60,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--drain-seconds", type=float, default=5.0, help="SIGTERM drain period")
     parser.add_argument(
         "--api-key", default=os.environ.get("CANVAS_API_KEY"), help="require this bearer key on /v1"
     )
@@ -106,6 +107,28 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return state, banner
 
 
+def draining_server(state, config, drain_seconds: float):  # type: ignore[no-untyped-def]
+    """A uvicorn server whose first SIGTERM/SIGINT starts draining: /ready turns 503 and new
+    completions get 503 + Retry-After while running requests finish; it exits after
+    `drain_seconds` or at the second signal."""
+    import threading
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:  # type: ignore[no-untyped-def]
+            if state.draining or drain_seconds <= 0:
+                super().handle_exit(sig, frame)
+                return
+            logger.info("draining for up to %.0f s (signal again to exit now)", drain_seconds)
+            state.draining = True
+            timer = threading.Timer(drain_seconds, super().handle_exit, (sig, frame))
+            timer.daemon = True
+            timer.start()
+
+    return DrainingServer(config)
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -114,5 +137,6 @@ def serve(args: argparse.Namespace) -> int:
     state, banner = build_state(args)
     for line in banner:
         logger.info(line)
-    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="info")
+    config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info")
+    draining_server(state, config, args.drain_seconds).run()
     return 0

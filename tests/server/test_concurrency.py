@@ -167,3 +167,67 @@ def test_api_key_is_required_on_v1_but_not_on_health(small_server):
         == 200
     )
     assert httpx.get(f"{small_server.url}/health").status_code == 200
+
+
+def test_sigterm_drains_before_exit(small_server):
+    """The first signal flips /ready to 503 and refuses new completions; requests keep running."""
+    import signal
+
+    import uvicorn
+
+    from server.serve import draining_server
+
+    state = small_server.state
+    server = draining_server(state, uvicorn.Config(app=None), drain_seconds=30)
+    try:
+        server.handle_exit(signal.SIGTERM, None)
+        assert state.draining and not server.should_exit
+        assert httpx.get(f"{small_server.url}/ready").status_code == 503
+        r = httpx.post(
+            f"{small_server.v1}/completions",
+            json={"model": "tiny", "prompt": "a"},
+            headers={"authorization": "Bearer sekrit"},
+        )
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        server.handle_exit(signal.SIGTERM, None)  # a second signal exits at once
+        assert server.should_exit
+    finally:
+        state.draining = False
+
+
+def test_oversized_body_is_413(live_server):
+    r = httpx.post(
+        f"{live_server.v1}/completions",
+        content=b"x" * (5 << 20),
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+
+
+def test_engine_fault_mid_stream_is_reported_in_band(live_server):
+    engine = live_server.state.engine.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step():  # the third step of this request fails inside the engine
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    engine.step = flaky_step
+    try:
+        body = {
+            "model": "tiny",
+            "prompt": "abc",
+            "max_tokens": 200,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with httpx.stream("POST", f"{live_server.v1}/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line.startswith("data:")]
+    finally:
+        engine.step = real_step
+    assert lines[-1] == "data: [DONE]"
+    assert '"error"' in lines[-2] and "internal engine error" in lines[-2]
