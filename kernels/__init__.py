@@ -1,8 +1,9 @@
 """Canvas kernels. `kernels.reference` holds the PyTorch twin of every kernel; the Triton
 versions (CUDA) have the same names and signatures. `ops()` returns the implementation the
 engine uses: the Triton kernels on CUDA, the twins on CPU, when `CANVAS_FORCE_TWINS=1`, or when
-triton is not installed. Triton is imported lazily, so CPU-only installs import this package
-without it."""
+triton is not installed. `CANVAS_TRITON_ON_CPU=1` selects the Triton kernels on CPU too (tests
+only: it needs `TRITON_INTERPRET=1`). Triton is imported lazily, so CPU-only installs import this
+package without it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ def twins_forced() -> bool:
     return os.environ.get("CANVAS_FORCE_TWINS", "0") not in ("", "0", "false", "False")
 
 
+def triton_on_cpu() -> bool:
+    """True when `CANVAS_TRITON_ON_CPU=1`: `ops("cpu")` returns the Triton kernels (meaningful
+    only with TRITON_INTERPRET=1, which runs them in Triton's CPU interpreter)."""
+    return os.environ.get("CANVAS_TRITON_ON_CPU", "0") not in ("", "0", "false", "False")
+
+
 def triton_available() -> bool:
     try:
         return importlib.util.find_spec("triton") is not None
@@ -40,8 +47,9 @@ def interpreting() -> bool:
 def ops(device_type: str) -> ModuleType:
     """The kernel module for a device type ("cpu", "cuda"). On CUDA with triton installed and
     the twins not forced: a module with every twin's name, bound to the Triton launcher where
-    one exists and to the twin otherwise."""
-    if device_type != "cuda" or twins_forced() or not triton_available():
+    one exists and to the twin otherwise. On CPU: the twins, unless `CANVAS_TRITON_ON_CPU=1`."""
+    wanted = device_type == "cuda" or (device_type == "cpu" and triton_on_cpu())
+    if not wanted or twins_forced() or not triton_available():
         return reference
     return triton_ops()
 
@@ -90,6 +98,7 @@ __all__ = [
     "ops",
     "reference",
     "triton_available",
+    "triton_on_cpu",
     "triton_ops",
     "twins_forced",
 ]

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +23,16 @@ logger = logging.getLogger(__name__)
 class ServerHandle:
     url: str  # http://127.0.0.1:PORT (no /v1)
     model_name: str
+    state: Any  # server.app.ServerState: the engine and metrics, for tests and the harness
 
 
 @contextlib.contextmanager
 def serve_in_thread(
-    model_dir: Path, flags: Sequence[str] = (), start_timeout_s: float = 120.0
+    model_dir: Path | None, flags: Sequence[str] = (), start_timeout_s: float = 120.0
 ) -> Iterator[ServerHandle]:
-    """Serve `model_dir` with `canvas serve` flags (e.g. --max-num-seqs 64) until the block
-    ends; the engine thread and uvicorn are stopped on exit, also after an error."""
+    """Serve `model_dir` (None: the built-in default model) with `canvas serve` flags (e.g.
+    --max-num-seqs 64) until the block ends; the engine thread and uvicorn are stopped on exit,
+    also after an error."""
     import uvicorn
 
     from server.app import create_app
@@ -37,12 +40,19 @@ def serve_in_thread(
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    args = parser.parse_args(["--model", str(model_dir), "--port", "0", *flags])
+    model = ["--model", str(model_dir)] if model_dir is not None else []
+    args = parser.parse_args([*model, "--port", "0", *flags])
     state, banner = build_state(args)
     for line in banner[:3]:  # the address lines name the requested port 0: skip them
         logger.info("%s", line.strip())
     server = uvicorn.Server(
-        uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning")
+        uvicorn.Config(
+            create_app(state),
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
     )
     thread = threading.Thread(target=server.run, name="canvas-uvicorn", daemon=True)
     thread.start()
@@ -53,9 +63,10 @@ def serve_in_thread(
                 raise RuntimeError("the in-process Canvas server did not start")
             time.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1]
-        yield ServerHandle(f"http://127.0.0.1:{port}", state.model_name)
+        yield ServerHandle(f"http://127.0.0.1:{port}", state.model_name, state)
     finally:
         server.should_exit = True
         thread.join(30)
         if thread.is_alive():
             logger.warning("the in-process server did not stop within 30 s")
+        state.engine.shutdown()  # idempotent: no step may run while Python exits

@@ -80,9 +80,12 @@ class DiffusionLM(nn.Module):
         """Tied, soft-capped head in fp32."""
         logits = F.linear(hidden, self.embed_tokens.weight).float()
         cap = self.cfg.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        if cap is None:
+            return logits
+        if torch.is_grad_enabled():
+            return torch.tanh(logits / cap) * cap
+        # In place (same values, bit for bit): the [rows, vocab] buffer is the step's largest.
+        return logits.div_(cap).tanh_().mul_(cap)
 
     def _rope(
         self, positions: torch.Tensor, dtype: torch.dtype

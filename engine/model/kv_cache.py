@@ -22,6 +22,7 @@ from enum import Enum
 import torch
 
 from engine.model.config import LayerType, TextConfig
+from kernels.reference import PagedRows
 
 
 class Mode(str, Enum):
@@ -77,6 +78,19 @@ class ForwardBatch:
         """[lo, hi) of cached prefix positions this row reads on a layer type."""
         lo = max(0, row.start - (self.sliding_window - 1)) if sliding else 0
         return lo, row.start
+
+    def paged_rows(self, layer_type: LayerType, device: torch.device) -> PagedRows:
+        """The rows as the paged attention kernels see them, with one pool's page tables."""
+        key = ("paged_rows", layer_type, device)
+        if key not in self._cache:
+            self._cache[key] = PagedRows.build(
+                [r.start for r in self.rows],
+                [r.num_tokens for r in self.rows],
+                [r.mode is Mode.DECODE for r in self.rows],
+                [list(r.pages[layer_type]) for r in self.rows],
+                device,
+            )
+        return self._cache[key]  # type: ignore[return-value]
 
     def mask(self, index: int, sliding: bool, device: torch.device) -> torch.Tensor | None:
         """Boolean mask [1, 1, T, S + T] over a row's keys (its cached range, then its new

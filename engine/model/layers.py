@@ -1,5 +1,6 @@
 """Building blocks shared by every backbone: RoPE, attention over the paged cache (one row at
-a time, over exactly its own keys), gated MLPs, the self-conditioning block."""
+a time, over exactly its own keys, with the twins; one paged canvas-attention kernel over all
+rows with the Triton kernels), gated MLPs, the self-conditioning block."""
 
 from __future__ import annotations
 
@@ -81,6 +82,9 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin).transpose(1, 2)  # [1, Hq, N, D]
         k = apply_rope(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
+        if self._use_paged_kernel(ops, cache):
+            out = self._attend_paged(ops, q, k, v, layer, batch, cache)
+            return ops.segment_linear(out.reshape(1, x.shape[1], -1), self.o_proj.weight, seg)
         if len(batch.rows) == 1:  # the common offline case: no slicing, no copies
             out = self._attend_row(q, k, v, 0, layer, batch, cache)
         else:
@@ -95,6 +99,39 @@ class Attention(nn.Module):
             out = torch.cat(parts, dim=2)
         out = out.transpose(1, 2).reshape(1, x.shape[1], -1)
         return ops.segment_linear(out, self.o_proj.weight, seg)
+
+    def _use_paged_kernel(self, ops: object, cache: object) -> bool:
+        """The Triton path: Triton kernels (CUDA, or CANVAS_TRITON_ON_CPU) over a PagedKVCache
+        (never TrainKVCache: the kernels have no backward) at a head_dim they support. The twins
+        keep the per-row path, whose numbers match transformers bit for bit on CPU."""
+        head_dim = self.spec.head_dim
+        return (
+            ops is not kernels.reference
+            and isinstance(cache, PagedKVCache)
+            and head_dim >= 16
+            and head_dim & (head_dim - 1) == 0
+        )
+
+    def _attend_paged(
+        self,
+        ops: object,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """All rows at once: q [1, Hq, N, D], new k/v [1, Hkv, N, D]. ENCODE rows' KV goes into
+        the pools (`write_kv`), then one `canvas_attention` reads every row's prefix straight
+        from the pages. Returns [1, N, Hq, D]."""
+        rows = batch.paged_rows(cache.layer_types[layer], q.device)
+        window = batch.sliding_window if self.spec.is_sliding else 0
+        q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
+        k_pool, v_pool = cache.keys[layer], cache.values[layer]
+        ops.write_kv(k, v, k_pool, v_pool, rows)
+        out = ops.canvas_attention(q, k, v, k_pool, v_pool, rows, window, self.scale)
+        return out[None]
 
     def _attend_row(
         self,

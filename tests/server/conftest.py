@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-import threading
-import time
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
-from server.app import ServerState, create_app
-from server.serve import add_serve_arguments, build_state
+from loadtest.inprocess import serve_in_thread
+from server.app import ServerState
 
 
 @dataclass
@@ -35,36 +33,11 @@ class LiveServer:
 
 
 def start_server(checkpoint: str | None, *flags: str) -> tuple[LiveServer, Callable[[], None]]:
-    """Start a server on `checkpoint` (None: the built-in default model)."""
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
-    model = ["--model", checkpoint] if checkpoint else []
-    args = parser.parse_args([*model, "--port", "0", *flags])
-    state, _ = build_state(args)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(state),
-            host="127.0.0.1",
-            port=0,
-            log_level="warning",
-            timeout_graceful_shutdown=5,
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not (server.started and server.servers):
-        if time.monotonic() > deadline:
-            raise RuntimeError("server did not start")
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(15)
-        state.engine.shutdown()  # idempotent; makes sure no step runs while Python exits
-
-    return LiveServer(f"http://127.0.0.1:{port}", state, state.model_name), stop
+    """Start a server on `checkpoint` (None: the built-in default model); returns it and a stop
+    function."""
+    stack = contextlib.ExitStack()
+    handle = stack.enter_context(serve_in_thread(Path(checkpoint) if checkpoint else None, flags))
+    return LiveServer(handle.url, handle.state, handle.model_name), stack.close
 
 
 @pytest.fixture(scope="session")
