@@ -1,11 +1,11 @@
 """The engine core: requests in, one step at a time, outputs out (synchronous).
 
-    step():  plan = scheduler.schedule() → out = runner.execute(plan) → sample(plan, out)
-             → publish
+    step():  plan = scheduler.schedule() → out = runner.execute(inputs) → sample → publish
 
-`LLM` (offline) drives it in a loop; `AsyncEngine` drives it from its own thread. Each request
-has its own random generator and draws in a fixed order, so its output depends on its prompt,
-parameters and seed only.
+`LLM` (offline) drives it in a loop; `AsyncEngine` drives it from its own thread. The sampler
+follows the model's numerics (`engine.sampling`): batched with counter-based random streams
+(fast) or the reference's per-request generators (exact); either way a request's draws depend
+on its prompt, parameters and seed only.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from engine.kv_pages import KVPages, PageGeometry
+from engine.kv_pages import KVPages, PageGeometry, PageTables
 from engine.model import DiffusionLM, PagedKVCache
 from engine.model.config import LayerType
 from engine.params import DecodeMode, DecodingDefaults, ParamError, ResolvedParams
-from engine.runner import ModelRunner, RowInput, RunOutput
-from engine.sampler import CanvasState, denoise_update, start_canvas
+from engine.request import Request
+from engine.runner import EncodeInput, ModelRunner, RunOutput, StepInputs
+from engine.sampling import Sampled, make_sampling
 from engine.scheduler import RowKind, ScheduledRow, Scheduler, SchedulerConfig, Sequence, StepPlan
 
 
@@ -67,27 +66,6 @@ class StepOutput:
 
 
 @dataclass(slots=True)
-class Request:
-    """Runner-side state of one request (the scheduler keeps its own `Sequence`)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: ResolvedParams
-    generator: torch.Generator
-    want_drafts: bool
-    arrival_time: float = field(default_factory=time.monotonic)
-    output_ids: list[int] = field(default_factory=list)
-    canvas: CanvasState | None = None
-    draft_to_commit: list[int] | None = None
-    steps_per_canvas: list[int] = field(default_factory=list)
-    decoder_passes: int = 0
-    encoder_passes: int = 0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    canvas_started: float = 0.0
-
-
-@dataclass(slots=True)
 class StepStats:
     """Counters of the last step, for metrics and the overhead benchmark."""
 
@@ -95,17 +73,9 @@ class StepStats:
     num_tokens: int = 0
     num_committed: int = 0
     forward_seconds: float = 0.0
+    sample_seconds: float = 0.0  # the sampler's arithmetic and its host transfer
     step_seconds: float = 0.0
     canvas_latencies: list[float] = field(default_factory=list)  # committed canvases
-
-
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
-    return gen
 
 
 def first_cut(
@@ -150,6 +120,7 @@ class Engine:
             self.device,
         )
         self.runner = ModelRunner(model, cache)
+        self.sampling = make_sampling(model, sched.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.last_step = StepStats()
 
@@ -201,18 +172,19 @@ class Engine:
             is_ar=params.mode is DecodeMode.AR,
         )
         self.scheduler.add(seq)
-        self.requests[request_id] = Request(
-            request_id,
-            list(prompt_ids),
-            params,
-            make_generator(params.seed, self.device),
-            want_drafts,
-        )
+        self.requests[request_id] = Request(request_id, list(prompt_ids), params, want_drafts)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its pages. Returns whether it was known."""
         self.scheduler.finish(request_id)
-        return self.requests.pop(request_id, None) is not None
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.sampling.release(req)
+        return req is not None
+
+    @property
+    def numerics(self) -> str:
+        return self.model.kernels.describe()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -226,85 +198,111 @@ class Engine:
             self.last_step = StepStats()
             return []
         self.last_step = StepStats(num_rows=len(plan.rows), num_tokens=plan.num_tokens)
-        out = self.runner.execute(self._inputs(plan))
-        outputs = self._sample(plan, out)
+        denoise, encode = self._split(plan)
+        out = self.runner.execute(self._inputs(denoise, encode))
+        outputs = self._sample(denoise, encode, out)
         self.last_step.num_committed = sum(len(o.new_token_ids) for o in outputs)
         self.last_step.forward_seconds = out.forward_seconds
         self.last_step.step_seconds = time.perf_counter() - start
         return outputs
 
-    def _inputs(self, plan: StepPlan) -> list[RowInput]:
-        inputs = []
+    def _split(
+        self, plan: StepPlan
+    ) -> tuple[list[tuple[ScheduledRow, Request]], list[tuple[ScheduledRow, Request]]]:
+        """The plan's DENOISE and ENCODE rows with their requests; newly running requests get
+        their sampler state."""
         now = time.monotonic()
+        denoise, encode = [], []
         for row in plan.rows:
             req = self.requests[row.seq_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            pages = self.scheduler.running[row.seq_id].pages
-            assert pages is not None
-            if row.kind is RowKind.PREFILL:
-                tokens: list[int] | torch.Tensor = req.prompt_ids[
-                    row.start : row.start + row.num_tokens
-                ]
-                last = req.params.mode is DecodeMode.AR and row.start + row.num_tokens == len(
-                    req.prompt_ids
-                )
-                inputs.append(RowInput(row, tokens, pages, wants_last_logits=last))
-            elif row.kind is RowKind.DENOISE:
-                if req.canvas is None:
-                    req.canvas_started = now
-                    req.canvas = start_canvas(
-                        req.params,
-                        self.model.cfg.vocab_size,
-                        self.canvas_length,
-                        req.generator,
-                        self.device,
-                    )
-                inputs.append(
-                    RowInput(row, req.canvas.canvas, pages, soft_embeds=req.canvas.soft_embeds)
-                )
-            elif row.kind is RowKind.COMMIT:
-                assert req.draft_to_commit is not None
-                inputs.append(RowInput(row, req.draft_to_commit, pages))
-            else:
-                inputs.append(RowInput(row, req.output_ids[-1:], pages, wants_last_logits=True))
-        return inputs
+                self.sampling.admit(req)
+            (denoise if row.kind is RowKind.DENOISE else encode).append((row, req))
+        return denoise, encode
 
-    def _sample(self, plan: StepPlan, out: RunOutput) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
-        denoise = [(k, r) for k, r in enumerate(plan.rows) if r.kind is RowKind.DENOISE]
+    def _pages(self, row: ScheduledRow) -> PageTables:
+        pages = self.scheduler.running[row.seq_id].pages
+        assert pages is not None
+        return pages
+
+    def _inputs(
+        self,
+        denoise: list[tuple[ScheduledRow, Request]],
+        encode: list[tuple[ScheduledRow, Request]],
+    ) -> StepInputs:
+        canvas_ids, soft = None, []
         if denoise:
-            assert out.denoise_logits is not None
-            reqs = [self.requests[r.seq_id] for _, r in denoise]
-            states = [req.canvas for req in reqs]
-            scaled, probs = denoise_update(out.denoise_logits, states, [req.params for req in reqs])  # type: ignore[arg-type]
-            soft = self.model.soft_embed(scaled, probs)
-            for j, ((_, row), req) in enumerate(zip(denoise, reqs, strict=True)):
-                assert req.canvas is not None
-                req.canvas.soft_embeds = soft[j]
-                req.decoder_passes += 1
-                outputs += self._after_denoise(row, req)
-        for k, row in enumerate(plan.rows):
-            if row.kind is RowKind.DENOISE:
-                continue
-            req = self.requests[row.seq_id]
+            now = time.monotonic()
+            for _, req in denoise:
+                if not req.in_canvas:
+                    req.canvas_started = now
+            canvas_ids, soft = self.sampling.canvas_inputs([req for _, req in denoise])
+        return StepInputs(
+            denoise_starts=[row.start for row, _ in denoise],
+            denoise_pages=[self._pages(row) for row, _ in denoise],
+            canvas_ids=canvas_ids,
+            soft_embeds=soft,
+            encode=[self._encode_input(row, req) for row, req in encode],
+        )
+
+    def _encode_input(self, row: ScheduledRow, req: Request) -> EncodeInput:
+        if row.kind is RowKind.PREFILL:
+            tokens = req.prompt_ids[row.start : row.start + row.num_tokens]
+            return EncodeInput(row.start, tokens, self._pages(row), self._wants_token(row, req))
+        if row.kind is RowKind.COMMIT:
+            assert req.draft_to_commit is not None
+            return EncodeInput(row.start, req.draft_to_commit, self._pages(row), False)
+        return EncodeInput(row.start, req.output_ids[-1:], self._pages(row), True)
+
+    def _sample(
+        self,
+        denoise: list[tuple[ScheduledRow, Request]],
+        encode: list[tuple[ScheduledRow, Request]],
+        out: RunOutput,
+    ) -> list[StepOutput]:
+        ar = [(row, req) for row, req in encode if self._wants_token(row, req)]
+        start = time.perf_counter()
+        sampled = self.sampling.sample(
+            out.denoise_logits, [r for _, r in denoise], out.last_logits, [r for _, r in ar]
+        )
+        self.last_step.sample_seconds = time.perf_counter() - start
+        outputs: list[StepOutput] = []
+        for j, (row, req) in enumerate(denoise):
+            req.decoder_passes += 1
+            outputs += self._after_denoise(row, req, sampled, j)
+        tokens = dict(zip([id(r) for _, r in ar], sampled.ar_tokens, strict=True))
+        for row, req in encode:
             req.encoder_passes += 1
             self.scheduler.on_row_done(row)
-            if k in out.last_logits:
-                outputs += self._after_ar_logits(req, out.last_logits[k])
+            if id(req) in tokens:
+                outputs += self._after_ar_token(req, tokens[id(req)])
         return outputs
 
-    def _after_denoise(self, row: ScheduledRow, req: Request) -> list[StepOutput]:
-        canvas = req.canvas
-        assert canvas is not None and canvas.argmax is not None
-        if not canvas.finished:
+    @staticmethod
+    def _wants_token(row: ScheduledRow, req: Request) -> bool:
+        if row.kind is RowKind.AR:
+            return True
+        end = row.start + row.num_tokens
+        return (
+            row.kind is RowKind.PREFILL
+            and req.params.mode is DecodeMode.AR
+            and end == len(req.prompt_ids)
+        )
+
+    def _after_denoise(
+        self, row: ScheduledRow, req: Request, sampled: Sampled, j: int
+    ) -> list[StepOutput]:
+        draft = sampled.drafts[j]
+        if not sampled.finished[j]:
             self.scheduler.on_row_done(row)
-            draft = canvas.argmax.tolist() if req.want_drafts else None
-            return [StepOutput(req.request_id, [], draft=draft)] if draft is not None else []
-        draft = canvas.argmax.tolist()
-        req.steps_per_canvas.append(canvas.num_steps)
+            if req.want_drafts and draft is not None:
+                return [StepOutput(req.request_id, [], draft=draft)]
+            return []
+        assert draft is not None
+        req.steps_per_canvas.append(sampled.num_steps[j])
         self.last_step.canvas_latencies.append(time.monotonic() - req.canvas_started)
-        req.canvas = None
+        req.in_canvas = False
         tokens, reason = first_cut(
             draft, req.params.max_tokens - len(req.output_ids), req.params.eos_token_ids
         )
@@ -313,13 +311,7 @@ class Engine:
             self.scheduler.on_row_done(row, canvas_finished=True)
         return [self._emit(req, tokens, reason)]
 
-    def _after_ar_logits(self, req: Request, logits: torch.Tensor) -> list[StepOutput]:
-        temperature = req.params.temperature
-        if temperature > 0:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=req.generator))
-        else:
-            token = int(logits.argmax())
+    def _after_ar_token(self, req: Request, token: int) -> list[StepOutput]:
         reason = None
         if token in req.params.eos_token_ids:
             reason = "stop"
@@ -336,6 +328,7 @@ class Engine:
             return StepOutput(req.request_id, tokens)
         self.scheduler.finish(req.request_id)
         del self.requests[req.request_id]
+        self.sampling.release(req)
         stats = RequestStats(
             num_prompt_tokens=len(req.prompt_ids),
             num_output_tokens=len(req.output_ids),

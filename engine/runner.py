@@ -1,9 +1,12 @@
-"""Model runner: turns a step plan into tensors, runs one forward pass, returns logits.
+"""Model runner: turns a step's rows into tensors, runs one forward pass, returns logits.
 
-It owns the model and the paged KV pools. Per row it needs the tokens to feed (prompt chunk,
-canvas, committed draft, last AR token) and, for canvases, the self-conditioning input; it
-returns the logits the sampler needs: every canvas position of DENOISE rows and the last
-position of rows that end a prompt or carry an AR token.
+It owns the model and the paged KV pools. DENOISE rows go first in the packed batch (their
+canvas ids and self-conditioning inputs arrive as tensors from the sampler), then the ENCODE
+rows (prompt chunks, commit passes, AR tokens). It returns the logits the sampler needs: every
+canvas position of the DENOISE rows and the last position of rows that end a prompt in AR mode
+or carry an AR token. Fast numerics: one LM-head GEMM over all of them; exact numerics: the
+canvases in one GEMM and each last position on its own (a one-row GEMM's rounding depends on
+the rows it shares, which exact numerics never lets happen).
 """
 
 from __future__ import annotations
@@ -15,26 +18,36 @@ import torch
 
 from engine.kv_pages import PageTables
 from engine.model import DiffusionLM, ForwardBatch, Mode, PagedKVCache
+from engine.model.base import SoftEmbeds
 from engine.model.config import LayerType
 from engine.model.kv_cache import Row
-from engine.scheduler import RowKind, ScheduledRow
 
 
 @dataclass(frozen=True, slots=True)
-class RowInput:
-    """What the runner feeds for one scheduled row."""
+class EncodeInput:
+    """One ENCODE row: its tokens (a prompt chunk, a committed canvas, the last AR token)."""
 
-    row: ScheduledRow
-    tokens: list[int] | torch.Tensor  # [num_tokens]
+    start: int  # position of the first token
+    tokens: list[int]
     pages: PageTables
-    soft_embeds: torch.Tensor | None = None  # DENOISE rows: [L, H] or None on the first step
-    wants_last_logits: bool = False  # ENCODE rows whose last position is sampled (AR)
+    wants_last_logits: bool  # the last position is sampled (AR)
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """What one forward pass runs: DENOISE rows (tensors from the sampler), then ENCODE rows."""
+
+    denoise_starts: list[int]
+    denoise_pages: list[PageTables]
+    canvas_ids: torch.Tensor | None  # [R * L]
+    soft_embeds: SoftEmbeds
+    encode: list[EncodeInput]
 
 
 @dataclass(frozen=True, slots=True)
 class RunOutput:
-    denoise_logits: torch.Tensor | None  # [R, L, V] fp32, DENOISE rows in plan order
-    last_logits: dict[int, torch.Tensor]  # row index -> [V] fp32
+    denoise_logits: torch.Tensor | None  # [R * L, V] fp32, DENOISE rows in input order
+    last_logits: torch.Tensor | None  # [R_last, V] fp32, ENCODE rows wanting them, in order
     forward_seconds: float
 
 
@@ -43,42 +56,54 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = model.embed_tokens.weight.device
+        self.canvas_length = model.config.canvas_length
 
     @torch.inference_mode()
-    def execute(self, inputs: list[RowInput]) -> RunOutput:
-        batch = ForwardBatch(
-            rows=[self._row(i) for i in inputs],
-            sliding_window=self.model.cfg.sliding_window,
-            page_size=self.cache.page_size,
-        )
-        ids = torch.cat([torch.as_tensor(i.tokens, dtype=torch.long) for i in inputs]).to(
-            self.device
-        )
-        soft = [i.soft_embeds for i in inputs if i.row.kind is RowKind.DENOISE]
+    def execute(self, step: StepInputs) -> RunOutput:
+        batch = self._batch(step)
+        encode_ids = [t for e in step.encode for t in e.tokens]
+        parts = [] if step.canvas_ids is None else [step.canvas_ids]
+        if encode_ids:
+            parts.append(torch.tensor(encode_ids, dtype=torch.long).to(self.device))
+        ids = torch.cat(parts) if len(parts) > 1 else parts[0]
         start = time.perf_counter()
-        hidden = self.model(ids, soft, batch, self.cache)  # [N, H]
-        spans = [(o, i.row.num_tokens) for o, i in zip(batch.offsets, inputs, strict=True)]
-        denoise = [s for s, i in zip(spans, inputs, strict=True) if i.row.kind is RowKind.DENOISE]
-        denoise_logits = None
-        if denoise:
-            length = denoise[0][1]
-            if len(denoise) == len(inputs):
-                rows_hidden = hidden
-            else:
-                rows_hidden = torch.cat([hidden[o : o + n] for o, n in denoise])
-            denoise_logits = self.model.logits(rows_hidden).view(len(denoise), length, -1)
-        last = {
-            k: self.model.logits(hidden[o + n - 1])
-            for k, ((o, n), i) in enumerate(zip(spans, inputs, strict=True))
-            if i.wants_last_logits
-        }
-        return RunOutput(denoise_logits, last, time.perf_counter() - start)
+        hidden = self.model(ids, step.soft_embeds, batch, self.cache)  # [N, H]
+        num_canvas = len(step.denoise_starts) * self.canvas_length
+        last = [o + len(e.tokens) - 1 for o, e in self._encode_offsets(step, num_canvas)]
+        last = [i for i, e in zip(last, step.encode, strict=True) if e.wants_last_logits]
+        denoise_logits, last_logits = self._logits(hidden, num_canvas, last)
+        return RunOutput(denoise_logits, last_logits, time.perf_counter() - start)
 
-    def _row(self, inp: RowInput) -> Row:
-        mode = Mode.DECODE if inp.row.kind is RowKind.DENOISE else Mode.ENCODE
-        return Row(
-            mode=mode,
-            start=inp.row.start,
-            num_tokens=inp.row.num_tokens,
-            pages={LayerType.FULL: inp.pages.full, LayerType.SLIDING: inp.pages.sliding()},
-        )
+    def _logits(
+        self, hidden: torch.Tensor, num_canvas: int, last: list[int]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        head = self.model.logits
+        if not last:
+            return (head(hidden[:num_canvas]) if num_canvas else None), None
+        if self.model.kernels.exact:
+            denoise = head(hidden[:num_canvas]) if num_canvas else None
+            return denoise, torch.stack([head(hidden[i]) for i in last])
+        index = torch.tensor(last, dtype=torch.long).to(self.device)
+        rows = torch.cat([hidden[:num_canvas], hidden[index]]) if num_canvas else hidden[index]
+        logits = head(rows)  # one GEMM over every position that is sampled
+        return (logits[:num_canvas] if num_canvas else None), logits[num_canvas:]
+
+    @staticmethod
+    def _encode_offsets(step: StepInputs, first: int) -> list[tuple[int, EncodeInput]]:
+        out, offset = [], first
+        for e in step.encode:
+            out.append((offset, e))
+            offset += len(e.tokens)
+        return out
+
+    def _batch(self, step: StepInputs) -> ForwardBatch:
+        rows = [
+            Row(Mode.DECODE, start, self.canvas_length, _tables(pages))
+            for start, pages in zip(step.denoise_starts, step.denoise_pages, strict=True)
+        ]
+        rows += [Row(Mode.ENCODE, e.start, len(e.tokens), _tables(e.pages)) for e in step.encode]
+        return ForwardBatch(rows, self.model.cfg.sliding_window, self.cache.page_size)
+
+
+def _tables(pages: PageTables) -> dict[LayerType, list[int]]:
+    return {LayerType.FULL: pages.full, LayerType.SLIDING: pages.sliding()}

@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -108,20 +105,6 @@ class TemperatureRange:
 
     t_min: float
     t_max: float
-
-
-@contextmanager
-def autograd_kernels() -> Iterator[None]:
-    """Force the PyTorch twins: the Triton kernels (CUDA) have no backward."""
-    previous = os.environ.get("CANVAS_FORCE_TWINS")
-    os.environ["CANVAS_FORCE_TWINS"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["CANVAS_FORCE_TWINS"]
-        else:
-            os.environ["CANVAS_FORCE_TWINS"] = previous
 
 
 def own_aligned_memory(model: DiffusionLM) -> None:
@@ -356,7 +339,15 @@ def train(cfg: TrainConfig) -> Path:
     resume_from = _start(cfg)
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
-    model = load_model(resume_from or cfg.model_dir, dtype=cfg.dtype, device=cfg.device)
+    # The twins in exact numerics: autograd needs the PyTorch ops (the Triton kernels have no
+    # backward), and exact resume needs batch-invariant values.
+    model = load_model(
+        resume_from or cfg.model_dir,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        exact=True,
+        kernels="twins",
+    )
     defaults = DecodingDefaults.from_checkpoint(cfg.model_dir, model.cfg.eos_token_ids)
     spec = _data_spec(cfg, model, defaults)
     sampler = ExampleSampler(load_sequences(cfg, model, spec, defaults), spec)
@@ -372,7 +363,7 @@ def train(cfg: TrainConfig) -> Path:
     truncate_log(log, step)
     temps = TemperatureRange(defaults.t_min, defaults.t_max)
     bar = tqdm(total=cfg.steps, initial=step, desc="canvas train", disable=not cfg.progress)
-    with autograd_kernels(), log.open("a") as log_file:
+    with log.open("a") as log_file:
         while step < cfg.steps:
             step += 1
             examples = sampler.sample(cfg.batch_size, generator)

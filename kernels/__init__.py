@@ -1,9 +1,8 @@
 """Canvas kernels. `kernels.reference` holds the PyTorch twin of every kernel; the Triton
-versions (CUDA) have the same names and signatures. `ops()` returns the implementation the
-engine uses: the Triton kernels on CUDA, the twins on CPU, when `CANVAS_FORCE_TWINS=1`, or when
-triton is not installed. `CANVAS_TRITON_ON_CPU=1` selects the Triton kernels on CPU too (tests
-only: it needs `TRITON_INTERPRET=1`). Triton is imported lazily, so CPU-only installs import this
-package without it."""
+versions (CUDA) have the same names and signatures. `resolve_kernels()` picks, once at load,
+the `KernelSet` an engine runs with — a backend (Triton kernels or the twins) and a numerics
+(fast or exact) — and the model binds it onto its modules; nothing on the hot path reads the
+environment. Triton is imported lazily, so CPU-only installs import this package without it."""
 
 from __future__ import annotations
 
@@ -11,8 +10,10 @@ import functools
 import importlib
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -20,16 +21,7 @@ from kernels import reference
 
 # Each module exports KERNELS: its launchers, named exactly as their twins in `reference`.
 TRITON_MODULES = ("kernels.triton_attention", "kernels.triton_moe", "kernels.triton_sampler")
-
-
-def twins_forced() -> bool:
-    return os.environ.get("CANVAS_FORCE_TWINS", "0") not in ("", "0", "false", "False")
-
-
-def triton_on_cpu() -> bool:
-    """True when `CANVAS_TRITON_ON_CPU=1`: `ops("cpu")` returns the Triton kernels (meaningful
-    only with TRITON_INTERPRET=1, which runs them in Triton's CPU interpreter)."""
-    return os.environ.get("CANVAS_TRITON_ON_CPU", "0") not in ("", "0", "false", "False")
+BACKENDS = ("auto", "triton", "twins")
 
 
 def triton_available() -> bool:
@@ -44,20 +36,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
-def ops(device_type: str) -> ModuleType:
-    """The kernel module for a device type ("cpu", "cuda"). On CUDA with triton installed and
-    the twins not forced: a module with every twin's name, bound to the Triton launcher where
-    one exists and to the twin otherwise. On CPU: the twins, unless `CANVAS_TRITON_ON_CPU=1`."""
-    wanted = device_type == "cuda" or (device_type == "cpu" and triton_on_cpu())
-    if not wanted or twins_forced() or not triton_available():
-        return reference
-    return triton_ops()
-
-
 @functools.cache
 def triton_ops() -> ModuleType:
-    """The Triton implementations (twins where none exists), whatever the device: `ops` uses it
-    on CUDA; tests and the benchmark's dry run use it under TRITON_INTERPRET=1 on CPU."""
+    """The Triton implementations (twins where none exists), whatever the device: CUDA engines
+    bind them; tests and the benchmark's dry run use them under TRITON_INTERPRET=1 on CPU."""
     module = ModuleType("kernels.triton_ops", "Triton kernels, twins where none exists.")
     public = {k: v for k, v in vars(reference).items() if not k.startswith("_")}
     module.__dict__.update(public)
@@ -66,6 +48,97 @@ def triton_ops() -> ModuleType:
             assert launcher.__name__ in public, f"{name}.{launcher.__name__} has no twin"
             setattr(module, launcher.__name__, launcher)
     return module
+
+
+def _batched(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` over all tokens of a step at once: the per-request `segments` are dropped."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, segments: list[int] | None = None) -> Any:
+        return fn(*args)
+
+    return call
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSet:
+    """The kernels one engine runs, chosen once (`resolve_kernels`) and bound onto the model.
+
+    `exact`: reference-exact numerics — per-request GEMMs below `reference.SMALL_ROWS` rows,
+    experts grouped per request, attention one row at a time in the reference's order, so a
+    request's values never depend on its batch and match transformers bit for bit on CPU.
+    Fast numerics: one GEMM per projection over all rows, experts grouped over all tokens, one
+    attention call over all rows. Every callable takes the same arguments in both numerics
+    (`segments`, rows per request, is ignored where batching needs no per-request split).
+    """
+
+    backend: str  # "triton" | "twins"
+    exact: bool
+    rms_norm: Callable[..., torch.Tensor]
+    linear: Callable[..., torch.Tensor]
+    route_experts: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    fused_moe: Callable[..., torch.Tensor]
+    write_kv: Callable[..., None]
+    canvas_attention: Callable[..., torch.Tensor]
+    fused_sample: Callable[..., reference.SampleResult]
+    entropy_accept: Callable[..., torch.Tensor]
+    soft_embedding: Callable[..., torch.Tensor]
+
+    @property
+    def numerics(self) -> str:
+        return "exact" if self.exact else "fast"
+
+    def describe(self) -> str:
+        return f"{self.numerics} numerics, {self.backend} kernels"
+
+    def with_twin_attention(self) -> KernelSet:
+        """This set with the twins' attention and KV writes (for head dims Triton lacks)."""
+        attend = reference.canvas_attention_rowwise if self.exact else reference.canvas_attention
+        return replace(self, write_kv=reference.write_kv, canvas_attention=attend)
+
+
+def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False) -> KernelSet:
+    """The kernel set for a device type ("cpu", "cuda"). backend "auto": Triton on CUDA when
+    triton is installed, else the twins; "triton" everywhere it is asked for (on CPU only
+    under TRITON_INTERPRET=1: tests); "twins": the PyTorch twins."""
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if device_type == "cuda" and triton_available() else "twins"
+    if backend == "triton" and not triton_available():
+        raise ValueError("kernel backend 'triton' needs the triton package (pip install triton)")
+    ops: Any = triton_ops() if backend == "triton" else reference
+    if exact:
+        # Triton's router, experts and attention are batch invariant by construction; the
+        # twins keep the reference's per-request order.
+        return KernelSet(
+            backend=backend,
+            exact=True,
+            rms_norm=reference.rms_norm,
+            linear=reference.segment_linear,
+            route_experts=ops.route_experts,
+            fused_moe=ops.fused_moe,
+            write_kv=ops.write_kv,
+            canvas_attention=(
+                ops.canvas_attention if backend == "triton" else reference.canvas_attention_rowwise
+            ),
+            fused_sample=ops.fused_sample,
+            entropy_accept=ops.entropy_accept,
+            soft_embedding=ops.soft_embedding,
+        )
+    return KernelSet(
+        backend=backend,
+        exact=False,
+        rms_norm=reference.rms_norm,
+        linear=reference.linear,
+        route_experts=_batched(ops.route_experts),
+        fused_moe=_batched(ops.fused_moe),
+        write_kv=ops.write_kv,
+        canvas_attention=ops.canvas_attention,
+        fused_sample=ops.fused_sample,
+        entropy_accept=ops.entropy_accept,
+        soft_embedding=ops.soft_embedding,
+    )
 
 
 def expect(
@@ -92,13 +165,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 __all__ = [
+    "BACKENDS",
+    "KernelSet",
     "dot_precision",
     "expect",
     "interpreting",
-    "ops",
     "reference",
+    "resolve_kernels",
     "triton_available",
-    "triton_on_cpu",
     "triton_ops",
-    "twins_forced",
 ]

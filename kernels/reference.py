@@ -42,6 +42,13 @@ def segment_linear(x: torch.Tensor, weight: torch.Tensor, segments: list[int]) -
     return torch.cat(parts).view(*x.shape[:-1], weight.shape[0])
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, segments: list[int]) -> torch.Tensor:
+    """x [..., N, In] @ weight[Out, In]^T as one GEMM over all rows (fast numerics: a row's
+    value may differ in the last bit with the batch it shares, which `segment_linear` avoids)."""
+    del segments
+    return F.linear(x, weight)
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
@@ -152,6 +159,11 @@ class PagedRows:
     decode: torch.Tensor  # [R] int32
     page_table: torch.Tensor  # [R, max_pages] int32
     max_tokens: int
+    max_start: int = 0  # the largest `start`, on the host (bounds a row's prefix range)
+
+    def max_prefix(self, window: int) -> int:
+        """The longest prefix range any row reads on a layer with this window (0 = full)."""
+        return min(self.max_start, window - 1) if window > 0 else self.max_start
 
     @staticmethod
     def build(
@@ -176,6 +188,7 @@ class PagedRows:
             decode=i32([int(d) for d in decode]),
             page_table=i32(table),
             max_tokens=max(num_tokens),
+            max_start=max(starts),
         )
 
 
@@ -191,7 +204,7 @@ def _host_rows(rows: PagedRows) -> list[tuple[int, int, int, int, list[int]]]:
     return list(zip(*columns, rows.page_table.tolist(), strict=True))
 
 
-def _gather_pages(pool: torch.Tensor, pages: list[int], lo: int, hi: int) -> torch.Tensor:
+def gather_pages(pool: torch.Tensor, pages: list[int], lo: int, hi: int) -> torch.Tensor:
     """Positions [lo, hi) of a row from pool [P, Hkv, page, D] -> [Hkv, hi - lo, D]."""
     size = pool.shape[2]
     if hi <= lo:
@@ -218,14 +231,74 @@ def canvas_attention(
     pools: [num_pages, Hkv, page_size, D], read-only here. A row reads its prefix range
     (`prefix_range(start, window)`), then its new keys: all of them for a DECODE row; for an
     ENCODE row a key at position p is visible to a query at position q iff p <= q and (sliding
+    layers) p > q - window. Returns [N, Hq, D].
+
+    All rows in one attention call: rows are padded to the longest prefix range and the longest
+    row, every row's keys gathered from its pages by index tensors, and a boolean mask hides the
+    padding (tensor ops only, no loop over rows).
+    """
+    num_rows, num_new = rows.start.shape[0], q.shape[0]
+    dev = q.device
+    start, count = rows.start.long(), rows.num_tokens.long()
+    decode = rows.decode.bool()[:, None, None]  # [R, 1, 1]
+    lo = (start - (window - 1)).clamp(min=0) if window > 0 else torch.zeros_like(start)
+    prefix_len = rows.max_prefix(window)
+    j = torch.arange(prefix_len, device=dev)
+    prefix_pos = lo[:, None] + j  # [R, S]
+    prefix_ok = prefix_pos < start[:, None]
+    pos = torch.where(prefix_ok, prefix_pos, 0)
+    size = k_pool.shape[2]
+    page = torch.where(prefix_ok, rows.page_table.long().gather(1, pos // size), 0)  # [R, S]
+    slot = pos % size
+    t = torch.arange(rows.max_tokens, device=dev)
+    new_ok = t < count[:, None]  # [R, T]
+    token = torch.where(new_ok, rows.offset.long()[:, None] + t, 0)  # packed index [R, T]
+    hide = ~prefix_ok[:, :, None, None]  # padding reads page 0: zero it (pages may hold NaN)
+    prefix_k = k_pool[page, :, slot].masked_fill_(hide, 0.0)  # [R, S, Hkv, D]
+    prefix_v = v_pool[page, :, slot].masked_fill_(hide, 0.0)
+    keys = torch.cat([prefix_k, k[token]], 1).transpose(1, 2)  # [R, Hkv, S+T, D]
+    values = torch.cat([prefix_v, v[token]], 1).transpose(1, 2)
+    queries = q[token].transpose(1, 2)  # [R, Hq, T, D]
+    q_pos = (start[:, None] + t)[:, :, None]  # [R, T, 1]
+    key_pos = torch.cat([prefix_pos, start[:, None] + t], 1)[:, None, :]  # [R, 1, S+T]
+    key_ok = torch.cat([prefix_ok, new_ok], 1)[:, None, :]
+    visible = key_pos <= q_pos
+    if window > 0:
+        visible &= key_pos > q_pos - window
+    visible = key_ok & (visible | decode)  # [R, T, S+T]
+    # Padding queries see every real key (never an all-masked row: SDPA would give NaN).
+    visible = torch.where(new_ok[:, :, None], visible, key_ok)
+    out = attention(queries, keys, values, visible[:, None], scale)  # [R, Hq, T, D]
+    row = torch.repeat_interleave(torch.arange(num_rows, device=dev), count, output_size=num_new)
+    return out.transpose(1, 2)[row, torch.arange(num_new, device=dev) - rows.offset.long()[row]]
+
+
+def canvas_attention_rowwise(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    rows: PagedRows,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """`canvas_attention` one row at a time, each over exactly its own keys, in the
+    transformers reference's operation order: exact numerics (bit-identical to the reference on
+    CPU, batch invariant). Same contract as `canvas_attention`.
+
+    q: [N, Hq, D]; k, v: [N, Hkv, D] (the packed new tokens of all rows, Hq a multiple of Hkv);
+    pools: [num_pages, Hkv, page_size, D], read-only here. A row reads its prefix range
+    (`prefix_range(start, window)`), then its new keys: all of them for a DECODE row; for an
+    ENCODE row a key at position p is visible to a query at position q iff p <= q and (sliding
     layers) p > q - window — `ForwardBatch._build_mask` exactly. Returns [N, Hq, D].
     """
     out = torch.empty_like(q)
     for start, offset, n, decode, table in _host_rows(rows):
         lo, hi = prefix_range(start, window)
         new = slice(offset, offset + n)
-        keys = torch.cat([_gather_pages(k_pool, table, lo, hi), k[new].transpose(0, 1)], 1)
-        values = torch.cat([_gather_pages(v_pool, table, lo, hi), v[new].transpose(0, 1)], 1)
+        keys = torch.cat([gather_pages(k_pool, table, lo, hi), k[new].transpose(0, 1)], 1)
+        values = torch.cat([gather_pages(v_pool, table, lo, hi), v[new].transpose(0, 1)], 1)
         mask = None
         if not decode:
             key_pos = torch.cat([torch.arange(lo, hi), torch.arange(start, start + n)])
@@ -243,15 +316,22 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: PagedRows
 ) -> None:
     """Store the new k, v ([N, Hkv, D]) of every ENCODE row at positions start.. of its pages
-    (in place); DECODE rows write nothing."""
-    size = k_pool.shape[2]
-    for start, offset, n, decode, table in _host_rows(rows):
-        if decode:
-            continue
-        for i in range(n):
-            page, slot = table[(start + i) // size], (start + i) % size
-            k_pool[page, :, slot] = k[offset + i]
-            v_pool[page, :, slot] = v[offset + i]
+    (in place); DECODE rows write nothing. One indexed copy for all rows (values are copied,
+    never computed, so this is exact in both numerics)."""
+    num_new, size = k.shape[0], k_pool.shape[2]
+    if num_new == 0:
+        return
+    row = torch.repeat_interleave(
+        torch.arange(rows.start.shape[0], device=k.device),
+        rows.num_tokens.long(),
+        output_size=num_new,
+    )  # [N] row of each packed token
+    pos = rows.start.long()[row] + torch.arange(num_new, device=k.device) - rows.offset.long()[row]
+    keep = rows.decode[row] == 0
+    page = rows.page_table.long()[row, pos // size][keep]
+    slot = (pos % size)[keep]
+    k_pool[page, :, slot] = k[keep]
+    v_pool[page, :, slot] = v[keep]
 
 
 # -- fused sampler ------------------------------------------------------------------------------
@@ -300,31 +380,48 @@ class SampleResult:
     lse: torch.Tensor  # [P] fp32
 
 
-def fused_sample(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor
-) -> SampleResult:
-    """Sample every canvas position from softmax(logits / T) by an exponential race.
+# Positions per chunk of the twin sampler: bounds its [chunk, V] fp32 temporaries to 64 MiB.
+_SAMPLE_CHUNK_ELEMENTS = 1 << 24
 
-    logits: [P, V] fp32; temperature: [P] fp32; seeds, offsets: [P] int64. Position p's random
-    stream is Philox(seeds[p]) at counters offsets[p] + i for vocabulary entry i, so callers
-    advance a position's offset by at least V between draws. The sample is argmax_i p_i / E_i
-    with E_i = -log(u_i), computed as argmax_i (s_i - log E_i) with s = logits / T (the same
-    argmax, and independent of the normaliser). Ties go to the lowest index.
+
+def fused_sample(
+    logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
+) -> SampleResult:
+    """Sample every position from softmax(logits / T) by inverse transform sampling.
+
+    logits: [P, V] fp32; temperature: [P] fp32 (> 0); uniform: [P] fp32 in [0, 1), one random
+    number per position (callers draw them from a counter-based stream). The sample is the
+    first index i whose cumulative probability exceeds u: one uniform per position, where an
+    exponential race needs V of them (on a CPU the random numbers, not the softmax, would
+    dominate). Entropy = lse - sum p * s with s = logits / T, from the same probabilities.
+    Ties of the argmax go to the lowest index.
     """
     num_positions, vocab = logits.shape
-    sample = torch.empty(num_positions, dtype=torch.int64, device=logits.device)
-    chunk = max(1, (1 << 22) // vocab)  # bound the int64 Philox temporaries to ~32 MiB each
-    vocab_ids = torch.arange(vocab, device=logits.device)
-    scaled = logits / temperature[:, None]  # [P, V]
+    dev = logits.device
+    result = SampleResult(
+        sample=torch.empty(num_positions, dtype=torch.int64, device=dev),
+        argmax=torch.empty(num_positions, dtype=torch.int64, device=dev),
+        entropy=torch.empty(num_positions, dtype=torch.float32, device=dev),
+        lse=torch.empty(num_positions, dtype=torch.float32, device=dev),
+    )
+    chunk = max(1, _SAMPLE_CHUNK_ELEMENTS // max(vocab, 1))
     for p0 in range(0, num_positions, chunk):
         rows = slice(p0, p0 + chunk)
-        u = philox_uniform(seeds[rows, None], offsets[rows, None] + vocab_ids)
-        race = scaled[rows] - torch.log(-torch.log(u))
-        sample[rows] = race.argmax(dim=-1)
-    lse = torch.logsumexp(scaled, dim=-1)
-    log_probs = scaled - lse[:, None]
-    entropy = -(torch.exp(log_probs) * log_probs).nan_to_num().sum(-1)
-    return SampleResult(sample=sample, argmax=scaled.argmax(dim=-1), entropy=entropy, lse=lse)
+        shifted = logits[rows] / temperature[rows, None]  # [C, V] s = logits / T
+        top, result.argmax[rows] = shifted.max(dim=-1)
+        shifted -= top[:, None]  # s - max: keeps the entropy's difference precise
+        shifted.clamp_(min=torch.finfo(torch.float32).min)  # masked (-inf) logits: p * s = 0
+        log_z = torch.logsumexp(shifted, dim=-1)
+        probs = torch.exp(shifted - log_z[:, None])
+        result.entropy[rows] = (log_z - torch.linalg.vecdot(probs, shifted)).clamp_(min=0)
+        result.lse[rows] = top + log_z
+        del shifted
+        cdf = probs.cumsum_(dim=-1)  # in place
+        target = (uniform[rows] * cdf[:, -1])[:, None]
+        result.sample[rows] = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(
+            max=vocab - 1
+        )
+    return result
 
 
 def entropy_accept(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
@@ -349,6 +446,14 @@ def soft_embedding(
     logits: [P, V] fp32; temperature, lse: [P] fp32 (lse from `fused_sample`); weight: [V, H]
     (the embedding matrix); scale: sqrt(hidden) as the model rounds it. The probabilities are
     exp(logits / T - lse) in fp32, cast to weight's dtype, then multiplied (fp32 accumulation).
+    A few positions at a time, as `fused_sample`: the [chunk, V] probabilities are the only
+    temporary of vocabulary size.
     """
-    probs = torch.exp(logits / temperature[:, None] - lse[:, None])  # [P, V]
-    return torch.matmul(probs.to(weight.dtype), weight) * torch.tensor(scale, dtype=weight.dtype)
+    num_positions, vocab = logits.shape
+    out = logits.new_empty(num_positions, weight.shape[1], dtype=weight.dtype)
+    chunk = max(1, _SAMPLE_CHUNK_ELEMENTS // max(vocab, 1))
+    for p0 in range(0, num_positions, chunk):
+        rows = slice(p0, p0 + chunk)
+        probs = (logits[rows] / temperature[rows, None]).sub_(lse[rows, None]).exp_()  # [C, V]
+        torch.matmul(probs.to(weight.dtype), weight, out=out[rows])
+    return out * torch.tensor(scale, dtype=weight.dtype)

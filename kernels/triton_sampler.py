@@ -1,11 +1,11 @@
 """The fused diffusion sampler, in Triton. Twins: `reference.fused_sample`,
 `reference.entropy_accept`, `reference.soft_embedding` (same signatures, same contracts).
 
-- `fused_sample`: one program per canvas position streams its logits once over the whole
-  vocabulary (BLOCK_V at a time) and keeps, per lane, an online softmax (max, normaliser,
-  sum of p * log p terms), the argmax and the exponential race max. Random numbers are
-  `tl.rand(seed, offset + i)`; the twin reproduces them bit for bit. Nothing of size V is
-  written: the outputs are four numbers per position.
+- `fused_sample`: one program per canvas position streams its logits over the vocabulary
+  (BLOCK_V at a time): a first pass keeps, per lane, an online softmax (max, normaliser, sum
+  of p * log p terms) and the argmax; a second pass walks the cumulative probabilities tile by
+  tile to the one uniform number of the position (inverse transform sampling). Nothing of
+  size V is written: the outputs are four numbers per position.
 - `entropy_accept`: one program per canvas sorts (entropy, position) pairs packed into int64
   keys, takes the exclusive prefix sum and scatters the acceptance back.
 - `soft_embedding`: a GEMM whose A operand, the probabilities exp(logits / T - lse), is
@@ -38,31 +38,24 @@ def _argmax_finish(best, best_id, vocab):
 
 @triton.jit
 def _sample_kernel(
-    logits_ptr, temp_ptr, seed_ptr, offset_ptr,
+    logits_ptr, temp_ptr, uniform_ptr,
     sample_ptr, argmax_ptr, entropy_ptr, lse_ptr,
     vocab, stride_p, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     pos = tl.program_id(0)
     row = logits_ptr + pos.to(tl.int64) * stride_p
     temp = tl.load(temp_ptr + pos)
-    seed = tl.load(seed_ptr + pos)
-    offset = tl.load(offset_ptr + pos)
     lane = tl.arange(0, BLOCK_V)
     neg_inf = tl.full([BLOCK_V], float("-inf"), tl.float32)
     m = neg_inf  # per-lane running max of s = logits / T
     z = tl.zeros([BLOCK_V], tl.float32)  # sum exp(s - m)
     a = tl.zeros([BLOCK_V], tl.float32)  # sum exp(s - m) * (s - m)
     top, top_id = neg_inf, tl.zeros([BLOCK_V], tl.int32)
-    race, race_id = neg_inf, tl.zeros([BLOCK_V], tl.int32)
     for v0 in range(0, vocab, BLOCK_V):
         cols = v0 + lane
         mask = cols < vocab
         s = tl.load(row + cols, mask=mask, other=float("-inf")) / temp
         top, top_id = _argmax_update(top, top_id, s, cols)
-        u = tl.rand(seed, offset + cols.to(tl.int64))
-        # argmax p_i / E_i (E_i = -log u_i ~ Exp(1)) = argmax s_i - log E_i.
-        key = tl.where(mask, s - tl.log(-tl.log(u)), float("-inf"))
-        race, race_id = _argmax_update(race, race_id, key, cols)
         m_new = tl.maximum(m, s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         shift = m_safe - tl.where(m == float("-inf"), m_safe, m)  # 0 while the lane is empty
@@ -79,10 +72,25 @@ def _sample_kernel(
     z_all = tl.sum(decay * z, 0)
     a_all = tl.sum(decay * (a - shift * z), 0)
     log_z = tl.log(z_all)
-    tl.store(entropy_ptr + pos, log_z - a_all / z_all)
+    tl.store(entropy_ptr + pos, tl.maximum(log_z - a_all / z_all, 0.0))
     tl.store(lse_ptr + pos, m_all + log_z)
     tl.store(argmax_ptr + pos, _argmax_finish(top, top_id, vocab).to(tl.int64))
-    tl.store(sample_ptr + pos, _argmax_finish(race, race_id, vocab).to(tl.int64))
+    # Inverse transform: the first index whose running sum of exp(s - max) exceeds u * total.
+    target = tl.load(uniform_ptr + pos) * z_all
+    running = tl.sum(tl.zeros([BLOCK_V], tl.float32), 0)
+    found = tl.max(tl.zeros([BLOCK_V], tl.int32), 0) + vocab
+    # The last index with a non-zero probability: rounding can leave u * total unmet.
+    last = tl.max(tl.zeros([BLOCK_V], tl.int32), 0)
+    for v0 in range(0, vocab, BLOCK_V):
+        cols = v0 + lane
+        mask = cols < vocab
+        s = tl.load(row + cols, mask=mask, other=float("-inf")) / temp
+        e = tl.where(mask, tl.exp(s - m_all), 0.0)
+        cdf = tl.cumsum(e, 0) + running
+        found = tl.minimum(found, tl.min(tl.where((cdf > target) & mask, cols, vocab), 0))
+        last = tl.maximum(last, tl.max(tl.where(e > 0.0, cols, 0), 0))
+        running += tl.sum(e, 0)
+    tl.store(sample_ptr + pos, tl.where(found < vocab, found, last).to(tl.int64))
 
 
 @triton.jit
@@ -152,14 +160,11 @@ def _check_positions(logits: torch.Tensor, *per_position: tuple[torch.Tensor, st
 
 
 def fused_sample(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
 ) -> SampleResult:
     """See `reference.fused_sample`."""
     _check_positions(
-        logits,
-        (temperature, "temperature", torch.float32),
-        (seeds, "seeds", torch.int64),
-        (offsets, "offsets", torch.int64),
+        logits, (temperature, "temperature", torch.float32), (uniform, "uniform", torch.float32)
     )
     num_pos, vocab = logits.shape
     dev = logits.device
@@ -173,7 +178,7 @@ def fused_sample(
         return result
     block_v = min(64 if interpreting() else 2048, triton.next_power_of_2(vocab))
     _sample_kernel[(num_pos,)](
-        logits, temperature, seeds, offsets,
+        logits, temperature, uniform,
         result.sample, result.argmax, result.entropy, result.lse,
         vocab, logits.stride(0), BLOCK_V=block_v, num_warps=8,
     )  # fmt: skip

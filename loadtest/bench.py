@@ -6,10 +6,15 @@ Same checkpoint (the `bench-small` preset, built once into a cache directory), s
 same token budgets, same fixed number of denoising steps, measured one after the other in this
 process with the same torch thread count:
 
-1. Canvas (in-process server, streaming OpenAI requests) at each --concurrency, diffusion mode;
+1. Canvas (in-process server, streaming OpenAI requests) at each --concurrency, diffusion mode,
+   fast numerics (the default);
 2. Canvas in AR mode at each --ar-concurrency;
-3. the reference `generate()` one request at a time (the first --reference-requests prompts,
+3. Canvas with `--exact` numerics at each --exact-concurrency, diffusion mode;
+4. the reference `generate()` one request at a time (the first --reference-requests prompts,
    the same ones, with the same seeds, as Canvas' concurrency-1 run) and in static batches.
+
+It also measures this machine's fp32 GEMM rate and computes the FLOP floor of decoding the
+checkpoint (`loadtest.floor`), so every diffusion throughput reads as a fraction of the floor.
 
 Random weights never converge like a trained model's, so the adaptive stop is disabled and
 every canvas runs exactly --denoising-steps steps (vLLM's published DiffusionGemma benchmark
@@ -36,6 +41,7 @@ from typing import Any
 
 from loadtest.bench_report import Measurements, assemble, write_bench_report
 from loadtest.client import RequestSpec
+from loadtest.floor import Floor, compute_floor
 from loadtest.loadgen import Level, LevelResult, LoadConfig, make_client, run_level, warm_up
 from loadtest.prompts import PROMPT_SETS, Prompt, make_prompts
 from loadtest.stats import summarize
@@ -55,6 +61,7 @@ class BenchConfig:
     preset: str = "bench-small"
     concurrency: tuple[int, ...] = (1, 4, 16, 64)
     ar_concurrency: tuple[int, ...] = (16,)
+    exact_concurrency: tuple[int, ...] = (1, 16)
     num_requests: int = 32  # per level above concurrency 1 (at least the concurrency)
     reference_requests: int = 8  # one at a time, and Canvas at concurrency 1
     static_batch: int = 16
@@ -79,8 +86,10 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
-        if self.ar_concurrency and min(self.ar_concurrency) < 1:
-            raise ValueError(f"AR concurrency levels must be >= 1, got {self.ar_concurrency}")
+        for name in ("ar_concurrency", "exact_concurrency"):
+            levels = getattr(self, name)
+            if levels and min(levels) < 1:
+                raise ValueError(f"{name} levels must be >= 1, got {levels}")
         if self.prompt_set not in PROMPT_SETS:
             raise ValueError(f"unknown prompt set {self.prompt_set!r}")
         from engine.tiny import PRESETS  # light: the weights code imports torch lazily
@@ -97,6 +106,7 @@ TOY = {
     "preset": "c16",
     "concurrency": (1, 2),
     "ar_concurrency": (2,),
+    "exact_concurrency": (2,),
     "num_requests": 2,
     "reference_requests": 2,
     "static_batch": 2,
@@ -139,11 +149,20 @@ def _canvas_spec(config: BenchConfig, mode: str) -> RequestSpec:
     )
 
 
+# run kind -> (decoding mode, the BenchConfig field with its levels, the system label)
+RUN_KINDS = {
+    "fast": ("diffusion", "concurrency", "canvas"),
+    "ar": ("ar", "ar_concurrency", "canvas-ar"),
+    "exact": ("diffusion", "exact_concurrency", "canvas-exact"),
+}
+
+
 async def _canvas_runs(
-    config: BenchConfig, url: str, model: str, prompts: tuple[Prompt, ...], mode: str
+    config: BenchConfig, url: str, model: str, prompts: tuple[Prompt, ...], kind: str
 ) -> list[LevelResult]:
-    """Warm up, then one closed-loop level per concurrency of `mode` ("diffusion" | "ar")."""
-    levels = config.concurrency if mode == "diffusion" else config.ar_concurrency
+    """Warm up, then one closed-loop level per concurrency of a run kind (`RUN_KINDS`)."""
+    mode, field, system = RUN_KINDS[kind]
+    levels = getattr(config, field)
     if not levels:
         return []
     base = LoadConfig(
@@ -152,7 +171,7 @@ async def _canvas_runs(
         model=model,
         prompts=prompts,
         warmup=config.warmup,
-        system="canvas" if mode == "diffusion" else "canvas-ar",
+        system=system,
     )
     results = []
     async with make_client(base, max(levels) + 8) as client:
@@ -187,20 +206,31 @@ def _reference_runs(
 
 
 def measure(config: BenchConfig, checkpoint: Path, prompts: tuple[Prompt, ...]) -> Measurements:
-    """Canvas (diffusion, then AR) on an in-process server, then the reference: in sequence."""
+    """Canvas fast (diffusion, then AR), Canvas exact, then the reference: in sequence."""
     from engine.tokenizer import Tokenizer
     from loadtest.inprocess import serve_in_thread
 
     tokenizer = Tokenizer(checkpoint)  # the server's own tokenizer: the same prompt ids
     prompt_ids = [(p.name, tokenizer.apply_chat_template(p.chat_messages())) for p in prompts]
-    widest = max((*config.concurrency, *config.ar_concurrency))
+    widest = max((*config.concurrency, *config.ar_concurrency, *config.exact_concurrency))
     flags = ["--max-num-seqs", str(widest), "--dtype", "float32"]
-    with serve_in_thread(checkpoint, flags) as server:
-        url, name = server.url, server.model_name
-        canvas = asyncio.run(_canvas_runs(config, url, name, prompts, "diffusion"))
-        ar = asyncio.run(_canvas_runs(config, url, name, prompts, "ar"))
+    runs: dict[str, list[LevelResult]] = {}
+    for server_flags, kinds in ((flags, ("fast", "ar")), ([*flags, "--exact"], ("exact",))):
+        if not any(getattr(config, RUN_KINDS[k][1]) for k in kinds):
+            continue
+        with serve_in_thread(checkpoint, server_flags) as server:
+            for kind in kinds:
+                runs[kind] = asyncio.run(
+                    _canvas_runs(config, server.url, server.model_name, prompts, kind)
+                )
     reference_one, reference_batch = _reference_runs(config, checkpoint, prompt_ids)
-    return Measurements(tuple(canvas), tuple(ar), reference_one, reference_batch)
+    return Measurements(
+        tuple(runs.get("fast", [])),
+        tuple(runs.get("ar", [])),
+        reference_one,
+        reference_batch,
+        tuple(runs.get("exact", [])),
+    )
 
 
 def run_bench(config: BenchConfig, command: str = "") -> dict[str, Any]:
@@ -213,12 +243,28 @@ def run_bench(config: BenchConfig, command: str = "") -> dict[str, Any]:
     checkpoint = checkpoint_for(config)
     num_prompts = max(config.num_requests, config.reference_requests, *config.concurrency)
     prompts = tuple(make_prompts(config.prompt_set, num_prompts, config.seed))
+    floor = _floor(config, checkpoint, prompts)
     runs = measure(config, checkpoint, prompts)
     meta = _meta(config, checkpoint, num_prompts, command)
+    meta["floor"] = floor.to_dict()
     result = assemble(meta, runs)
     meta["seconds"] = time.perf_counter() - began
     write_bench_report(config.out_dir, result, runs)
     return result
+
+
+def _floor(config: BenchConfig, checkpoint: Path, prompts: tuple[Prompt, ...]) -> Floor:
+    """The GEMM rate measured now and the FLOPs of the requests' canvases (prefix: a typical
+    prompt plus half the output)."""
+    from engine.model import load_model_config
+    from engine.tokenizer import Tokenizer
+
+    model_config = load_model_config(checkpoint)
+    tokenizer = Tokenizer(checkpoint)
+    lengths = [len(tokenizer.apply_chat_template(p.chat_messages())) for p in prompts]
+    prefix = sum(lengths) // len(lengths) + config.max_tokens // 2
+    canvas = model_config.canvas_length
+    return compute_floor(model_config.text, canvas, prefix, config.denoising_steps, config.threads)
 
 
 def _meta(config: BenchConfig, checkpoint: Path, num_prompts: int, command: str) -> dict:
@@ -242,6 +288,7 @@ def _meta(config: BenchConfig, checkpoint: Path, num_prompts: int, command: str)
         "num_prompts": num_prompts,
         "concurrency": list(config.concurrency),
         "ar_concurrency": list(config.ar_concurrency),
+        "exact_concurrency": list(config.exact_concurrency),
         "requests_per_level": {str(c): config.requests_at(c) for c in config.concurrency},
         "ar_requests_per_level": {str(c): config.requests_at(c) for c in config.ar_concurrency},
         "reference_requests": config.reference_requests,
@@ -303,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None)
     p.add_argument("--concurrency", type=_ints, default=None, help="e.g. 1,4,16,64")
     p.add_argument("--ar-concurrency", type=_ints, default=None, help="'' to skip AR mode")
+    p.add_argument(
+        "--exact-concurrency", type=_ints, default=None, help="'' to skip exact numerics"
+    )
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--reference-requests", type=int, default=None)
     p.add_argument("--static-batch", type=int, default=None)

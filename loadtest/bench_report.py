@@ -31,14 +31,21 @@ if TYPE_CHECKING:
 class Measurements:
     """Every run of one benchmark, in the order they ran."""
 
-    canvas: tuple[LevelResult, ...]
+    canvas: tuple[LevelResult, ...]  # diffusion, fast numerics (the default)
     canvas_ar: tuple[LevelResult, ...]
     reference_one: LevelResult  # one request at a time
     reference_batch: LevelResult  # static batches
+    canvas_exact: tuple[LevelResult, ...] = ()  # diffusion, --exact numerics
 
     @property
     def runs(self) -> list[LevelResult]:
-        return [*self.canvas, *self.canvas_ar, self.reference_one, self.reference_batch]
+        return [
+            *self.canvas,
+            *self.canvas_ar,
+            *self.canvas_exact,
+            self.reference_one,
+            self.reference_batch,
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +67,12 @@ class Goal:
 
 GOALS = (
     Goal(
+        "fraction_of_floor",
+        ">=",
+        0.8,
+        "output tokens/s at {c} concurrent as a fraction of the fp32 FLOP floor",
+    ),
+    Goal(
         "throughput_vs_reference_one_at_a_time",
         ">=",
         4.0,
@@ -68,8 +81,14 @@ GOALS = (
     Goal(
         "throughput_vs_reference_static_batch",
         ">=",
-        1.5,
+        1.3,
         "output tokens/s at {c} concurrent vs the reference static batch of {c}",
+    ),
+    Goal(
+        "throughput_at_1_vs_reference",
+        ">=",
+        0.91,
+        "output tokens/s at 1 request vs the reference one request at a time",
     ),
     Goal("latency_vs_reference", "<=", 1.1, "median latency at 1 request vs the reference's"),
     Goal(
@@ -92,27 +111,19 @@ def compare(
     canvas_ar: Sequence[RunSummary],
     reference_one: RunSummary,
     reference_batch: RunSummary,
+    canvas_exact: Sequence[RunSummary] = (),
+    floor_tokens_per_s: float | None = None,
 ) -> dict[str, Any]:
-    """Canvas against the reference at every concurrency, and AR mode against diffusion."""
+    """Canvas (fast, then exact numerics) against the reference and the FLOP floor at every
+    concurrency, and AR mode against diffusion."""
     by_concurrency = []
-    for s in canvas:
-        overhead = s.engine_overhead
-        by_concurrency.append(
-            {
-                "concurrency": s.concurrency,
-                "output_tokens_per_s": s.output_tokens_per_s,
-                "throughput_vs_reference_one_at_a_time": ratio(
-                    s.output_tokens_per_s, reference_one.output_tokens_per_s
-                ),
-                "throughput_vs_reference_static_batch": ratio(
-                    s.output_tokens_per_s, reference_batch.output_tokens_per_s
-                ),
-                "latency_p50_s": s.latency_s.p50,
-                "engine_overhead_fraction": overhead.overhead_fraction if overhead else None,
-                "mean_step_ms": overhead.mean_step_ms if overhead else None,
-                "num_steps": overhead.num_steps if overhead else None,
-            }
-        )
+    for numerics, runs in (("fast", canvas), ("exact", canvas_exact)):
+        by_concurrency += [
+            _canvas_row(s, numerics, reference_one, reference_batch, floor_tokens_per_s)
+            for s in runs
+        ]
+    by_concurrency = _with_exact_ratio(by_concurrency)
+    canvas_fast = [r for r in by_concurrency if r["numerics"] == "fast"]
     single = next((s for s in canvas if s.concurrency == 1), None)
     latency = {
         "canvas_p50_s": single.latency_s.p50 if single else None,
@@ -120,10 +131,13 @@ def compare(
         "latency_vs_reference": ratio(
             single.latency_s.p50 if single else None, reference_one.latency_s.p50
         ),
+        "throughput_at_1_vs_reference": ratio(
+            single.output_tokens_per_s if single else None, reference_one.output_tokens_per_s
+        ),
         "canvas_ttft_p50_s": single.ttft_s.p50 if single else None,
         "reference_ttft_p50_s": reference_one.ttft_s.p50,
     }
-    diffusion = {s.concurrency: s.output_tokens_per_s for s in canvas}
+    diffusion = {r["concurrency"]: r["output_tokens_per_s"] for r in canvas_fast}
     ar_mode = [
         {
             "concurrency": s.concurrency,
@@ -138,16 +152,60 @@ def compare(
     return {
         "reference_one_at_a_time_tokens_per_s": reference_one.output_tokens_per_s,
         "reference_static_batch_tokens_per_s": reference_batch.output_tokens_per_s,
+        "floor_tokens_per_s": floor_tokens_per_s,
         "by_concurrency": by_concurrency,
         "latency_at_1": latency,
         "ar_mode": ar_mode,
     }
 
 
+def _with_exact_ratio(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each fast row gains its throughput over the exact row of the same concurrency."""
+    exact = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["numerics"] == "exact"}
+    for r in rows:
+        r["fast_vs_exact"] = (
+            ratio(r["output_tokens_per_s"], exact.get(r["concurrency"]))
+            if r["numerics"] == "fast"
+            else None
+        )
+    return rows
+
+
+def _canvas_row(
+    s: RunSummary,
+    numerics: str,
+    reference_one: RunSummary,
+    reference_batch: RunSummary,
+    floor_tokens_per_s: float | None,
+) -> dict[str, Any]:
+    overhead = s.engine_overhead
+    return {
+        "numerics": numerics,
+        "concurrency": s.concurrency,
+        "output_tokens_per_s": s.output_tokens_per_s,
+        "fraction_of_floor": ratio(s.output_tokens_per_s, floor_tokens_per_s),
+        "throughput_vs_reference_one_at_a_time": ratio(
+            s.output_tokens_per_s, reference_one.output_tokens_per_s
+        ),
+        "throughput_vs_reference_static_batch": ratio(
+            s.output_tokens_per_s, reference_batch.output_tokens_per_s
+        ),
+        "latency_p50_s": s.latency_s.p50,
+        "engine_overhead_fraction": overhead.overhead_fraction if overhead else None,
+        "mean_step_ms": overhead.mean_step_ms if overhead else None,
+        "num_steps": overhead.num_steps if overhead else None,
+    }
+
+
 def evaluate_goals(comparison: dict[str, Any], goal_concurrency: int) -> list[dict[str, Any]]:
     """Each goal with its measured value (None when its run is not in the sweep)."""
     row = next(
-        (r for r in comparison["by_concurrency"] if r["concurrency"] == goal_concurrency), {}
+        (
+            r
+            for r in comparison["by_concurrency"]
+            if r["concurrency"] == goal_concurrency and r["numerics"] == "fast"
+        ),
+        {},
     )
     values = {**row, **comparison["latency_at_1"]}
     out = []
@@ -208,32 +266,42 @@ def bench_markdown(result: dict[str, Any], summaries: Sequence[RunSummary]) -> s
         "",
     ]
     header = (
+        "numerics",
         "concurrency",
         "Canvas out tok/s",
+        "of FLOP floor",
         "vs reference 1-at-a-time",
         f"vs reference static batch {batch}",
+        "fast vs exact",
         "latency p50 (s)",
         "engine overhead",
         "mean step (ms)",
     )
     rows = [
         [
+            r["numerics"],
             str(r["concurrency"]),
             f"{r['output_tokens_per_s']:.1f}",
+            _pct(r["fraction_of_floor"]),
             _x(r["throughput_vs_reference_one_at_a_time"]),
             _x(r["throughput_vs_reference_static_batch"]),
+            _x(r["fast_vs_exact"]),
             _s(r["latency_p50_s"]),
             _pct(r["engine_overhead_fraction"]),
             _ms(r["mean_step_ms"]),
         ]
         for r in comparison["by_concurrency"]
     ]
+    floor = meta.get("floor") or {}
     lat = comparison["latency_at_1"]
     lines += [
         f"Reference: {comparison['reference_one_at_a_time_tokens_per_s']:.1f} out tok/s one "
         f"request at a time, {comparison['reference_static_batch_tokens_per_s']:.1f} in static "
-        f"batches of {batch}. Engine overhead = step time outside the model forward "
-        "(`canvas:step_seconds` − `canvas:forward_seconds` over `canvas:step_seconds`).",
+        f"batches of {batch}. FLOP floor: {floor.get('floor_tokens_per_s', 0):.1f} out tok/s "
+        f"({floor.get('gflops_per_canvas', 0):.2f} GFLOP per canvas at the measured fp32 GEMM "
+        f"rate of {floor.get('gemm_gflop_per_s', 0):.0f} GFLOP/s). Engine overhead = step time "
+        "outside the model forward and the sampler's arithmetic (`canvas:step_seconds` − "
+        "`canvas:forward_seconds` − `canvas:sample_seconds`, over `canvas:step_seconds`).",
         "",
         markdown(header, rows),
         "",
@@ -289,6 +357,8 @@ def assemble(meta: dict[str, Any], runs: Measurements) -> dict[str, Any]:
         [r.summary for r in runs.canvas_ar],
         runs.reference_one.summary,
         runs.reference_batch.summary,
+        [r.summary for r in runs.canvas_exact],
+        (meta.get("floor") or {}).get("floor_tokens_per_s"),
     )
     steps = meta["denoising_steps"]
     reference = [*runs.reference_one.records, *runs.reference_batch.records]
@@ -298,7 +368,9 @@ def assemble(meta: dict[str, Any], runs: Measurements) -> dict[str, Any]:
         "comparison": comparison,
         "goals": evaluate_goals(comparison, meta["static_batch"]),
         "checks": {
-            "canvas_fixed_steps": fixed_steps([x for r in runs.canvas for x in r.records], steps),
+            "canvas_fixed_steps": fixed_steps(
+                [x for r in (*runs.canvas, *runs.canvas_exact) for x in r.records], steps
+            ),
             "reference_fixed_steps": fixed_steps(reference, steps),
             "num_errors": sum(r.summary.num_errors for r in runs.runs),
         },
@@ -315,7 +387,7 @@ def write_bench_report(out: Path, result: dict[str, Any], runs: Measurements) ->
         runs.reference_one.summary.label: runs.reference_one.summary.output_tokens_per_s,
         runs.reference_batch.summary.label: runs.reference_batch.summary.output_tokens_per_s,
     }
-    canvas = [*runs.canvas, *runs.canvas_ar]  # the reference has no concurrency axis
+    canvas = [*runs.canvas, *runs.canvas_ar, *runs.canvas_exact]  # reference: no concurrency
     plot_throughput([r.summary for r in canvas], out / "throughput.png", baselines)
     cdf = [*canvas, runs.reference_one]
     plot_latency_cdf(

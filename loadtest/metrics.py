@@ -1,8 +1,9 @@
 """The engine's own overhead, read from a Canvas server's /metrics.
 
-Canvas exports the wall time of every engine step (`canvas:step_seconds`) and of the model
-forward inside it (`canvas:forward_seconds`) as histograms. The difference of their sums
-between two scrapes is the time the engine spent scheduling, preparing inputs and sampling
+Canvas exports the wall time of every engine step (`canvas:step_seconds`), of the model
+forward inside it (`canvas:forward_seconds`) and of the sampler's arithmetic
+(`canvas:sample_seconds`) as histograms. Step minus forward minus sampler, between two
+scrapes, is the time the engine spent scheduling, preparing inputs and publishing outputs
 during that interval. A server without these metrics (not Canvas) gives None.
 """
 
@@ -18,6 +19,7 @@ from loadtest.stats import EngineOverhead
 logger = logging.getLogger(__name__)
 STEP = "canvas:step_seconds"
 FORWARD = "canvas:forward_seconds"
+SAMPLE = "canvas:sample_seconds"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +29,7 @@ class StepTotals:
     num_steps: float
     step_seconds: float
     forward_seconds: float
+    sample_seconds: float = 0.0
 
     @staticmethod
     def between(before: StepTotals | None, after: StepTotals | None) -> EngineOverhead | None:
@@ -36,6 +39,7 @@ class StepTotals:
             num_steps=round(after.num_steps - before.num_steps),
             step_seconds=after.step_seconds - before.step_seconds,
             forward_seconds=after.forward_seconds - before.forward_seconds,
+            sample_seconds=after.sample_seconds - before.sample_seconds,
         )
 
 
@@ -46,11 +50,16 @@ def parse_step_totals(text: str) -> StepTotals | None:
         if line.startswith("#") or not line.strip():
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in (f"{STEP}_count", f"{STEP}_sum", f"{FORWARD}_sum"):
+        if name in (f"{STEP}_count", f"{STEP}_sum", f"{FORWARD}_sum", f"{SAMPLE}_sum"):
             values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     if len(values) < 3:
         return None
-    return StepTotals(values[f"{STEP}_count"], values[f"{STEP}_sum"], values[f"{FORWARD}_sum"])
+    return StepTotals(
+        values[f"{STEP}_count"],
+        values[f"{STEP}_sum"],
+        values[f"{FORWARD}_sum"],
+        values.get(f"{SAMPLE}_sum", 0.0),
+    )
 
 
 async def read_step_totals(client: httpx.AsyncClient) -> StepTotals | None:

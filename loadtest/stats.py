@@ -62,17 +62,20 @@ class Distribution:
 
 @dataclass(frozen=True, slots=True)
 class EngineOverhead:
-    """Engine time outside the model forward over a run, from the server's step histograms."""
+    """Engine time outside the model forward and the sampler's arithmetic over a run, from the
+    server's step histograms."""
 
     num_steps: int
     step_seconds: float
     forward_seconds: float
+    sample_seconds: float = 0.0
 
     @property
     def overhead_fraction(self) -> float | None:
         if self.step_seconds <= 0:
             return None
-        return max(0.0, self.step_seconds - self.forward_seconds) / self.step_seconds
+        busy = self.forward_seconds + self.sample_seconds
+        return max(0.0, self.step_seconds - busy) / self.step_seconds
 
     @property
     def mean_step_ms(self) -> float | None:
@@ -120,6 +123,7 @@ class RunSummary:
                     "num_steps": value.num_steps,
                     "step_seconds": value.step_seconds,
                     "forward_seconds": value.forward_seconds,
+                    "sample_seconds": value.sample_seconds,
                     "mean_step_ms": value.mean_step_ms,
                     "overhead_fraction": value.overhead_fraction,
                 }

@@ -133,7 +133,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": VERSION}
+        kernels = state.engine.engine.model.kernels
+        return {"version": VERSION, "numerics": kernels.numerics, "kernels": kernels.backend}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-denoising-steps", type=int, default=None)
     gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument(
+        "--exact",
+        action="store_true",
+        help="reference-exact numerics (the transformers reference's tokens for a seed)",
+    )
+    gen.add_argument("--kernels", choices=["auto", "triton", "twins"], default="auto")
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight DiffusionGemma checkpoint")
     tiny.add_argument("dir")
@@ -60,7 +66,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.model import CheckpointError
 
     try:
-        llm = LLM.from_pretrained(args.model, dtype=args.dtype)
+        llm = LLM.from_pretrained(
+            args.model, dtype=args.dtype, exact=args.exact, kernels=args.kernels
+        )
         params = SamplingParams(
             max_tokens=args.max_tokens,
             seed=args.seed,
@@ -91,6 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     "steps_per_canvas": out.steps_per_canvas,
                     "tokens_per_forward": out.tokens_per_forward,
                     "seconds": out.seconds,
+                    "numerics": llm.model.kernels.numerics,
                 }
             )
         )

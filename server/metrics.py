@@ -74,6 +74,11 @@ class Metrics:
             "canvas:committed_tokens_per_step", "Tokens committed by one engine step", TOKEN_BUCKETS
         )
         self.step_seconds = hist("canvas:step_seconds", "Engine step wall time", LATENCY_BUCKETS)
+        self.sample_seconds = hist(
+            "canvas:sample_seconds",
+            "Sampler time per step (the sampling arithmetic, then its one host transfer)",
+            LATENCY_BUCKETS,
+        )
         self.forward_seconds = hist(
             "canvas:forward_seconds", "Model forward time per step", LATENCY_BUCKETS
         )
@@ -90,6 +95,7 @@ class Metrics:
         self.committed_per_step.observe(step.num_committed)
         self.step_seconds.observe(step.step_seconds)
         self.forward_seconds.observe(step.forward_seconds)
+        self.sample_seconds.observe(step.sample_seconds)
         self.positions.inc(step.num_tokens)
         for latency in step.canvas_latencies:
             self.canvas_latency.observe(latency)

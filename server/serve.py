@@ -60,6 +60,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="reference-exact numerics: the transformers reference's tokens for a seed, batch "
+        "invariant (slower); default: fast batched numerics",
+    )
+    parser.add_argument(
+        "--kernels",
+        choices=["auto", "triton", "twins"],
+        default="auto",
+        help="kernel backend: Triton on CUDA (auto), or the PyTorch twins",
+    )
     parser.add_argument("--drain-seconds", type=float, default=5.0, help="SIGTERM drain period")
     parser.add_argument(
         "--api-key", default=os.environ.get("CANVAS_API_KEY"), help="require this bearer key on /v1"
@@ -80,7 +92,9 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     model_dir = Path(args.model) if args.model else None
     if model_dir is None:
         model_dir, note = default_model_dir()
-    model = load_model(model_dir, dtype=args.dtype, device=args.device)
+    model = load_model(
+        model_dir, dtype=args.dtype, device=args.device, exact=args.exact, kernels=args.kernels
+    )
     tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
     defaults = DecodingDefaults.from_checkpoint(model_dir, model.cfg.eos_token_ids)
     config = EngineConfig(
@@ -97,7 +111,8 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     banner = [
         f"Canvas serving {name!r} from {model_dir}",
         f"  canvas length {model.config.canvas_length}, {model.cfg.num_layers} layers, "
-        f"dtype {next(model.parameters()).dtype}, device {args.device}",
+        f"dtype {next(model.parameters()).dtype}, device {args.device}, "
+        f"{model.kernels.describe()}",
         f"  max-num-seqs {args.max_num_seqs}, max-queue {args.max_queue}, "
         f"auth {'on' if args.api_key else 'off'}",
         f"  http://{args.host}:{args.port}/v1  (docs: /docs, metrics: /metrics)",

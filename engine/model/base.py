@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
 from engine.model.config import LayerSpec, LayerType, ModelConfig, TextConfig
-from engine.model.kv_cache import ForwardBatch, Mode, PagedKVCache
-from engine.model.layers import SelfConditioning, _norm_weight, rope_inv_freq
+from engine.model.kv_cache import ForwardBatch, KVCache, Mode
+from engine.model.layers import UNBOUND, Attention, SelfConditioning, _norm_weight, rope_inv_freq
+from kernels import KernelSet
 
 
 class DiffusionLM(nn.Module):
@@ -38,7 +38,17 @@ class DiffusionLM(nn.Module):
         self.layers = nn.ModuleList([self.make_layer(cfg, spec) for spec in cfg.layers])
         _norm_weight(self, "norm", cfg.hidden_size)
         self.self_conditioning = SelfConditioning(cfg)
+        self.kernels = UNBOUND
         self.init_rope()
+
+    def bind_kernels(self, kernels: KernelSet) -> None:
+        """Bind a kernel set (numerics and backend) onto every module that calls kernels: the
+        one choice, made at load (gpt-fast style); nothing is looked up per call."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.bind(kernels)
+            elif hasattr(module, "kernels"):
+                module.kernels = kernels
 
     def make_layer(self, cfg: TextConfig, spec: LayerSpec) -> nn.Module:
         raise NotImplementedError
@@ -103,53 +113,53 @@ class DiffusionLM(nn.Module):
     def forward(
         self,
         ids: torch.Tensor,
-        soft_embeds: list[torch.Tensor | None],
+        soft_embeds: SoftEmbeds,
         batch: ForwardBatch,
-        cache: PagedKVCache,
+        cache: KVCache,
     ) -> torch.Tensor:
         """One pass over the packed new tokens `ids` [N] of every row in `batch`.
 
         ENCODE rows are embedded as is and write their KV; DECODE rows are canvases whose
-        embeddings are self-conditioned on `soft_embeds` (one entry per DECODE row, in row
-        order: the previous step's soft embeddings [L, H], or None on a canvas's first step).
+        embeddings are self-conditioned on `soft_embeds`: the previous step's soft embeddings
+        of the DECODE rows in row order, either one tensor [num_decode_tokens, H] (zeros on a
+        canvas's first step) or one entry per DECODE row ([L, H], or None on the first step).
         Returns the final hidden states [N, H].
         """
         x = self._embed_rows(ids, soft_embeds, batch)[None]  # [1, N, H]
         rope = self._rope(batch.positions(ids.device)[None], x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope[layer.self_attn.spec.layer_type], i, batch, cache)
-        return kernels.ops(x.device.type).rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps)[0]
+        return self.kernels.rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps)[0]
 
     def _embed_rows(
-        self, ids: torch.Tensor, soft_embeds: list[torch.Tensor | None], batch: ForwardBatch
+        self, ids: torch.Tensor, soft_embeds: SoftEmbeds, batch: ForwardBatch
     ) -> torch.Tensor:
         embeds = self.embed(ids)  # [N, H]
-        decode = [i for i, row in enumerate(batch.rows) if row.mode is Mode.DECODE]
-        if not decode:
+        is_decode = [row.mode is Mode.DECODE for row in batch.rows]
+        if not any(is_decode):
             return embeds
-        assert len(soft_embeds) == len(decode), "one soft-embedding entry per DECODE row"
-        spans = [(batch.offsets[i], batch.rows[i].num_tokens) for i in decode]
-        canvas = (
-            torch.cat([embeds[o : o + n] for o, n in spans])
-            if len(decode) > 1
-            else embeds[spans[0][0] : spans[0][0] + spans[0][1]]
-        )
-        soft = torch.cat(
-            [
-                s
-                if s is not None
-                else torch.zeros(n, embeds.shape[1], dtype=embeds.dtype, device=embeds.device)
-                for s, (_, n) in zip(soft_embeds, spans, strict=True)
-            ]
-        ).to(embeds.dtype)
-        conditioned = self.self_conditioning.condition(
-            canvas[None], soft[None], [n for _, n in spans]
-        )[0]
-        if len(decode) == len(batch.rows):
+        if all(is_decode):
+            canvas = embeds
+        else:
+            index = batch.decode_index(ids.device)  # [num_decode_tokens]
+            canvas = embeds[index]
+        if isinstance(soft_embeds, torch.Tensor):
+            soft = soft_embeds.to(embeds.dtype)
+        else:
+            assert len(soft_embeds) == sum(is_decode), "one soft-embedding entry per DECODE row"
+            spans = [row.num_tokens for row in batch.rows if row.mode is Mode.DECODE]
+            soft = torch.cat(
+                [
+                    s if s is not None else embeds.new_zeros(n, embeds.shape[1])
+                    for s, n in zip(soft_embeds, spans, strict=True)
+                ]
+            ).to(embeds.dtype)
+        segments = [row.num_tokens for row in batch.rows if row.mode is Mode.DECODE]
+        conditioned = self.self_conditioning.condition(canvas[None], soft[None], segments)[0]
+        if all(is_decode):
             return conditioned
-        out = embeds.clone()
-        pos = 0
-        for o, n in spans:
-            out[o : o + n] = conditioned[pos : pos + n]
-            pos += n
-        return out
+        return embeds.index_copy(0, index, conditioned)
+
+
+# The previous step's soft embeddings of a forward's DECODE rows (see `DiffusionLM.forward`).
+SoftEmbeds = torch.Tensor | list[torch.Tensor | None]

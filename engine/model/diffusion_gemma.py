@@ -8,11 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
 from engine.model.base import DiffusionLM
 from engine.model.config import LayerSpec, TextConfig
-from engine.model.kv_cache import ForwardBatch, Mode, PagedKVCache
-from engine.model.layers import Attention, GatedMLP, _norm_weight
+from engine.model.kv_cache import ForwardBatch, KVCache, Mode
+from engine.model.layers import UNBOUND, Attention, GatedMLP, _norm_weight
 
 
 class Layer(nn.Module):
@@ -31,6 +30,7 @@ class Layer(nn.Module):
     def __init__(self, cfg: TextConfig, spec: LayerSpec) -> None:
         super().__init__()
         self.cfg = cfg
+        self.kernels = UNBOUND
         self.self_attn = Attention(cfg, spec)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation)
         for name in self.NORMS:
@@ -50,9 +50,7 @@ class Layer(nn.Module):
         self.register_buffer("decoder_layer_scalar", torch.ones(1))
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return kernels.ops(x.device.type).rms_norm(
-            x, getattr(self, name).weight, self.cfg.rms_norm_eps
-        )
+        return self.kernels.rms_norm(x, getattr(self, name).weight, self.cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -60,9 +58,9 @@ class Layer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         layer: int,
         batch: ForwardBatch,
-        cache: PagedKVCache,
+        cache: KVCache,
     ) -> torch.Tensor:
-        ops = kernels.ops(x.device.type)
+        ops = self.kernels
         residual = x
         h = self.self_attn(self._norm("input_layernorm", x), rope, layer, batch, cache)
         x = residual + self._norm("post_attention_layernorm", h)
@@ -81,7 +79,7 @@ class Layer(nn.Module):
             self.router.per_expert_scale,
             self.cfg.top_k_experts,
             self.cfg.rms_norm_eps,
-            seg,
+            segments=seg,
         )
         moe = ops.fused_moe(
             self._norm("pre_feedforward_layernorm_2", flat),
@@ -89,7 +87,7 @@ class Layer(nn.Module):
             self.experts.down_proj,
             weights,
             ids,
-            seg,
+            segments=seg,
         )
         moe = self._norm("post_feedforward_layernorm_2", moe.reshape(x.shape))
         x = residual + self._norm("post_feedforward_layernorm", dense + moe)
@@ -102,9 +100,10 @@ class Layer(nn.Module):
             return self.encoder_layer_scalar
         if modes == {Mode.DECODE}:
             return self.decoder_layer_scalar
-        enc, dec = self.encoder_layer_scalar, self.decoder_layer_scalar
-        parts = [(enc if r.mode is Mode.ENCODE else dec).expand(r.num_tokens) for r in batch.rows]
-        return torch.cat(parts)[None, :, None]
+        decode = batch.decode_tokens(self.decoder_layer_scalar.device)
+        return torch.where(decode, self.decoder_layer_scalar, self.encoder_layer_scalar)[
+            None, :, None
+        ]
 
 
 class DiffusionGemma(DiffusionLM):

@@ -1,6 +1,7 @@
-"""Building blocks shared by every backbone: RoPE, attention over the paged cache (one row at
-a time, over exactly its own keys, with the twins; one paged canvas-attention kernel over all
-rows with the Triton kernels), gated MLPs, the self-conditioning block."""
+"""Building blocks shared by every backbone: RoPE, attention over the KV cache (the cache runs
+the bound kernel set's paged canvas attention over all rows at once), gated MLPs, the
+self-conditioning block. Modules that call kernels hold `self.kernels`, bound once at load
+(`DiffusionLM.bind_kernels`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
 from engine.model.config import LayerSpec, RopeSpec, TextConfig
-from engine.model.kv_cache import ForwardBatch, Mode, PagedKVCache
+from engine.model.kv_cache import ForwardBatch, KVCache
+from kernels import KernelSet, resolve_kernels
+
+# Until `DiffusionLM.bind_kernels` runs (load_model does): fast numerics, the PyTorch twins.
+UNBOUND = resolve_kernels("cpu", "twins", exact=False)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -40,6 +44,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: TextConfig, spec: LayerSpec) -> None:
         super().__init__()
+        self.kernels = UNBOUND
         self.spec = spec
         self.eps = cfg.rms_norm_eps
         hidden, num_heads = cfg.hidden_size, cfg.num_heads
@@ -63,97 +68,35 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         layer: int,
         batch: ForwardBatch,
-        cache: PagedKVCache,
+        cache: KVCache,
     ) -> torch.Tensor:
         """x: [1, N, H] packed tokens of all rows. Returns [1, N, H]."""
-        ops = kernels.ops(x.device.type)
+        ks = self.kernels
         seg = batch.segments
         shape = (1, x.shape[1], -1, self.spec.head_dim)
         cos, sin = rope
-        q = ops.segment_linear(x, self.q_proj.weight, seg).view(shape)
-        k = ops.segment_linear(x, self.k_proj.weight, seg).view(shape)
+        q = ks.linear(x, self.q_proj.weight, seg).view(shape)
+        k = ks.linear(x, self.k_proj.weight, seg).view(shape)
         v = k  # full layers of DiffusionGemma have no v_proj: V is the raw k_proj output
         if self.v_proj is not None:
-            v = ops.segment_linear(x, self.v_proj.weight, seg).view(shape)
+            v = ks.linear(x, self.v_proj.weight, seg).view(shape)
         if self.qkv_norm:
-            q = ops.rms_norm(q, self.q_norm.weight, self.eps)
-            v = ops.rms_norm(v, None, self.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.eps)
-        q = apply_rope(q, cos, sin).transpose(1, 2)  # [1, Hq, N, D]
-        k = apply_rope(k, cos, sin).transpose(1, 2)
-        v = v.transpose(1, 2)
-        if self._use_paged_kernel(ops, cache):
-            out = self._attend_paged(ops, q, k, v, layer, batch, cache)
-            return ops.segment_linear(out.reshape(1, x.shape[1], -1), self.o_proj.weight, seg)
-        if len(batch.rows) == 1:  # the common offline case: no slicing, no copies
-            out = self._attend_row(q, k, v, 0, layer, batch, cache)
-        else:
-            # One row at a time, each over exactly its own keys: a row's values never depend
-            # on what else shares the batch (batch invariance).
-            parts = []
-            for i, (o, n) in enumerate(zip(batch.offsets, seg, strict=True)):
-                sl = slice(o, o + n)
-                parts.append(
-                    self._attend_row(q[:, :, sl], k[:, :, sl], v[:, :, sl], i, layer, batch, cache)
-                )
-            out = torch.cat(parts, dim=2)
-        out = out.transpose(1, 2).reshape(1, x.shape[1], -1)
-        return ops.segment_linear(out, self.o_proj.weight, seg)
-
-    def _use_paged_kernel(self, ops: object, cache: object) -> bool:
-        """The Triton path: Triton kernels (CUDA, or CANVAS_TRITON_ON_CPU) over a PagedKVCache
-        (never TrainKVCache: the kernels have no backward) at a head_dim they support. The twins
-        keep the per-row path, whose numbers match transformers bit for bit on CPU."""
-        head_dim = self.spec.head_dim
-        return (
-            ops is not kernels.reference
-            and isinstance(cache, PagedKVCache)
-            and head_dim >= 16
-            and head_dim & (head_dim - 1) == 0
-        )
-
-    def _attend_paged(
-        self,
-        ops: object,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: int,
-        batch: ForwardBatch,
-        cache: PagedKVCache,
-    ) -> torch.Tensor:
-        """All rows at once: q [1, Hq, N, D], new k/v [1, Hkv, N, D]. ENCODE rows' KV goes into
-        the pools (`write_kv`), then one `canvas_attention` reads every row's prefix straight
-        from the pages. Returns [1, N, Hq, D]."""
-        rows = batch.paged_rows(cache.layer_types[layer], q.device)
+            q = ks.rms_norm(q, self.q_norm.weight, self.eps)
+            v = ks.rms_norm(v, None, self.eps)
+            k = ks.rms_norm(k, self.k_norm.weight, self.eps)
+        q = apply_rope(q, cos, sin)[0]  # [N, Hq, D]
+        k = apply_rope(k, cos, sin)[0]  # [N, Hkv, D]
         window = batch.sliding_window if self.spec.is_sliding else 0
-        q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
-        k_pool, v_pool = cache.keys[layer], cache.values[layer]
-        ops.write_kv(k, v, k_pool, v_pool, rows)
-        out = ops.canvas_attention(q, k, v, k_pool, v_pool, rows, window, self.scale)
-        return out[None]
+        out = cache.attend(ks, layer, q, k, v[0], batch, window, self.scale)  # [N, Hq, D]
+        return ks.linear(out.reshape(1, x.shape[1], -1), self.o_proj.weight, seg)
 
-    def _attend_row(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        index: int,
-        layer: int,
-        batch: ForwardBatch,
-        cache: PagedKVCache,
-    ) -> torch.Tensor:
-        """One row: q [1, Hq, T, D], new k/v [1, Hkv, T, D]. ENCODE rows write their KV first.
-        Keys are the row's cached prefix range then its new tokens. Returns [1, Hq, T, D]."""
-        row = batch.rows[index]
-        if row.mode is Mode.ENCODE:
-            cache.write(layer, row, k[0], v[0])
-        sliding = self.spec.is_sliding
-        prefix_k, prefix_v = cache.gather(layer, row, *batch.key_range(row, sliding))
-        keys = torch.cat([prefix_k, k], dim=2)
-        values = torch.cat([prefix_v, v], dim=2)
-        mask = batch.mask(index, sliding, q.device)
-        return kernels.ops(q.device.type).attention(q, keys, values, mask, self.scale)
+    def bind(self, kernels: KernelSet) -> None:
+        """Bind a kernel set; Triton's attention needs a power-of-two head_dim >= 16, so other
+        layers keep the twins' attention."""
+        head_dim = self.spec.head_dim
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            kernels = kernels.with_twin_attention()
+        self.kernels = kernels
 
 
 ACTIVATIONS = {
@@ -167,13 +110,14 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, activation: str) -> None:
         super().__init__()
+        self.kernels = UNBOUND
         self.act = ACTIVATIONS[activation]
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, segments: list[int]) -> torch.Tensor:
-        linear = kernels.ops(x.device.type).segment_linear
+        linear = self.kernels.linear
         gate = self.act(linear(x, self.gate_proj.weight, segments))
         return linear(
             gate * linear(x, self.up_proj.weight, segments), self.down_proj.weight, segments
@@ -200,6 +144,6 @@ class SelfConditioning(GatedMLP):
     def condition(
         self, embeds: torch.Tensor, soft_embeds: torch.Tensor, segments: list[int]
     ) -> torch.Tensor:
-        ops = kernels.ops(embeds.device.type)
-        signal = self(ops.rms_norm(soft_embeds, self.pre_norm.weight, self.eps), segments)
-        return ops.rms_norm(embeds + signal, None, self.eps) if self.post_norm else embeds + signal
+        norm = self.kernels.rms_norm
+        signal = self(norm(soft_embeds, self.pre_norm.weight, self.eps), segments)
+        return norm(embeds + signal, None, self.eps) if self.post_norm else embeds + signal

@@ -8,17 +8,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
 from engine.model.base import DiffusionLM
 from engine.model.config import LayerSpec, TextConfig
-from engine.model.kv_cache import ForwardBatch, PagedKVCache
-from engine.model.layers import Attention, GatedMLP, _norm_weight
+from engine.model.kv_cache import ForwardBatch, KVCache
+from engine.model.layers import UNBOUND, Attention, GatedMLP, _norm_weight
 
 
 class LlamaLayer(nn.Module):
     def __init__(self, cfg: TextConfig, spec: LayerSpec) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
+        self.kernels = UNBOUND
         self.self_attn = Attention(cfg, spec)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation)
         _norm_weight(self, "input_layernorm", cfg.hidden_size)
@@ -30,9 +30,9 @@ class LlamaLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         layer: int,
         batch: ForwardBatch,
-        cache: PagedKVCache,
+        cache: KVCache,
     ) -> torch.Tensor:
-        norm = kernels.ops(x.device.type).rms_norm
+        norm = self.kernels.rms_norm
         x = x + self.self_attn(
             norm(x, self.input_layernorm.weight, self.eps), rope, layer, batch, cache
         )

@@ -22,6 +22,7 @@ from engine.model.base import DiffusionLM
 from engine.model.config import CheckpointError, ModelConfig, load_model_config
 from engine.model.diffusion_gemma import DiffusionGemma
 from engine.model.llama import LlamaDiffusion
+from kernels import resolve_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +112,14 @@ SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | None = "auto", device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    dtype: str | None = "auto",
+    device: str | torch.device = "cpu",
+    exact: bool = False,
+    kernels: str = "auto",
 ) -> DiffusionLM:
-    """Build the Canvas model from a checkpoint directory."""
+    """Build the Canvas model from a checkpoint directory, with its kernel set bound: `exact`
+    numerics or fast ones, on the `kernels` backend ("auto" | "triton" | "twins")."""
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     target = resolve_dtype(dtype, config)
@@ -139,6 +145,7 @@ def load_model(
             state[name] = tensors.get(key).to(device=device, dtype=target)
     model.load_state_dict(state, assign=True, strict=True)
     model.init_rope(device)  # non-persistent buffers were created on the meta device
+    model.bind_kernels(resolve_kernels(torch.device(device).type, kernels, exact))
     return model.eval().requires_grad_(False)
 
 

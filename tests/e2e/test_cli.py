@@ -29,6 +29,7 @@ def test_generate_json_matches_reference_generate_for_the_seed(
                 "--max-tokens",
                 "21",
                 "--json",
+                "--exact",
             ]
         )
         == 0

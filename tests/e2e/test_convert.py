@@ -57,7 +57,7 @@ def test_encoder_logits_match_the_source(source, converted):
     from transformers import LlamaForCausalLM
 
     ref = LlamaForCausalLM.from_pretrained(source).eval()
-    llm = LLM.from_pretrained(converted)
+    llm = LLM.from_pretrained(converted, exact=True)
     ids = torch.randint(3, 512, (1, 37), generator=torch.Generator().manual_seed(1))
     want = ref(ids).logits[0]
     engine = llm.engine
@@ -87,7 +87,7 @@ def test_ar_greedy_output_equals_the_source_greedy_output(source, converted):
     from transformers import LlamaForCausalLM
 
     ref = LlamaForCausalLM.from_pretrained(source).eval()
-    llm = LLM.from_pretrained(converted)
+    llm = LLM.from_pretrained(converted, exact=True)
     for prompt in ([5], [7, 8, 9, 10], list(range(20, 45))):
         want = ref.generate(
             torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
@@ -102,7 +102,7 @@ def test_converted_checkpoint_layout_and_diffusion_mode(converted):
     assert config["model_type"] == "canvas_llama" and config["canvas_length"] == 8
     gen = json.loads((converted / "generation_config.json").read_text())
     assert gen["canvas_default_mode"] == "ar"
-    llm = LLM.from_pretrained(converted)
+    llm = LLM.from_pretrained(converted, exact=True)
     (out,) = llm.generate(
         [5, 6, 7], SamplingParams(max_tokens=20, seed=0, mode=DecodeMode.DIFFUSION)
     )

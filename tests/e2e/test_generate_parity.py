@@ -41,7 +41,7 @@ def expected_prefix(ref_ids: list[int], eos: set[int], max_tokens: int) -> list[
 @pytest.mark.parametrize("preset", ALL_PRESETS)
 def test_diffusion_output_matches_reference_generate(preset, tiny_checkpoint, reference_model):
     path = tiny_checkpoint(preset)
-    ref, llm = reference_model(path), LLM.from_pretrained(path)
+    ref, llm = reference_model(path), LLM.from_pretrained(path, exact=True)
     length = llm.canvas_length
     max_tokens = length + length // 2 + 1  # not a multiple of the canvas length
     eos = set(llm.defaults.eos_token_ids)
@@ -63,7 +63,7 @@ def test_tokens_per_forward_matches_reference_when_nothing_is_cut(
     preset, tiny_checkpoint, reference_model
 ):
     path = tiny_checkpoint(preset)
-    ref, llm = reference_model(path), LLM.from_pretrained(path)
+    ref, llm = reference_model(path), LLM.from_pretrained(path, exact=True)
     max_tokens = 2 * llm.canvas_length
     checked = 0
     for prompt in prompts_for(llm)[:3]:
@@ -83,7 +83,7 @@ def test_eos_in_the_middle_of_a_canvas_ends_the_output_there(
     preset, tiny_checkpoint, reference_model
 ):
     path = tiny_checkpoint(preset)
-    ref, llm = reference_model(path), LLM.from_pretrained(path)
+    ref, llm = reference_model(path), LLM.from_pretrained(path, exact=True)
     length, max_tokens, seed = llm.canvas_length, 2 * llm.canvas_length, 5
     prompt = prompts_for(llm)[2]
     free_run, _ = reference_generate(ref, prompt, seed, max_new_tokens=max_tokens)
@@ -108,7 +108,7 @@ def test_eos_in_the_middle_of_a_canvas_ends_the_output_there(
 
 def test_non_default_decoding_parameters_match_reference(tiny_checkpoint, reference_model):
     path = tiny_checkpoint("c16")
-    ref, llm = reference_model(path), LLM.from_pretrained(path)
+    ref, llm = reference_model(path), LLM.from_pretrained(path, exact=True)
     settings = dict(
         max_denoising_steps=12,
         t_min=0.2,
@@ -133,7 +133,7 @@ def test_non_default_decoding_parameters_match_reference(tiny_checkpoint, refere
 
 
 def test_same_seed_same_output_and_different_seeds_differ(tiny_checkpoint):
-    llm = LLM.from_pretrained(tiny_checkpoint("c16"))
+    llm = LLM.from_pretrained(tiny_checkpoint("c16"), exact=True)
     prompt = [5, 6, 7, 8]
     a, b, c = (llm.generate(prompt, SamplingParams(max_tokens=20, seed=s))[0] for s in (3, 3, 4))
     assert a.output_ids == b.output_ids

@@ -1,6 +1,6 @@
-"""The engine's forward on the Triton kernels (Triton's CPU interpreter, selected with
-CANVAS_TRITON_ON_CPU=1): paged canvas attention over all rows at once (plus `write_kv` for
-ENCODE rows) agrees with the twins' per-row path.
+"""The engine's forward on the Triton kernels (Triton's CPU interpreter, bound with
+`kernels="triton"`): paged canvas attention over all rows at once (plus `write_kv` for ENCODE
+rows) agrees with the twins, in both numerics.
 
 Compared per forward (hidden states, decoder logits, the KV pools) within 1e-4, not as sampled
 tokens: the kernels round differently from the twins (online softmax, other summation orders),
@@ -21,11 +21,9 @@ pytest.importorskip("triton")
 TOL = 1e-4
 
 
-def forwards(model, monkeypatch: pytest.MonkeyPatch, triton: bool) -> list[torch.Tensor]:
+def forwards(model) -> list[torch.Tensor]:
     """A batched prefill of two prompts (one past the sliding window), a mixed forward (one
     canvas, one commit), then both canvases. Returns each forward's output and the pools."""
-    monkeypatch.setenv("CANVAS_TRITON_ON_CPU", "1" if triton else "0")
-    assert kernels.ops("cpu") is (kernels.triton_ops() if triton else kernels.reference)
     cfg, length = model.cfg, model.config.canvas_length
     gen = torch.Generator().manual_seed(11)
     lens = [5, cfg.sliding_window + 7]
@@ -41,14 +39,16 @@ def forwards(model, monkeypatch: pytest.MonkeyPatch, triton: bool) -> list[torch
     return outs + seqs.cache.keys + seqs.cache.values
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
 @torch.inference_mode()
-def test_engine_forward_on_triton_kernels_matches_the_twins(tiny_checkpoint, monkeypatch):
-    monkeypatch.delenv("CANVAS_FORCE_TWINS", raising=False)
+def test_engine_forward_on_triton_kernels_matches_the_twins(tiny_checkpoint, exact):
     if not kernels.interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/kernels/conftest.py without a GPU)")
-    model = load_model(tiny_checkpoint("c16"))
-    want = forwards(model, monkeypatch, triton=False)
-    got = forwards(model, monkeypatch, triton=True)
+    path = tiny_checkpoint("c16")
+    want = forwards(load_model(path, exact=exact, kernels="twins"))
+    triton_model = load_model(path, exact=exact, kernels="triton")
+    assert triton_model.layers[0].self_attn.kernels.backend == "triton"
+    got = forwards(triton_model)
     for name, g, w in zip(["prefill", "mixed", "logits"], got, want, strict=False):
         assert torch.isfinite(w).all(), name
         torch.testing.assert_close(g, w, rtol=TOL, atol=TOL, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,5 +1,5 @@
-"""Which implementations `kernels.ops` hands out, the lazy triton import, and the CUDA-graph
-bucket choice (pure Python)."""
+"""Which kernel set `kernels.resolve_kernels` binds (backend and numerics, chosen once), and the
+lazy triton import."""
 
 from __future__ import annotations
 
@@ -7,24 +7,65 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import kernels
 from kernels import reference
-from kernels.cuda_graphs import GraphBuckets
 
 
-def test_cpu_gets_the_twins() -> None:
-    assert kernels.ops("cpu") is reference
+def test_cpu_gets_the_twins_in_fast_numerics_by_default() -> None:
+    ks = kernels.resolve_kernels("cpu")
+    assert ks.backend == "twins" and not ks.exact
+    assert ks.linear is reference.linear and ks.canvas_attention is reference.canvas_attention
 
 
-def test_forcing_the_twins_wins_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CANVAS_FORCE_TWINS", "1")
-    assert kernels.ops("cuda") is reference
+def test_exact_numerics_bind_the_batch_invariant_twins() -> None:
+    ks = kernels.resolve_kernels("cpu", exact=True)
+    assert ks.exact and ks.linear is reference.segment_linear
+    assert ks.canvas_attention is reference.canvas_attention_rowwise
+    assert ks.fused_moe is reference.fused_moe  # takes the per-request segments
 
 
 def test_cuda_without_triton_gets_the_twins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "triton_available", lambda: False)
-    assert kernels.ops("cuda") is reference
+    assert kernels.resolve_kernels("cuda").backend == "twins"
+    with pytest.raises(ValueError, match="needs the triton package"):
+        kernels.resolve_kernels("cuda", "triton")
+
+
+def test_unknown_backend_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="kernel backend must be one of auto, triton, twins"):
+        kernels.resolve_kernels("cpu", "cuda-graphs")
+
+
+def test_cuda_gets_triton_when_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    ks = kernels.resolve_kernels("cuda")
+    assert ks.backend == "triton"
+    assert ks.canvas_attention is kernels.triton_ops().canvas_attention
+    assert kernels.resolve_kernels("cuda", "twins").canvas_attention is reference.canvas_attention
+
+
+def test_fast_kernels_ignore_per_request_segments() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(20, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    ks = kernels.resolve_kernels("cpu")
+    torch.testing.assert_close(ks.linear(x, w, [3, 17]), x @ w.T)
+    scale, per_expert = torch.ones(8), torch.ones(4)
+    proj = torch.randn(4, 8, generator=gen)
+    got = ks.route_experts(x, scale, proj, per_expert, 2, 1e-6, segments=[3, 17])
+    want = reference.route_experts(x, scale, proj, per_expert, 2, 1e-6)
+    torch.testing.assert_close(got, want)
+
+
+def test_no_kernel_choice_reads_the_environment() -> None:
+    """Kernels are chosen once, by arguments: nothing in kernels/ or engine/ reads CANVAS_*."""
+    import pathlib
+
+    root = pathlib.Path(kernels.__file__).parent.parent
+    for path in [*root.glob("kernels/*.py"), *root.glob("engine/**/*.py")]:
+        text = path.read_text()
+        assert "CANVAS_FORCE_TWINS" not in text and "CANVAS_TRITON_ON_CPU" not in text, path
 
 
 def test_triton_ops_bind_every_twin_name_to_a_kernel_or_the_twin() -> None:
@@ -38,7 +79,7 @@ def test_triton_ops_bind_every_twin_name_to_a_kernel_or_the_twin() -> None:
         assert getattr(module, name) is getattr(triton_moe, name)
     for name in ("fused_sample", "entropy_accept", "soft_embedding"):
         assert getattr(module, name) is getattr(triton_sampler, name)
-    for name in ("rms_norm", "segment_linear", "attention", "PagedRows", "SampleResult"):
+    for name in ("rms_norm", "segment_linear", "linear", "attention", "PagedRows", "SampleResult"):
         assert getattr(module, name) is getattr(reference, name)
 
 
@@ -46,42 +87,8 @@ def test_kernels_import_without_triton_and_never_import_it_eagerly() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"  # as if triton were not installed
         "import kernels\n"
-        "assert kernels.ops('cuda') is kernels.reference\n"
+        "assert kernels.resolve_kernels('cuda').backend == 'twins'\n"
         "del sys.modules['triton']; import importlib; importlib.reload(kernels)\n"
         "assert 'triton' not in sys.modules, 'kernels imported triton eagerly'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-
-
-def test_bucket_is_the_smallest_that_fits() -> None:
-    buckets = GraphBuckets((1, 2, 4, 8, 16))
-    assert [buckets.pick(n) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
-
-
-def test_batch_beyond_the_largest_bucket_runs_eagerly() -> None:
-    assert GraphBuckets((1, 4)).pick(5) is None
-
-
-def test_powers_of_two_end_at_the_largest_batch() -> None:
-    assert GraphBuckets.powers_of_two(16).sizes == (1, 2, 4, 8, 16)
-    assert GraphBuckets.powers_of_two(12).sizes == (1, 2, 4, 8, 12)
-    assert GraphBuckets.powers_of_two(1).sizes == (1,)
-
-
-@pytest.mark.parametrize(
-    "sizes,message",
-    [
-        ((), "at least one"),
-        ((0, 2), "positive"),
-        ((4, 2), "strictly ascending"),
-        ((2, 2), "strictly"),
-    ],
-)
-def test_bad_buckets_are_rejected(sizes: tuple[int, ...], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        GraphBuckets(sizes)
-
-
-def test_a_batch_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="batch must be positive"):
-        GraphBuckets((1, 2)).pick(0)

@@ -1,5 +1,6 @@
 """Fused sampler, entropy-bound acceptance and soft embedding: Triton kernels vs their twins,
-and the twin's Philox stream vs Triton's own `tl.rand`."""
+and the twin's Philox stream (the engine's counter-based random numbers) vs Triton's own
+`tl.rand`."""
 
 from __future__ import annotations
 
@@ -45,8 +46,7 @@ def make_logits(num_pos: int, vocab: int, device: torch.device) -> dict[str, tor
     return {
         "logits": wide[:, :vocab].to(device),
         "temperature": (torch.rand(num_pos, generator=gen) + 0.4).to(device),
-        "seeds": torch.randint(0, 2**62, (num_pos,), generator=gen).to(device),
-        "offsets": torch.randint(0, 2**40, (num_pos,), generator=gen).to(device),
+        "uniform": torch.rand(num_pos, generator=gen).to(device),
     }
 
 
@@ -54,6 +54,8 @@ def make_logits(num_pos: int, vocab: int, device: torch.device) -> dict[str, tor
 def test_fused_sample_matches_twin(num_pos: int, vocab: int, device: torch.device) -> None:
     x = make_logits(num_pos, vocab, device)
     got, want = triton_sampler.fused_sample(**x), reference.fused_sample(**x)
+    # Inverse transform sampling: the kernel sums tile by tile, the twin in one cumsum, so a
+    # uniform within rounding of a boundary could pick a neighbour; at these sizes none does.
     assert torch.equal(got.sample, want.sample)
     assert torch.equal(got.argmax, want.argmax)
     torch.testing.assert_close(got.entropy, want.entropy, rtol=1e-5, atol=1e-5)
@@ -62,16 +64,33 @@ def test_fused_sample_matches_twin(num_pos: int, vocab: int, device: torch.devic
         assert got.argmax[1] == 0 and got.sample[2] == 5 and abs(float(got.entropy[2])) < 1e-6
 
 
-def test_exponential_race_draws_from_the_softmax() -> None:
-    """20,000 positions share one distribution and draw from disjoint counter ranges."""
+def test_inverse_transform_draws_from_the_softmax() -> None:
+    """20,000 positions share one distribution and draw with independent uniforms."""
     vocab, draws = 6, 20_000
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5, 1.5]]).expand(draws, vocab)
     temperature = torch.full((draws,), 0.8)
-    seeds = torch.full((draws,), 1234, dtype=torch.int64)
-    offsets = torch.arange(draws, dtype=torch.int64) * vocab
-    sample = reference.fused_sample(logits, temperature, seeds, offsets).sample
+    uniform = reference.philox_uniform(torch.tensor(1234), torch.arange(draws))
+    sample = reference.fused_sample(logits, temperature, uniform).sample
     freq = torch.bincount(sample, minlength=vocab).float() / draws
     torch.testing.assert_close(freq, torch.softmax(logits[0] / 0.8, -1), rtol=0, atol=0.015)
+
+
+def test_sampler_twin_chunks_give_the_unchunked_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The twin bounds its temporaries by sampling a few positions at a time."""
+    x = make_logits(9, 301, torch.device("cpu"))
+    whole = reference.fused_sample(**x)
+    monkeypatch.setattr(reference, "_SAMPLE_CHUNK_ELEMENTS", 301 * 2)  # two positions at once
+    parts = reference.fused_sample(**x)
+    for name in ("sample", "argmax", "entropy", "lse"):
+        assert torch.equal(getattr(parts, name), getattr(whole, name)), name
+
+
+def test_masked_logits_give_finite_entropy_and_are_never_sampled() -> None:
+    logits = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")]] * 50)
+    uniform = torch.linspace(0, 0.999, 50)
+    out = reference.fused_sample(logits, torch.ones(50), uniform)
+    assert torch.isfinite(out.entropy).all()
+    assert set(out.sample.tolist()) == {0, 2}
 
 
 @pytest.mark.parametrize("length", [1, 37, 256])

@@ -45,3 +45,13 @@ def live_server(tiny_checkpoint) -> Iterator[LiveServer]:
     server, stop = start_server(str(tiny_checkpoint("c16")), "--served-model-name", "tiny")
     yield server
     stop()
+
+
+@pytest.fixture(scope="session")
+def exact_server(tiny_checkpoint) -> Iterator[LiveServer]:
+    """The same checkpoint served with --exact (reference-exact, batch-invariant numerics)."""
+    server, stop = start_server(
+        str(tiny_checkpoint("c16")), "--served-model-name", "tiny", "--exact"
+    )
+    yield server
+    stop()
