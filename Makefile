@@ -35,8 +35,29 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.bench $(BENCH_ARGS)
 
+# Style and types (CI runs this before the tests): ruff, then mypy on engine/ and server/.
 lint: $(STAMP)
 	$(BIN)/ruff check server engine kernels tests loadtest
+	$(BIN)/ruff format --check server engine kernels tests loadtest
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The lent GPU machine, its image as it is (python3 with CUDA torch and triton; no venv, no
+# network), so these use $(PY) and no $(STAMP): `make gpu-check GPU_OUT=dir` runs every test
+# marked gpu, then the GPU benchmark, in under 9 minutes; `make gpu-bench` the benchmark alone
+# (under 8). Reports in $(GPU_OUT); loadtest/README.md ("GPU check") has the device tool call.
+# CPU dry runs: make gpu-check PY=.venv/bin/python GPU_ARGS=--dry-run
+GPU_OUT  ?= gpu-results
+GPU_ARGS ?=
+GPU_ENV  := PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1
+
+.PHONY: gpu-bench gpu-check
+
+gpu-bench:
+	$(GPU_ENV) $(PY) -m loadtest.gpu_bench --json $(GPU_OUT)/gpu_bench.json \
+		--markdown $(GPU_OUT)/gpu_bench.md $(GPU_ARGS)
+
+gpu-check:
+	$(GPU_ENV) $(PY) -m loadtest.gpu_check --out $(GPU_OUT) $(GPU_ARGS)

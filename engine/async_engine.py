@@ -2,10 +2,11 @@
 
     loop thread:  drain commands (add / abort) → engine.step() → publish outputs
 
-Callers (the HTTP server) use `generate()` — an async iterator of `StepOutput`s for one request —
-and `abort()`. Each request has one output queue; the loop thread hands outputs to the event loop
-with `call_soon_threadsafe`, so publishing never blocks the step loop and the event loop never
-runs model code.
+Callers (the HTTP server) see it through `engine.types.EngineClient`: `generate()` (an async
+iterator of `StepOutput`s for one request), `abort()`, `limits` and `stats`. Requests arrive
+validated (`engine.validation`). Each request has one output queue; the loop thread hands
+outputs to the event loop with `call_soon_threadsafe`, so publishing never blocks the step loop
+and the event loop never runs model code.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from engine.engine import Engine, StepOutput
+from engine.engine import Engine
 from engine.params import ResolvedParams
-from engine.scheduler import QueueFull
+from engine.types import EngineLimits, EngineStats, QueueFull, StepListener, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +46,30 @@ class EngineFailure:
     error: Exception
 
 
+def engine_limits(engine: Engine) -> EngineLimits:
+    """The limits of a built engine, from its model config, scheduler config and KV pages."""
+    cfg, sched = engine.model.cfg, engine.scheduler.config
+    max_pos = cfg.max_position_embeddings
+    lo, hi = 0, max_pos  # the largest context an empty cache holds (fits_ever is monotone)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if engine.pages.fits_ever(mid) else (lo, mid - 1)
+    kernels = engine.model.kernels
+    return EngineLimits(
+        max_context_positions=max_pos,
+        vocab_size=cfg.vocab_size,
+        canvas_length=engine.canvas_length,
+        max_num_seqs=sched.max_num_seqs,
+        max_inflight=sched.max_num_seqs + sched.max_queue,
+        max_fit_positions=lo,
+        numerics=kernels.numerics,
+        kernels=kernels.backend,
+    )
+
+
 @dataclass(slots=True)
-class LoopStats:
-    """Read by /metrics and /health (written by the loop thread only)."""
+class _LoopCounters:
+    """What the loop thread last saw (written by the loop thread only)."""
 
     num_steps: int = 0
     last_step_time: float = 0.0
@@ -57,19 +79,20 @@ class LoopStats:
 
 
 class AsyncEngine:
+    """Implements `engine.types.EngineClient` over one `Engine`."""
+
     def __init__(self, engine: Engine, stall_seconds: float = 60.0) -> None:
         self.engine = engine
         self.stall_seconds = stall_seconds
-        self.stats = LoopStats(last_step_time=time.monotonic())
+        self.limits = engine_limits(engine)
+        self._counters = _LoopCounters(last_step_time=time.monotonic())
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue[StepOutput | EngineFailure]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         # Run on the loop thread after every step that ran rows (metrics).
-        self.on_step: list[Callable[[Engine, list[StepOutput]], None]] = []
-        sched = engine.scheduler.config
-        self.max_inflight = sched.max_num_seqs + sched.max_queue
+        self.on_step: list[StepListener] = []
         self._inflight = 0  # touched on the event loop only
 
     # -- lifecycle --
@@ -85,15 +108,23 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def is_healthy(self) -> bool:
-        """Alive, and stepping whenever there is work (no stall longer than stall_seconds)."""
-        if not self.is_alive():
-            return False
-        idle = self.stats.num_running == 0 and self.stats.num_waiting == 0 and self._inflight == 0
-        return idle or time.monotonic() - self.stats.last_step_time < self.stall_seconds
+    @property
+    def stats(self) -> EngineStats:
+        """A snapshot; `healthy`: alive, and stepping whenever there is work (no stall longer
+        than stall_seconds)."""
+        c = self._counters
+        alive = self._thread is not None and self._thread.is_alive()
+        idle = c.num_running == 0 and c.num_waiting == 0 and self._inflight == 0
+        stepping = idle or time.monotonic() - c.last_step_time < self.stall_seconds
+        return EngineStats(
+            alive=alive,
+            healthy=alive and stepping,
+            num_running=c.num_running,
+            num_waiting=c.num_waiting,
+            num_inflight=self._inflight,
+            kv_usage=c.kv_usage,
+            num_steps=c.num_steps,
+        )
 
     @property
     def num_inflight(self) -> int:
@@ -107,13 +138,12 @@ class AsyncEngine:
         prompt_ids: list[int],
         params: ResolvedParams,
         want_drafts: bool = False,
-    ) -> AsyncIterator[StepOutput]:
-        """Run one request; yields its outputs until the one with a finish reason. Raises
-        ParamError for a prompt that cannot run and QueueFull when too many are waiting.
-        Cancelling the iteration (client gone) aborts the request."""
-        self.engine.check_prompt(prompt_ids)
-        self.engine.check_context(len(prompt_ids), params)
-        if self._inflight >= self.max_inflight:
+    ) -> AsyncGenerator[StepOutput, None]:
+        """Run one request (validated by `engine.validation`); yields its outputs until the one
+        with a finish reason. Raises QueueFull when too many are in flight, and what the engine
+        refused (ParamError) or failed with (RuntimeError). Cancelling the iteration (client
+        gone) aborts the request."""
+        if self._inflight >= self.limits.max_inflight:
             raise QueueFull(f"{self._inflight} requests in flight")
         out_queue: asyncio.Queue[StepOutput | EngineFailure] = asyncio.Queue()
         self._queues[request_id] = out_queue
@@ -157,10 +187,10 @@ class AsyncEngine:
             self._update_stats()
             if engine.last_step.num_rows == 0:
                 continue  # nothing ran (idle wake-up): no step to count or observe
-            self.stats.num_steps += 1
-            self.stats.last_step_time = time.monotonic()
-            for hook in self.on_step:
-                hook(engine, outputs)
+            self._counters.num_steps += 1
+            self._counters.last_step_time = time.monotonic()
+            for listener in self.on_step:
+                listener(engine.last_step, outputs)
             for out in outputs:
                 self._publish(out.request_id, out)
 
@@ -184,10 +214,10 @@ class AsyncEngine:
                 self._publish(cmd.request_id, EngineFailure(exc))
 
     def _update_stats(self) -> None:
-        sched = self.engine.scheduler
-        self.stats.num_running = sched.num_running
-        self.stats.num_waiting = sched.num_waiting
-        self.stats.kv_usage = self.engine.pages.usage()
+        sched, c = self.engine.scheduler, self._counters
+        c.num_running = sched.num_running
+        c.num_waiting = sched.num_waiting
+        c.kv_usage = self.engine.pages.usage()
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):

@@ -3,9 +3,9 @@
 Same algorithm as `engine.sampler` (the reference's: linear temperature schedule, a sample at
 every position, entropy-bound acceptance, uniform re-noising, stable-and-confident stop), batched:
 per-request state lives in persistent per-slot tensors (one slot per running request), a step
-gathers its rows by slot index, runs the bound kernels (`fused_sample`, `entropy_accept`,
-`soft_embedding`) over all positions at once, writes the state back, and moves its results to
-the host once.
+gathers its rows by slot index, runs the bound kernels (`sample_and_embed`: the fused sampler
+and the soft embedding; `entropy_accept`) over all positions at once, writes the state back,
+and moves its results to the host once.
 
 Random numbers come from a counter-based stream: Philox keyed by the request's seed, at a
 counter made of (canvas number, step, stream, position) — so a request's draws never depend on
@@ -166,7 +166,9 @@ class BatchedSampler:
         per_position = temperature.repeat_interleave(length)  # [R * L]
         seeds, canvas_no = s.seed[slots, None], s.canvas_no[slots]
         u = philox_uniform(seeds, counters(canvas_no, num_steps, SAMPLE_STREAM, length))
-        result = ks.fused_sample(logits, per_position, u.view(-1))
+        result, soft = ks.sample_and_embed(
+            logits, per_position, u.view(-1), self.embedding, self.embed_scale
+        )
         entropy = result.entropy.view(num_rows, length)
         accept = ks.entropy_accept(entropy, s.bound[slots])  # [R, L] bool
         u_noise = philox_uniform(seeds, counters(canvas_no, num_steps + 1, NOISE_STREAM, length))
@@ -176,7 +178,6 @@ class BatchedSampler:
         steps_left, num_steps = steps_left - 1, num_steps + 1
         confident = entropy.mean(-1) < s.confidence[slots]
         finished = ((stable_run >= s.stability[slots]) & confident) | (steps_left <= 0)
-        soft = ks.soft_embedding(logits, per_position, result.lse, self.embedding, self.embed_scale)
         s.canvas[slots] = torch.where(accept, result.sample.view(num_rows, length), noise)
         s.draft[slots] = draft
         s.run[slots] = stable_run

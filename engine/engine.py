@@ -10,18 +10,23 @@ on its prompt, parameters and seed only.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
-from engine.kv_pages import KVPages, PageGeometry, PageTables
+import torch
+
+from engine.kv_pages import KVPages, PageGeometry
 from engine.model import DiffusionLM, PagedKVCache
+from engine.model.base import SoftEmbeds
 from engine.model.config import LayerType
-from engine.params import DecodeMode, DecodingDefaults, ParamError, ResolvedParams
-from engine.request import Request
-from engine.runner import EncodeInput, ModelRunner, RunOutput, StepInputs
+from engine.params import DecodingDefaults, ParamError, ResolvedParams
+from engine.request import RequestState
+from engine.rows import ROW_KINDS, RowResult
+from engine.runner import ModelRunner, RunOutput, StepInputs
 from engine.sampling import Sampled, make_sampling
-from engine.scheduler import RowKind, ScheduledRow, Scheduler, SchedulerConfig, Sequence, StepPlan
+from engine.scheduler import ScheduledRow, Scheduler, SchedulerConfig, StepPlan
+from engine.types import FinishReason, RequestStats, StepOutput, StepStats
+from engine.validation import context_needed
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,61 +38,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
             raise ValueError("page_size must be >= 1 and kv_cache_tokens >= page_size")
-
-
-@dataclass(frozen=True, slots=True)
-class RequestStats:
-    num_prompt_tokens: int
-    num_output_tokens: int
-    decoder_passes: int
-    encoder_passes: int
-    steps_per_canvas: tuple[int, ...]
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finish_time: float
-
-    @property
-    def tokens_per_forward(self) -> float:
-        passes = self.decoder_passes or self.encoder_passes
-        return self.num_output_tokens / passes if passes else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutput:
-    """What one step publishes for one request: committed tokens (never revised), the draft
-    of an unfinished canvas (when asked for), and on the last output the finish reason."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    draft: list[int] | None = None
-    stats: RequestStats | None = None
-
-
-@dataclass(slots=True)
-class StepStats:
-    """Counters of the last step, for metrics and the overhead benchmark."""
-
-    num_rows: int = 0
-    num_tokens: int = 0
-    num_committed: int = 0
-    forward_seconds: float = 0.0
-    sample_seconds: float = 0.0  # the sampler's arithmetic and its host transfer
-    step_seconds: float = 0.0
-    canvas_latencies: list[float] = field(default_factory=list)  # committed canvases
-
-
-def first_cut(
-    draft: list[int], budget: int, eos_token_ids: frozenset[int]
-) -> tuple[list[int], str | None]:
-    """Cut a committed draft at the first EOS (kept) and at the remaining token budget."""
-    for i, token in enumerate(draft[:budget]):
-        if token in eos_token_ids:
-            return draft[: i + 1], "stop"
-    if len(draft) >= budget:
-        return draft[:budget], "length"
-    return draft, None
 
 
 class Engine:
@@ -121,16 +71,14 @@ class Engine:
         )
         self.runner = ModelRunner(model, cache)
         self.sampling = make_sampling(model, sched.max_num_seqs)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self.last_step = StepStats()
 
     # -- requests -------------------------------------------------------------------------------
 
     def context_needed(self, num_prompt: int, params: ResolvedParams) -> int:
-        """Positions a request occupies: diffusion canvases are whole even when cut."""
-        if params.mode is DecodeMode.AR:
-            return num_prompt + params.max_tokens
-        return num_prompt + math.ceil(params.max_tokens / self.canvas_length) * self.canvas_length
+        """Positions a request occupies (see `engine.validation.context_needed`)."""
+        return context_needed(num_prompt, params, self.canvas_length)
 
     def check_prompt(self, ids: list[int]) -> None:
         vocab = self.model.cfg.vocab_size
@@ -164,15 +112,16 @@ class Engine:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.check_prompt(prompt_ids)
         self.check_context(len(prompt_ids), params)
-        seq = Sequence(
-            seq_id=request_id,
-            num_prompt=len(prompt_ids),
+        req = RequestState(
+            request_id,
+            list(prompt_ids),
+            params,
             context=self.context_needed(len(prompt_ids), params),
             canvas_length=self.canvas_length,
-            is_ar=params.mode is DecodeMode.AR,
+            want_drafts=want_drafts,
         )
-        self.scheduler.add(seq)
-        self.requests[request_id] = Request(request_id, list(prompt_ids), params, want_drafts)
+        self.scheduler.add(req)
+        self.requests[request_id] = req
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its pages. Returns whether it was known."""
@@ -206,120 +155,65 @@ class Engine:
         self.last_step.step_seconds = time.perf_counter() - start
         return outputs
 
-    def _split(
-        self, plan: StepPlan
-    ) -> tuple[list[tuple[ScheduledRow, Request]], list[tuple[ScheduledRow, Request]]]:
-        """The plan's DENOISE and ENCODE rows with their requests; newly running requests get
-        their sampler state."""
+    def _split(self, plan: StepPlan) -> tuple[list[ScheduledRow], list[ScheduledRow]]:
+        """The plan's DECODE (denoise) and ENCODE rows; newly running requests get their
+        sampler state."""
         now = time.monotonic()
-        denoise, encode = [], []
         for row in plan.rows:
-            req = self.requests[row.seq_id]
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-                self.sampling.admit(req)
-            (denoise if row.kind is RowKind.DENOISE else encode).append((row, req))
-        return denoise, encode
+            if row.req.first_scheduled_time is None:
+                row.req.first_scheduled_time = now
+                self.sampling.admit(row.req)
+        denoise = [row for row in plan.rows if ROW_KINDS[row.kind].decode]
+        return denoise, [row for row in plan.rows if not ROW_KINDS[row.kind].decode]
 
-    def _pages(self, row: ScheduledRow) -> PageTables:
-        pages = self.scheduler.running[row.seq_id].pages
-        assert pages is not None
-        return pages
-
-    def _inputs(
-        self,
-        denoise: list[tuple[ScheduledRow, Request]],
-        encode: list[tuple[ScheduledRow, Request]],
-    ) -> StepInputs:
-        canvas_ids, soft = None, []
+    def _inputs(self, denoise: list[ScheduledRow], encode: list[ScheduledRow]) -> StepInputs:
+        canvas_ids: torch.Tensor | None = None
+        soft: SoftEmbeds = []
         if denoise:
             now = time.monotonic()
-            for _, req in denoise:
-                if not req.in_canvas:
-                    req.canvas_started = now
-            canvas_ids, soft = self.sampling.canvas_inputs([req for _, req in denoise])
+            for row in denoise:
+                if not row.req.in_canvas:
+                    row.req.canvas_started = now
+            canvas_ids, soft = self.sampling.canvas_inputs([row.req for row in denoise])
+        pages = [row.req.pages for row in denoise]
+        assert all(p is not None for p in pages)
         return StepInputs(
-            denoise_starts=[row.start for row, _ in denoise],
-            denoise_pages=[self._pages(row) for row, _ in denoise],
+            denoise_starts=[row.start for row in denoise],
+            denoise_pages=pages,  # type: ignore[arg-type]
             canvas_ids=canvas_ids,
             soft_embeds=soft,
-            encode=[self._encode_input(row, req) for row, req in encode],
+            encode=[ROW_KINDS[row.kind].encode_input(row) for row in encode],
         )
-
-    def _encode_input(self, row: ScheduledRow, req: Request) -> EncodeInput:
-        if row.kind is RowKind.PREFILL:
-            tokens = req.prompt_ids[row.start : row.start + row.num_tokens]
-            return EncodeInput(row.start, tokens, self._pages(row), self._wants_token(row, req))
-        if row.kind is RowKind.COMMIT:
-            assert req.draft_to_commit is not None
-            return EncodeInput(row.start, req.draft_to_commit, self._pages(row), False)
-        return EncodeInput(row.start, req.output_ids[-1:], self._pages(row), True)
 
     def _sample(
-        self,
-        denoise: list[tuple[ScheduledRow, Request]],
-        encode: list[tuple[ScheduledRow, Request]],
-        out: RunOutput,
+        self, denoise: list[ScheduledRow], encode: list[ScheduledRow], out: RunOutput
     ) -> list[StepOutput]:
-        ar = [(row, req) for row, req in encode if self._wants_token(row, req)]
+        sampling = [row for row in encode if ROW_KINDS[row.kind].wants_token(row)]
         start = time.perf_counter()
         sampled = self.sampling.sample(
-            out.denoise_logits, [r for _, r in denoise], out.last_logits, [r for _, r in ar]
+            out.denoise_logits,
+            [row.req for row in denoise],
+            out.last_logits,
+            [row.req for row in sampling],
         )
         self.last_step.sample_seconds = time.perf_counter() - start
+        results = _row_results(denoise, sampling, sampled)
         outputs: list[StepOutput] = []
-        for j, (row, req) in enumerate(denoise):
-            req.decoder_passes += 1
-            outputs += self._after_denoise(row, req, sampled, j)
-        tokens = dict(zip([id(r) for _, r in ar], sampled.ar_tokens, strict=True))
-        for row, req in encode:
-            req.encoder_passes += 1
-            self.scheduler.on_row_done(row)
-            if id(req) in tokens:
-                outputs += self._after_ar_token(req, tokens[id(req)])
+        for row in (*denoise, *encode):
+            outputs += ROW_KINDS[row.kind].after(self, row, results.get(id(row), RowResult()))
         return outputs
 
-    @staticmethod
-    def _wants_token(row: ScheduledRow, req: Request) -> bool:
-        if row.kind is RowKind.AR:
-            return True
-        end = row.start + row.num_tokens
-        return (
-            row.kind is RowKind.PREFILL
-            and req.params.mode is DecodeMode.AR
-            and end == len(req.prompt_ids)
-        )
-
-    def _after_denoise(
-        self, row: ScheduledRow, req: Request, sampled: Sampled, j: int
-    ) -> list[StepOutput]:
-        draft = sampled.drafts[j]
-        if not sampled.finished[j]:
-            self.scheduler.on_row_done(row)
-            if req.want_drafts and draft is not None:
-                return [StepOutput(req.request_id, [], draft=draft)]
-            return []
-        assert draft is not None
-        req.steps_per_canvas.append(sampled.num_steps[j])
-        self.last_step.canvas_latencies.append(time.monotonic() - req.canvas_started)
-        req.in_canvas = False
-        tokens, reason = first_cut(
-            draft, req.params.max_tokens - len(req.output_ids), req.params.eos_token_ids
-        )
-        if reason is None:
-            req.draft_to_commit = draft
-            self.scheduler.on_row_done(row, canvas_finished=True)
-        return [self._emit(req, tokens, reason)]
-
-    def _after_ar_token(self, req: Request, token: int) -> list[StepOutput]:
+    def emit_token(self, req: RequestState, token: int) -> StepOutput:
+        """An AR token: the request ends at EOS or at its token budget."""
         reason = None
         if token in req.params.eos_token_ids:
-            reason = "stop"
+            reason = FinishReason.STOP
         elif len(req.output_ids) + 1 >= req.params.max_tokens:
-            reason = "length"
-        return [self._emit(req, [token], reason)]
+            reason = FinishReason.LENGTH
+        return self.emit(req, [token], reason)
 
-    def _emit(self, req: Request, tokens: list[int], reason: str | None) -> StepOutput:
+    def emit(self, req: RequestState, tokens: list[int], reason: FinishReason | None) -> StepOutput:
+        """Append committed tokens; with a finish reason, the request ends here."""
         now = time.monotonic()
         if tokens and req.first_token_time is None:
             req.first_token_time = now
@@ -341,3 +235,18 @@ class Engine:
             finish_time=now,
         )
         return StepOutput(req.request_id, tokens, reason, stats=stats)
+
+
+def _row_results(
+    denoise: list[ScheduledRow], sampling: list[ScheduledRow], sampled: Sampled
+) -> dict[int, RowResult]:
+    """The sampler's results keyed by row (its identity)."""
+    results = {
+        id(row): RowResult(
+            finished=sampled.finished[j], num_steps=sampled.num_steps[j], draft=sampled.drafts[j]
+        )
+        for j, row in enumerate(denoise)
+    }
+    for row, token in zip(sampling, sampled.ar_tokens, strict=True):
+        results[id(row)] = RowResult(token=token)
+    return results

@@ -8,13 +8,17 @@ reference `generate()` token for token for the same seed.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.async_engine import engine_limits
 from engine.engine import Engine, EngineConfig
 from engine.model import DiffusionLM, load_model
 from engine.params import DecodingDefaults, ParamError, SamplingParams
 from engine.tokenizer import Tokenizer
+from engine.types import StepOutput
+from engine.validation import RequestValidator
 
 Prompt = str | list[int]
 
@@ -54,6 +58,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.defaults = defaults
         self.engine = Engine(model, defaults, config)
+        self.validator = RequestValidator(defaults, engine_limits(self.engine))
         self.canvas_length = model.config.canvas_length
         self._next_id = 0
 
@@ -84,17 +89,19 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | list[Prompt],
+        prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs in prompt order."""
+        """Generate for each prompt (text or token ids); outputs in prompt order. Parameters are
+        checked and interpreted exactly as the server does (`engine.validation`): ParamError
+        names the bad one before anything runs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]  # type: ignore[assignment]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ParamError("params", f"{len(plist)} parameter sets for {len(prompts)} prompts")
         ids = [self.prompt_ids(p) for p in prompts]  # type: ignore[arg-type]
-        resolved = [self.defaults.resolve(p) for p in plist]
+        resolved = [self.validator.validate(i, p) for i, p in zip(ids, plist, strict=True)]
         start = time.perf_counter()
         names = []
         for prompt, p in zip(ids, resolved, strict=True):
@@ -119,13 +126,16 @@ class LLM:
                     self.engine.abort(name)
         return [done[n] for n in names]
 
-    def _output(self, prompt: list[int], tokens: list[int], out, start: float) -> RequestOutput:  # type: ignore[no-untyped-def]
+    def _output(
+        self, prompt: list[int], tokens: list[int], out: StepOutput, start: float
+    ) -> RequestOutput:
         stats = out.stats
+        assert stats is not None and out.finish_reason is not None, "a request's last output"
         return RequestOutput(
             prompt_ids=prompt,
             output_ids=tokens,
             text=self.tokenizer.decode(tokens) if self.tokenizer else "",
-            finish_reason=out.finish_reason,
+            finish_reason=str(out.finish_reason.value),
             decoder_passes=stats.decoder_passes,
             encoder_passes=stats.encoder_passes,
             steps_per_canvas=list(stats.steps_per_canvas),

@@ -2,8 +2,9 @@
 
 `SamplingParams` is what a caller asks for (None = "use the checkpoint default");
 `DecodingDefaults` comes from generation_config.json; `resolve` merges them into the
-fully specified `ResolvedParams` the engine runs with. Validation happens here, once, with
-messages that name the parameter.
+fully specified `ResolvedParams` the engine runs with. Each field's bounds are checked here,
+when a `SamplingParams` is built, with messages that name the parameter; `engine.validation`
+adds what needs the engine (context, vocabulary, KV cache) and the temperature policy.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
+
+MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
 
 
 class DecodeMode(str, Enum):
@@ -49,7 +52,8 @@ class SamplingParams:
     t_max: float | None = None
     stability_threshold: int | None = None
     confidence_threshold: float | None = None  # 0 disables the adaptive stop
-    # AR mode: 0 (or None) is greedy
+    # What `temperature` means depends on the mode (engine.validation.apply_temperature):
+    # diffusion: scales the t_min..t_max schedule; AR: the sampling temperature, 0 is greedy.
     temperature: float | None = None
 
     def __post_init__(self) -> None:
@@ -78,7 +82,11 @@ class SamplingParams:
             "confidence_threshold",
             "must be >= 0 (0 disables the adaptive stop)",
         )
-        _check(self.temperature is None or self.temperature >= 0, "temperature", "must be >= 0")
+        _check(
+            self.temperature is None or 0 <= self.temperature <= MAX_TEMPERATURE,
+            "temperature",
+            f"must be in [0, {MAX_TEMPERATURE:g}]",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +103,7 @@ class ResolvedParams:
     t_max: float
     stability_threshold: int
     confidence_threshold: float
-    temperature: float
+    temperature: float  # AR sampling temperature (0 = greedy); diffusion ignores it
 
     def __post_init__(self) -> None:
         _check(self.t_max > self.t_min, "t_max", f"must be > t_min ({self.t_max} <= {self.t_min})")

@@ -72,6 +72,8 @@ class ModelRunner:
         last = [o + len(e.tokens) - 1 for o, e in self._encode_offsets(step, num_canvas)]
         last = [i for i, e in zip(last, step.encode, strict=True) if e.wants_last_logits]
         denoise_logits, last_logits = self._logits(hidden, num_canvas, last)
+        if self.device.type == "cuda":  # the forward's time, not its launch time
+            torch.cuda.synchronize(self.device)
         return RunOutput(denoise_logits, last_logits, time.perf_counter() - start)
 
     def _logits(

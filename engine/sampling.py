@@ -17,8 +17,8 @@ import torch
 from engine.batched_sampler import BatchedSampler, to_host
 from engine.model import DiffusionLM
 from engine.model.base import SoftEmbeds
-from engine.request import Request
-from engine.sampler import denoise_update, start_canvas
+from engine.request import RequestState
+from engine.sampler import CanvasState, denoise_update, start_canvas
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,22 +32,22 @@ class Sampled:
 
 
 class Sampling(Protocol):
-    def admit(self, req: Request) -> None:
+    def admit(self, req: RequestState) -> None:
         """The request starts running: set up its sampler state."""
 
-    def release(self, req: Request) -> None:
+    def release(self, req: RequestState) -> None:
         """The request finished or was aborted: free its sampler state."""
 
-    def canvas_inputs(self, reqs: list[Request]) -> tuple[torch.Tensor, SoftEmbeds]:
+    def canvas_inputs(self, reqs: list[RequestState]) -> tuple[torch.Tensor, SoftEmbeds]:
         """Canvas ids [R * L] and self-conditioning inputs of DENOISE rows; a request that is
         not in a canvas starts one."""
 
     def sample(
         self,
         denoise_logits: torch.Tensor | None,
-        denoise: list[Request],
+        denoise: list[RequestState],
         ar_logits: torch.Tensor | None,
-        ar: list[Request],
+        ar: list[RequestState],
     ) -> Sampled:
         """One denoising update of `denoise` (logits [R * L, V] fp32) and the next token of
         `ar` (logits [R_ar, V] fp32)."""
@@ -65,18 +65,18 @@ class BatchedSampling:
         )
         self.device = model.embed_tokens.weight.device
 
-    def admit(self, req: Request) -> None:
-        req.slot = self.sampler.assign(req.params)
+    def admit(self, req: RequestState) -> None:
+        req.sampler_state = self.sampler.assign(req.params)  # the request's slot
 
-    def release(self, req: Request) -> None:
-        if req.slot is not None:
-            self.sampler.release(req.slot)
-            req.slot = None
+    def release(self, req: RequestState) -> None:
+        if isinstance(req.sampler_state, int):
+            self.sampler.release(req.sampler_state)
+            req.sampler_state = None
 
-    def _slots(self, reqs: list[Request]) -> torch.Tensor:
-        return torch.tensor([r.slot for r in reqs], dtype=torch.long).to(self.device)
+    def _slots(self, reqs: list[RequestState]) -> torch.Tensor:
+        return torch.tensor([r.sampler_state for r in reqs], dtype=torch.long).to(self.device)
 
-    def canvas_inputs(self, reqs: list[Request]) -> tuple[torch.Tensor, SoftEmbeds]:
+    def canvas_inputs(self, reqs: list[RequestState]) -> tuple[torch.Tensor, SoftEmbeds]:
         starting = torch.tensor([not r.in_canvas for r in reqs]).to(self.device)
         for r in reqs:
             r.in_canvas = True
@@ -85,9 +85,9 @@ class BatchedSampling:
     def sample(
         self,
         denoise_logits: torch.Tensor | None,
-        denoise: list[Request],
+        denoise: list[RequestState],
         ar_logits: torch.Tensor | None,
-        ar: list[Request],
+        ar: list[RequestState],
     ) -> Sampled:
         parts: list[torch.Tensor] = []
         if denoise:
@@ -108,50 +108,63 @@ class BatchedSampling:
         return Sampled([bool(f) for f in finished], steps, drafts, host[3] if ar else [])
 
 
+@dataclass(slots=True)
+class _ReferenceState:
+    """A request's private generator and its current canvas (exact numerics)."""
+
+    generator: torch.Generator
+    canvas: CanvasState | None = None
+
+
+def _reference(req: RequestState) -> _ReferenceState:
+    assert isinstance(req.sampler_state, _ReferenceState), "admit() the request first"
+    return req.sampler_state
+
+
 class ReferenceSampling:
     def __init__(self, model: DiffusionLM) -> None:
         self.model = model
         self.canvas_length = model.config.canvas_length
         self.device = model.embed_tokens.weight.device
 
-    def admit(self, req: Request) -> None:
+    def admit(self, req: RequestState) -> None:
         gen = torch.Generator(device=self.device)
         if req.params.seed is None:
             gen.seed()
         else:
             gen.manual_seed(req.params.seed)
-        req.generator = gen
+        req.sampler_state = _ReferenceState(gen)
 
-    def release(self, req: Request) -> None:
-        req.canvas = None
+    def release(self, req: RequestState) -> None:
+        req.sampler_state = None
 
-    def canvas_inputs(self, reqs: list[Request]) -> tuple[torch.Tensor, SoftEmbeds]:
+    def canvas_inputs(self, reqs: list[RequestState]) -> tuple[torch.Tensor, SoftEmbeds]:
         for req in reqs:
-            if req.canvas is None:
-                assert req.generator is not None
+            state = _reference(req)
+            if state.canvas is None:
                 req.in_canvas = True
-                req.canvas = start_canvas(
+                state.canvas = start_canvas(
                     req.params,
                     self.model.cfg.vocab_size,
                     self.canvas_length,
-                    req.generator,
+                    state.generator,
                     self.device,
                 )
-        states = [r.canvas for r in reqs]
+        states = [_reference(r).canvas for r in reqs]
         ids = torch.cat([s.canvas for s in states if s is not None])
         return ids, [s.soft_embeds for s in states if s is not None]
 
     def sample(
         self,
         denoise_logits: torch.Tensor | None,
-        denoise: list[Request],
+        denoise: list[RequestState],
         ar_logits: torch.Tensor | None,
-        ar: list[Request],
+        ar: list[RequestState],
     ) -> Sampled:
         finished, steps, drafts = [], [], []
         if denoise:
             assert denoise_logits is not None
-            states = [r.canvas for r in denoise]
+            states = [_reference(r).canvas for r in denoise]
             logits = denoise_logits.view(len(denoise), self.canvas_length, -1)
             scaled, probs = denoise_update(logits, states, [r.params for r in denoise])  # type: ignore[arg-type]
             soft = self.model.soft_embed(scaled, probs)
@@ -162,16 +175,16 @@ class ReferenceSampling:
                 steps.append(state.num_steps)
                 drafts.append(state.argmax.tolist() if state.finished or req.want_drafts else None)
                 if state.finished:
-                    req.canvas = None
+                    _reference(req).canvas = None
         tokens = [self._ar_token(req, ar_logits[k]) for k, req in enumerate(ar)] if ar else []  # type: ignore[index]
         return Sampled(finished, steps, drafts, tokens)
 
     @staticmethod
-    def _ar_token(req: Request, logits: torch.Tensor) -> int:
+    def _ar_token(req: RequestState, logits: torch.Tensor) -> int:
         temperature = req.params.temperature
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
-            return int(torch.multinomial(probs, 1, generator=req.generator))
+            return int(torch.multinomial(probs, 1, generator=_reference(req).generator))
         return int(logits.argmax())
 
 

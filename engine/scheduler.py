@@ -14,16 +14,9 @@ from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
-from engine.kv_pages import KVPages, PageTables
-
-
-class SeqState(str, Enum):
-    WAITING = "waiting"
-    PREFILL = "prefill"
-    DENOISE = "denoise"
-    COMMIT = "commit"
-    AR = "ar"
-    FINISHED = "finished"
+from engine.kv_pages import KVPages
+from engine.request import RequestState, SeqState
+from engine.types import QueueFull
 
 
 class RowKind(str, Enum):
@@ -46,26 +39,19 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-@dataclass(slots=True)
-class Sequence:
-    """Scheduling state of one request."""
-
-    seq_id: str
-    num_prompt: int
-    context: int  # positions reserved: prompt + token budget rounded up to whole canvases
-    canvas_length: int
-    is_ar: bool
-    state: SeqState = SeqState.WAITING
-    num_computed: int = 0  # positions whose KV is written
-    pages: PageTables | None = None
-
-
 @dataclass(frozen=True, slots=True)
 class ScheduledRow:
-    seq_id: str
+    """One row of a step: a request's kind of pass over `num_tokens` new positions from
+    `start`. It carries the request itself (its pages included), so no one looks it up."""
+
+    req: RequestState
     kind: RowKind
     start: int  # position of the first new token
     num_tokens: int
+
+    @property
+    def seq_id(self) -> str:
+        return self.req.request_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,20 +63,16 @@ class StepPlan:
         return sum(r.num_tokens for r in self.rows)
 
 
-class QueueFull(RuntimeError):
-    """The waiting queue is full; retry later."""
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pages: KVPages) -> None:
         self.config = config
         self.pages = pages
-        self.waiting: deque[Sequence] = deque()
-        self.running: dict[str, Sequence] = {}  # admission order
+        self.waiting: deque[RequestState] = deque()
+        self.running: dict[str, RequestState] = {}  # admission order
 
     # -- membership ---------------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: RequestState) -> None:
         if not self.pages.fits_ever(seq.context):
             raise ValueError(f"a context of {seq.context} positions does not fit in the KV cache")
         capacity = self.config.max_num_seqs + self.config.max_queue
@@ -101,12 +83,12 @@ class Scheduler:
             )
         self.waiting.append(seq)
 
-    def finish(self, seq_id: str) -> Sequence | None:
+    def finish(self, seq_id: str) -> RequestState | None:
         """Remove a sequence (finished or aborted) and free its pages."""
         seq = self.running.pop(seq_id, None)
         if seq is None:
             for queued in self.waiting:
-                if queued.seq_id == seq_id:
+                if queued.request_id == seq_id:
                     self.waiting.remove(queued)
                     seq = queued
                     break
@@ -147,24 +129,24 @@ class Scheduler:
             self.waiting.popleft()
             seq.pages = self.pages.allocate(seq.context)
             seq.state = SeqState.PREFILL
-            self.running[seq.seq_id] = seq
+            self.running[seq.request_id] = seq
             row = self._row_for(seq, budget)
             if row is not None:
                 rows.append(row)
                 budget -= row.num_tokens
         return StepPlan(tuple(rows))
 
-    def _row_for(self, seq: Sequence, budget: int) -> ScheduledRow | None:
+    def _row_for(self, seq: RequestState, budget: int) -> ScheduledRow | None:
         start = seq.num_computed
         if seq.state is SeqState.PREFILL:
             num = min(seq.num_prompt - start, self.config.max_prefill_chunk, budget)
-            return ScheduledRow(seq.seq_id, RowKind.PREFILL, start, num) if num > 0 else None
+            return ScheduledRow(seq, RowKind.PREFILL, start, num) if num > 0 else None
         if seq.state is SeqState.DENOISE:
-            return ScheduledRow(seq.seq_id, RowKind.DENOISE, start, seq.canvas_length)
+            return ScheduledRow(seq, RowKind.DENOISE, start, seq.canvas_length)
         if seq.state is SeqState.COMMIT:
-            return ScheduledRow(seq.seq_id, RowKind.COMMIT, start, seq.canvas_length)
+            return ScheduledRow(seq, RowKind.COMMIT, start, seq.canvas_length)
         if seq.state is SeqState.AR:
-            return ScheduledRow(seq.seq_id, RowKind.AR, start, 1)
+            return ScheduledRow(seq, RowKind.AR, start, 1)
         return None
 
     # -- feedback -----------------------------------------------------------------------------
@@ -172,7 +154,7 @@ class Scheduler:
     def on_row_done(self, row: ScheduledRow, canvas_finished: bool = False) -> None:
         """Advance a sequence after its row ran. `canvas_finished`: a DENOISE row's canvas
         converged and the request continues (so it needs a commit pass)."""
-        seq = self.running[row.seq_id]
+        seq = row.req
         if row.kind in (RowKind.PREFILL, RowKind.COMMIT, RowKind.AR):
             seq.num_computed = row.start + row.num_tokens
         if row.kind is RowKind.PREFILL and seq.num_computed == seq.num_prompt:

@@ -28,7 +28,7 @@ class Tokenizer:
             )
         ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
+            ids = ids["input_ids"]  # type: ignore[call-overload,index]
         return list(ids)
 
     def decode(self, ids: list[int]) -> str:

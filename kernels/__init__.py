@@ -83,6 +83,7 @@ class KernelSet:
     fused_sample: Callable[..., reference.SampleResult]
     entropy_accept: Callable[..., torch.Tensor]
     soft_embedding: Callable[..., torch.Tensor]
+    sample_and_embed: Callable[..., tuple[reference.SampleResult, torch.Tensor]]
 
     @property
     def numerics(self) -> str:
@@ -125,6 +126,7 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
             fused_sample=ops.fused_sample,
             entropy_accept=ops.entropy_accept,
             soft_embedding=ops.soft_embedding,
+            sample_and_embed=ops.sample_and_embed,
         )
     return KernelSet(
         backend=backend,
@@ -138,6 +140,7 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
         fused_sample=ops.fused_sample,
         entropy_accept=ops.entropy_accept,
         soft_embedding=ops.soft_embedding,
+        sample_and_embed=ops.sample_and_embed,
     )
 
 

@@ -334,126 +334,36 @@ def write_kv(
     v_pool[page, :, slot] = v[keep]
 
 
-# -- fused sampler ------------------------------------------------------------------------------
+# The sampler's twins live in their own module; they are part of this one's namespace (the
+# Triton launchers are looked up here by name).
+from kernels.reference_sampler import (  # noqa: E402
+    SampleResult,
+    entropy_accept,
+    fused_sample,
+    philox_uniform,
+    sample_and_embed,
+    soft_embedding,
+)
 
-_MASK32 = 0xFFFFFFFF
-_PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)
-_PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
-# Triton's uint32 -> [0, 1) scale: the largest value with (2**31 - 1) * scale < 1 in fp32.
-_UNIFORM_SCALE = 4.6566127342e-10
-
-
-def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) 32-bit halves of a * b for a uint32 constant and uint32 values held in int64
-    (split into 16-bit halves so that no product overflows int64)."""
-    p_hi, p_lo = a * (b >> 16), a * (b & 0xFFFF)  # each < 2**48
-    lo = (((p_hi & 0xFFFF) << 16) + p_lo) & _MASK32
-    return (p_hi + (p_lo >> 16)) >> 16, lo
-
-
-def philox_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """`tl.rand(seed, counter)` bit for bit: Philox4x32-10 keyed by the 64-bit seed on the
-    64-bit counter (low word, high word, 0, 0), first output word mapped to [0, 1) as Triton
-    does. seeds, counters: int64, broadcastable. Returns fp32 of the broadcast shape."""
-    k0, k1 = seeds & _MASK32, (seeds >> 32) & _MASK32
-    c0, c1 = counters & _MASK32, (counters >> 32) & _MASK32
-    c2 = c3 = torch.zeros_like(c0)
-    c0, c1, k0, k1 = torch.broadcast_tensors(c0, c1, k0, k1)
-    for _ in range(10):
-        hi_b, lo_b = _mul_hi_lo(_PHILOX_ROUND[1], c2)
-        hi_a, lo_a = _mul_hi_lo(_PHILOX_ROUND[0], c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0, k1 = (k0 + _PHILOX_KEY[0]) & _MASK32, (k1 + _PHILOX_KEY[1]) & _MASK32
-    # Triton reads the word as int32 and folds negatives with ~x: x >= 2**31 -> 2**32 - 1 - x.
-    folded = torch.where(c0 >= 2**31, c0 ^ _MASK32, c0)
-    return folded.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
-
-
-@dataclass(frozen=True, slots=True)
-class SampleResult:
-    """Per canvas position: the sampled token, the argmax token (int64), the entropy of the
-    softmax and its log-normaliser logsumexp(logits / T) (fp32)."""
-
-    sample: torch.Tensor  # [P] int64
-    argmax: torch.Tensor  # [P] int64
-    entropy: torch.Tensor  # [P] fp32
-    lse: torch.Tensor  # [P] fp32
-
-
-# Positions per chunk of the twin sampler: bounds its [chunk, V] fp32 temporaries to 64 MiB.
-_SAMPLE_CHUNK_ELEMENTS = 1 << 24
-
-
-def fused_sample(
-    logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
-) -> SampleResult:
-    """Sample every position from softmax(logits / T) by inverse transform sampling.
-
-    logits: [P, V] fp32; temperature: [P] fp32 (> 0); uniform: [P] fp32 in [0, 1), one random
-    number per position (callers draw them from a counter-based stream). The sample is the
-    first index i whose cumulative probability exceeds u: one uniform per position, where an
-    exponential race needs V of them (on a CPU the random numbers, not the softmax, would
-    dominate). Entropy = lse - sum p * s with s = logits / T, from the same probabilities.
-    Ties of the argmax go to the lowest index.
-    """
-    num_positions, vocab = logits.shape
-    dev = logits.device
-    result = SampleResult(
-        sample=torch.empty(num_positions, dtype=torch.int64, device=dev),
-        argmax=torch.empty(num_positions, dtype=torch.int64, device=dev),
-        entropy=torch.empty(num_positions, dtype=torch.float32, device=dev),
-        lse=torch.empty(num_positions, dtype=torch.float32, device=dev),
-    )
-    chunk = max(1, _SAMPLE_CHUNK_ELEMENTS // max(vocab, 1))
-    for p0 in range(0, num_positions, chunk):
-        rows = slice(p0, p0 + chunk)
-        shifted = logits[rows] / temperature[rows, None]  # [C, V] s = logits / T
-        top, result.argmax[rows] = shifted.max(dim=-1)
-        shifted -= top[:, None]  # s - max: keeps the entropy's difference precise
-        shifted.clamp_(min=torch.finfo(torch.float32).min)  # masked (-inf) logits: p * s = 0
-        log_z = torch.logsumexp(shifted, dim=-1)
-        probs = torch.exp(shifted - log_z[:, None])
-        result.entropy[rows] = (log_z - torch.linalg.vecdot(probs, shifted)).clamp_(min=0)
-        result.lse[rows] = top + log_z
-        del shifted
-        cdf = probs.cumsum_(dim=-1)  # in place
-        target = (uniform[rows] * cdf[:, -1])[:, None]
-        result.sample[rows] = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(
-            max=vocab - 1
-        )
-    return result
-
-
-def entropy_accept(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """Entropy-bound acceptance. entropy: [R, L] fp32; bound: [R] fp32. Returns bool [R, L]:
-    positions sorted by entropy (ties by position), accepted while cumulative entropy minus own
-    entropy <= the row's bound."""
-    sorted_entropy, order = torch.sort(entropy, dim=-1, stable=True)
-    before = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy
-    accept_sorted = before <= bound[:, None]
-    return torch.zeros_like(accept_sorted).scatter(-1, order, accept_sorted)
-
-
-def soft_embedding(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    lse: torch.Tensor,
-    weight: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Self-conditioning signal: softmax(logits / T) @ weight * scale, in weight's dtype.
-
-    logits: [P, V] fp32; temperature, lse: [P] fp32 (lse from `fused_sample`); weight: [V, H]
-    (the embedding matrix); scale: sqrt(hidden) as the model rounds it. The probabilities are
-    exp(logits / T - lse) in fp32, cast to weight's dtype, then multiplied (fp32 accumulation).
-    A few positions at a time, as `fused_sample`: the [chunk, V] probabilities are the only
-    temporary of vocabulary size.
-    """
-    num_positions, vocab = logits.shape
-    out = logits.new_empty(num_positions, weight.shape[1], dtype=weight.dtype)
-    chunk = max(1, _SAMPLE_CHUNK_ELEMENTS // max(vocab, 1))
-    for p0 in range(0, num_positions, chunk):
-        rows = slice(p0, p0 + chunk)
-        probs = (logits[rows] / temperature[rows, None]).sub_(lse[rows, None]).exp_()  # [C, V]
-        torch.matmul(probs.to(weight.dtype), weight, out=out[rows])
-    return out * torch.tensor(scale, dtype=weight.dtype)
+__all__ = [
+    "PagedRows",
+    "SMALL_ROWS",
+    "SampleResult",
+    "attention",
+    "canvas_attention",
+    "canvas_attention_rowwise",
+    "entropy_accept",
+    "fused_moe",
+    "fused_sample",
+    "gather_pages",
+    "grouped_mm",
+    "linear",
+    "philox_uniform",
+    "prefix_range",
+    "rms_norm",
+    "route_experts",
+    "sample_and_embed",
+    "segment_linear",
+    "soft_embedding",
+    "write_kv",
+]

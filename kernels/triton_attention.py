@@ -56,11 +56,8 @@ def _canvas_attention_kernel(
     t_mask = t < num_tokens
     q_pos = start + t
     d = tl.arange(0, D)
-    q = tl.load(
-        q_ptr + (offset + t)[:, None] * sq_n + head * sq_h + d[None, :],
-        mask=t_mask[:, None],
-        other=0.0,
-    )
+    q_offsets = (offset + t)[:, None] * sq_n + head * sq_h + d[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=t_mask[:, None], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -113,11 +110,8 @@ def _canvas_attention_kernel(
         m_i, l_i, acc = _online_update(s, vis, m_i, l_i, acc, vb, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i = 0 only on padding queries
-    tl.store(
-        out_ptr + (offset + t)[:, None] * so_n + head * so_h + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=t_mask[:, None],
-    )
+    out_offsets = (offset + t)[:, None] * so_n + head * so_h + d[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=t_mask[:, None])
 
 
 @triton.jit

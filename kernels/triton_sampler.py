@@ -237,4 +237,16 @@ def soft_embedding(
     return out * torch.tensor(scale, dtype=weight.dtype, device=weight.device)
 
 
-KERNELS = (fused_sample, entropy_accept, soft_embedding)
+def sample_and_embed(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    uniform: torch.Tensor,
+    weight: torch.Tensor,
+    scale: float,
+) -> tuple[SampleResult, torch.Tensor]:
+    """See `reference.sample_and_embed`: the two kernels, the second on the first's lse."""
+    result = fused_sample(logits, temperature, uniform)
+    return result, soft_embedding(logits, temperature, result.lse, weight, scale)
+
+
+KERNELS = (fused_sample, entropy_accept, soft_embedding, sample_and_embed)

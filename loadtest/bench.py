@@ -92,7 +92,7 @@ class BenchConfig:
                 raise ValueError(f"{name} levels must be >= 1, got {levels}")
         if self.prompt_set not in PROMPT_SETS:
             raise ValueError(f"unknown prompt set {self.prompt_set!r}")
-        from engine.tiny import PRESETS  # light: the weights code imports torch lazily
+        from engine.testing import PRESETS  # light: the weights code imports torch lazily
 
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; expected one of {sorted(PRESETS)}")
@@ -106,7 +106,7 @@ TOY = {
     "preset": "c16",
     "concurrency": (1, 2),
     "ar_concurrency": (2,),
-    "exact_concurrency": (2,),
+    "exact_concurrency": (1, 2),
     "num_requests": 2,
     "reference_requests": 2,
     "static_batch": 2,
@@ -119,7 +119,7 @@ TOY = {
 def checkpoint_for(config: BenchConfig) -> Path:
     """The preset's checkpoint in the cache, built on first use. The directory name carries a
     hash of the preset's definition, so a changed preset is rebuilt, never reused stale."""
-    from engine.tiny import PRESETS, make_tiny, preset_text_config
+    from engine.testing import PRESETS, make_tiny, preset_text_config
 
     spec = PRESETS[config.preset]
     definition = {"text": preset_text_config(config.preset), "preset": repr(spec)}
@@ -270,7 +270,7 @@ def _floor(config: BenchConfig, checkpoint: Path, prompts: tuple[Prompt, ...]) -
 def _meta(config: BenchConfig, checkpoint: Path, num_prompts: int, command: str) -> dict:
     import torch
 
-    from engine.tiny import PRESETS, estimate_parameters, preset_text_config
+    from engine.testing import PRESETS, estimate_parameters, preset_text_config
 
     params = estimate_parameters(preset_text_config(config.preset))
     return {

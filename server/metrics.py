@@ -11,6 +11,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.types import EngineStats, RequestStats, StepOutput, StepStats
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 STEP_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
@@ -30,7 +32,7 @@ class Metrics:
         def counter(name: str, doc: str) -> Any:
             return Counter(name, doc, labels, registry=r).labels(model_name)
 
-        def hist(name: str, doc: str, buckets: tuple) -> Any:
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
         self.running = gauge("vllm:num_requests_running", "Requests in the engine's running set")
@@ -89,9 +91,8 @@ class Metrics:
     def success(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
 
-    def on_step(self, engine: Any, outputs: list) -> None:
+    def on_step(self, step: StepStats, outputs: list[StepOutput]) -> None:
         """Step-level metrics, called on the engine thread after each step."""
-        step = engine.last_step
         self.committed_per_step.observe(step.num_committed)
         self.step_seconds.observe(step.step_seconds)
         self.forward_seconds.observe(step.forward_seconds)
@@ -100,7 +101,7 @@ class Metrics:
         for latency in step.canvas_latencies:
             self.canvas_latency.observe(latency)
 
-    def on_finish(self, stats: Any, reason: str, num_tokens: int) -> None:
+    def on_finish(self, stats: RequestStats, reason: str, num_tokens: int) -> None:
         self.success(reason)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(num_tokens)
@@ -112,8 +113,9 @@ class Metrics:
         if stats.decoder_passes:
             self.tokens_per_forward.observe(stats.tokens_per_forward)
 
-    def render(self, running: int, waiting: int, kv_usage: float) -> bytes:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_usage.set(kv_usage)
+    def render(self, engine: EngineStats) -> bytes:
+        """The exposition text, with the gauges set from an engine snapshot."""
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.kv_usage.set(engine.kv_usage)
         return generate_latest(self.registry)

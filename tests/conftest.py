@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.tiny import PRESETS, make_tiny
+from engine.testing import PRESETS, make_tiny
 
 torch.set_num_threads(2)
 

@@ -13,6 +13,8 @@ follow DiffusionGemma's decoder checkpoint names (`layers.{i}.self_attn.q_proj.w
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,23 +22,35 @@ from torch import nn
 
 from engine.model.config import LayerSpec, LayerType, ModelConfig, TextConfig
 from engine.model.kv_cache import ForwardBatch, KVCache, Mode
-from engine.model.layers import UNBOUND, Attention, SelfConditioning, _norm_weight, rope_inv_freq
+from engine.model.layers import UNBOUND, Attention, RMSNorm, SelfConditioning, rope_inv_freq
 from kernels import KernelSet
+
+
+class Embedding(nn.Module):
+    """The (tied) embedding matrix [V, H]: `embed_tokens.weight` in checkpoints."""
+
+    weight: nn.Parameter
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(vocab_size, hidden_size))
 
 
 class DiffusionLM(nn.Module):
     """A block-diffusion LM: one stack of layers run in two modes (see `forward`). Subclasses
-    supply the layer type (`make_layer`)."""
+    supply the layer type (`make_layer`) and their config.json text_config parser
+    (`parse_text_config`); `engine.model.loader.BACKBONES` registers them by model_type."""
+
+    parse_text_config: Callable[[dict[str, Any]], TextConfig]
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         cfg = config.text
         self.config = config
         self.cfg = cfg
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([self.make_layer(cfg, spec) for spec in cfg.layers])
-        _norm_weight(self, "norm", cfg.hidden_size)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_conditioning = SelfConditioning(cfg)
         self.kernels = UNBOUND
         self.init_rope()
@@ -48,7 +62,7 @@ class DiffusionLM(nn.Module):
             if isinstance(module, Attention):
                 module.bind(kernels)
             elif hasattr(module, "kernels"):
-                module.kernels = kernels
+                object.__setattr__(module, "kernels", kernels)  # a plain attribute
 
     def make_layer(self, cfg: TextConfig, spec: LayerSpec) -> nn.Module:
         raise NotImplementedError
@@ -86,16 +100,17 @@ class DiffusionLM(nn.Module):
             probs = torch.softmax(scaled_logits.to(weight.dtype), dim=-1, dtype=torch.float32)
         return torch.matmul(probs.to(weight.dtype), weight) * self.embed_scale
 
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied head before soft-capping, in fp32: [..., V]."""
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied, soft-capped head in fp32."""
-        logits = F.linear(hidden, self.embed_tokens.weight).float()
+        """Tied, soft-capped head in fp32, for inference: capped in place (the [rows, vocab]
+        buffer is the step's largest), so autograd cannot run through it; training uses
+        `engine.adapt.forward.train_logits` (the same values, bit for bit)."""
+        logits = self.lm_head(hidden)
         cap = self.cfg.final_logit_softcapping
-        if cap is None:
-            return logits
-        if torch.is_grad_enabled():
-            return torch.tanh(logits / cap) * cap
-        # In place (same values, bit for bit): the [rows, vocab] buffer is the step's largest.
-        return logits.div_(cap).tanh_().mul_(cap)
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
     def _rope(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -127,9 +142,9 @@ class DiffusionLM(nn.Module):
         """
         x = self._embed_rows(ids, soft_embeds, batch)[None]  # [1, N, H]
         rope = self._rope(batch.positions(ids.device)[None], x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope[layer.self_attn.spec.layer_type], i, batch, cache)
-        return self.kernels.rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps)[0]
+        for i, (layer, spec) in enumerate(zip(self.layers, self.cfg.layers, strict=True)):
+            x = layer(x, rope[spec.layer_type], i, batch, cache)
+        return self.norm(x)[0]
 
     def _embed_rows(
         self, ids: torch.Tensor, soft_embeds: SoftEmbeds, batch: ForwardBatch

@@ -5,17 +5,24 @@ dataclasses. The rules mirror `transformers.models.diffusion_gemma.configuration
 full-attention layers take `global_head_dim` and `num_global_key_value_heads` (or the explicit
 `per_layer_config` that `save_pretrained` writes), sliding layers keep `head_dim` and
 `num_key_value_heads`, and full layers have no v_proj (V is the k_proj output, k_eq_v).
+
+Which backbone parses a checkpoint's text_config is the model registry's business
+(`engine.model.loader.BACKBONES`: model_type → backbone class, each with its parser).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("diffusion_gemma", "canvas_llama")
+logger = logging.getLogger(__name__)
+
+SLIDING_PATTERN = 6  # without layer_types: every sixth layer is full attention (5:1)
 
 
 class CheckpointError(ValueError):
@@ -44,7 +51,7 @@ class LayerSpec:
     layer_type: LayerType
     head_dim: int
     num_kv_heads: int
-    has_v_proj: bool  # False on full layers: V is the (unnormed-weight) k_proj output
+    has_v_proj: bool  # DiffusionGemma: False on full layers (V is the raw k_proj output)
 
     @property
     def is_sliding(self) -> bool:
@@ -160,10 +167,18 @@ def _layer_specs(tc: dict[str, Any], layer_types: list[str]) -> tuple[LayerSpec,
         # Same derivation as DiffusionGemmaTextConfig.__post_init__ for configs without the
         # explicit per-layer table.
         override: dict[str, Any] = {"head_dim": int(tc.get("global_head_dim", 512))}
+        # DiffusionGemma removes Gemma 4's `attention_k_eq_v`: its full layers always share K
+        # and V and take `num_global_key_value_heads` (the reference reads the key before it
+        # is set, so a stored value changes nothing).
         global_kv = tc.get("num_global_key_value_heads")
-        if global_kv is not None and tc.get("attention_k_eq_v", True):
+        if global_kv is not None:
             override["num_key_value_heads"] = int(global_kv)
         per_layer = {i: override for i, t in enumerate(layer_types) if t == LayerType.FULL.value}
+    if tc.get("attention_k_eq_v") is False:
+        logger.warning(
+            "text_config.attention_k_eq_v=false is ignored, as by the reference: "
+            "DiffusionGemma's full-attention layers have no v_proj (V is the k_proj output)"
+        )
     specs = []
     for i, name in enumerate(layer_types):
         try:
@@ -193,13 +208,22 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def default_layer_types(num_layers: int) -> list[str]:
+    """The layer pattern of a config without `layer_types`: five sliding layers, then one full,
+    repeated; the last layer is always full."""
+    types = [
+        LayerType.SLIDING.value if (i + 1) % SLIDING_PATTERN else LayerType.FULL.value
+        for i in range(num_layers)
+    ]
+    types[-1] = LayerType.FULL.value
+    return types
+
+
 def parse_text_config(tc: dict[str, Any]) -> TextConfig:
+    """DiffusionGemma's text_config."""
     where = "config.json text_config"
     num_layers = int(_require(tc, "num_hidden_layers", where))
-    layer_types = tc.get("layer_types") or [
-        LayerType.SLIDING.value if (i + 1) % 6 else LayerType.FULL.value for i in range(num_layers)
-    ]
-    layer_types = list(layer_types)
+    layer_types = list(tc.get("layer_types") or default_layer_types(num_layers))
     layer_types[-1] = LayerType.FULL.value  # the reference forces the last layer to full
     if tc.get("use_bidirectional_attention") == "all":
         raise CheckpointError(
@@ -264,8 +288,11 @@ def parse_llama_text_config(tc: dict[str, Any]) -> TextConfig:
     )
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Parse `model_dir/config.json`; raises CheckpointError naming the missing or bad key."""
+def parse_model_config(
+    model_dir: str | Path, parsers: dict[str, Callable[[dict[str, Any]], TextConfig]]
+) -> ModelConfig:
+    """Parse `model_dir/config.json` with the text_config parser of its model_type (`parsers`:
+    model_type → parser); raises CheckpointError naming the missing or bad key."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: config.json not found (is this a checkpoint directory?)")
@@ -274,18 +301,16 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in parsers:
         raise CheckpointError(
-            f"{path}: model_type={model_type!r} is not supported; expected one of "
-            f"{list(SUPPORTED_MODEL_TYPES)}"
+            f"{path}: model_type={model_type!r} is not supported; expected one of {list(parsers)}"
         )
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise CheckpointError(f"{path}: missing required key 'text_config'")
-    parse = parse_llama_text_config if model_type == "canvas_llama" else parse_text_config
     return ModelConfig(
         model_type=model_type,
-        text=parse(text),
+        text=parsers[model_type](text),
         canvas_length=int(raw.get("canvas_length", 256)),
         dtype=raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype"),
     )

@@ -9,13 +9,50 @@ import torch
 from torch import nn
 
 from engine.model.base import DiffusionLM
-from engine.model.config import LayerSpec, TextConfig
+from engine.model.config import LayerSpec, TextConfig, parse_text_config
 from engine.model.kv_cache import ForwardBatch, KVCache, Mode
-from engine.model.layers import UNBOUND, Attention, GatedMLP, _norm_weight
+from engine.model.layers import UNBOUND, Attention, GatedMLP, RMSNorm
+from kernels import KernelSet
+
+
+class Router(nn.Module):
+    """The MoE router's weights (`router.proj.weight`, `router.scale`, `per_expert_scale`)."""
+
+    scale: nn.Parameter
+    per_expert_scale: nn.Parameter
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
+
+
+class Experts(nn.Module):
+    """Every expert's fused gate/up [E, 2I, H] and down [E, H, I] projections."""
+
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, inter))
 
 
 class Layer(nn.Module):
     """Attention, then the dense GeGLU MLP and the MoE branch side by side."""
+
+    kernels: KernelSet
+    encoder_layer_scalar: torch.Tensor
+    decoder_layer_scalar: torch.Tensor
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+    pre_feedforward_layernorm: RMSNorm
+    post_feedforward_layernorm: RMSNorm
+    post_feedforward_layernorm_1: RMSNorm
+    post_feedforward_layernorm_2: RMSNorm
+    pre_feedforward_layernorm_2: RMSNorm
 
     NORMS = (
         "input_layernorm",
@@ -34,23 +71,12 @@ class Layer(nn.Module):
         self.self_attn = Attention(cfg, spec)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation)
         for name in self.NORMS:
-            _norm_weight(self, name, cfg.hidden_size)
-        self.router = nn.Module()
-        self.router.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.router.scale = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.router.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
-        self.experts = nn.Module()
-        inter = cfg.moe_intermediate_size
-        self.experts.gate_up_proj = nn.Parameter(
-            torch.zeros(cfg.num_experts, 2 * inter, cfg.hidden_size)
-        )
-        self.experts.down_proj = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size, inter))
+            self.add_module(name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+        self.router = Router(cfg.hidden_size, cfg.num_experts)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         # Buffers in the checkpoint (not tied between the modes, not trained).
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
         self.register_buffer("decoder_layer_scalar", torch.ones(1))
-
-    def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.rms_norm(x, getattr(self, name).weight, self.cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -62,14 +88,13 @@ class Layer(nn.Module):
     ) -> torch.Tensor:
         ops = self.kernels
         residual = x
-        h = self.self_attn(self._norm("input_layernorm", x), rope, layer, batch, cache)
-        x = residual + self._norm("post_attention_layernorm", h)
+        h = self.self_attn(self.input_layernorm(x), rope, layer, batch, cache)
+        x = residual + self.post_attention_layernorm(h)
 
         residual = x
         seg = batch.segments
-        dense = self._norm(
-            "post_feedforward_layernorm_1",
-            self.mlp(self._norm("pre_feedforward_layernorm", x), seg),
+        dense = self.post_feedforward_layernorm_1(
+            self.mlp(self.pre_feedforward_layernorm(x), seg),
         )
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = ops.route_experts(
@@ -82,15 +107,15 @@ class Layer(nn.Module):
             segments=seg,
         )
         moe = ops.fused_moe(
-            self._norm("pre_feedforward_layernorm_2", flat),
+            self.pre_feedforward_layernorm_2(flat),
             self.experts.gate_up_proj,
             self.experts.down_proj,
             weights,
             ids,
             segments=seg,
         )
-        moe = self._norm("post_feedforward_layernorm_2", moe.reshape(x.shape))
-        x = residual + self._norm("post_feedforward_layernorm", dense + moe)
+        moe = self.post_feedforward_layernorm_2(moe.reshape(x.shape))
+        x = residual + self.post_feedforward_layernorm(dense + moe)
         return x * self.layer_scalar(batch)
 
     def layer_scalar(self, batch: ForwardBatch) -> torch.Tensor:
@@ -108,6 +133,8 @@ class Layer(nn.Module):
 
 class DiffusionGemma(DiffusionLM):
     """The DiffusionGemma (Gemma 4 MoE) text stack."""
+
+    parse_text_config = staticmethod(parse_text_config)
 
     def make_layer(self, cfg: TextConfig, spec: LayerSpec) -> nn.Module:
         return Layer(cfg, spec)

@@ -13,8 +13,8 @@ A cache runs attention (`KVCache.attend`). The serving cache is paged: KV lives 
 pages of `page_size` positions, one pool per layer type (sliding layers keep only their window,
 so their pool is smaller), and every layer writes the ENCODE rows' KV, then runs one paged
 canvas-attention call over all rows. Page tables come from the scheduler's allocator
-(`engine.kv_pages`); this module only moves tensors. `TrainKVCache` is training's functional
-cache (autograd flows through it), one row at a time, never used for serving.
+(`engine.kv_pages`); this module only moves tensors. Training has its own functional cache
+(`engine.adapt.forward.TrainKVCache`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from engine.model.config import LayerType, TextConfig
 from kernels import KernelSet
-from kernels.reference import PagedRows, attention
+from kernels.reference import PagedRows
 
 
 class Mode(str, Enum):
@@ -182,76 +182,3 @@ class PagedKVCache:
         k_pool, v_pool = self.keys[layer], self.values[layer]
         kernels.write_kv(k, v, k_pool, v_pool, rows)
         return kernels.canvas_attention(q, k, v, k_pool, v_pool, rows, window, scale)
-
-
-class TrainKVCache:
-    """KV storage for training and scoring: functional (no in-place writes), so gradients flow
-    from the decoder's loss back through the prefix keys into the encoder. Attention runs one
-    row at a time with an explicit mask (the reference's order). Each row's sequence is named
-    by the first entry of its full-attention page table (any unique int)."""
-
-    def __init__(self) -> None:
-        self._kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @staticmethod
-    def _seq(row: Row) -> int:
-        return row.pages[LayerType.FULL][0]
-
-    def attend(
-        self,
-        kernels: KernelSet,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        batch: ForwardBatch,
-        window: int,
-        scale: float,
-    ) -> torch.Tensor:
-        """See `KVCache.attend`."""
-        parts = []
-        for row, offset in zip(batch.rows, batch.offsets, strict=True):
-            new = slice(offset, offset + row.num_tokens)
-            row_k, row_v = k[new].transpose(0, 1), v[new].transpose(0, 1)  # [Hkv, T, D]
-            if row.mode is Mode.ENCODE:
-                self._write(layer, row, row_k, row_v)
-            lo = max(0, row.start - (window - 1)) if window > 0 else 0
-            prefix_k, prefix_v = self._gather(layer, row, lo, row.start)
-            keys = torch.cat([prefix_k, row_k[None]], dim=2)
-            values = torch.cat([prefix_v, row_v[None]], dim=2)
-            mask = _row_mask(row, lo, window, q.device)
-            out = attention(q[new].transpose(0, 1)[None], keys, values, mask, scale)
-            parts.append(out[0].transpose(0, 1))
-        return torch.cat(parts)
-
-    def _write(self, layer: int, row: Row, k: torch.Tensor, v: torch.Tensor) -> None:
-        key = (layer, self._seq(row))
-        if key in self._kv:
-            old_k, old_v = self._kv[key]
-            k = torch.cat([old_k[:, : row.start], k], dim=1)
-            v = torch.cat([old_v[:, : row.start], v], dim=1)
-        elif row.start != 0:
-            raise ValueError(f"sequence {key[1]}: first write must start at position 0")
-        self._kv[key] = (k, v)
-
-    def _gather(self, layer: int, row: Row, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (layer, self._seq(row))
-        if key not in self._kv:
-            raise KeyError(f"sequence {key[1]} has no cached prefix on layer {layer}")
-        k, v = self._kv[key]
-        return k[None, :, lo:hi], v[None, :, lo:hi]
-
-
-def _row_mask(row: Row, lo: int, window: int, device: torch.device) -> torch.Tensor | None:
-    """Boolean mask [1, 1, T, S + T] over a row's keys (its cached range from `lo`, then its
-    new tokens), or None when every query sees every key (DECODE rows)."""
-    if row.mode is Mode.DECODE:
-        return None  # the canvas sees all of its prefix range and all of itself
-    key_pos = torch.cat(
-        [torch.arange(lo, row.start), torch.arange(row.start, row.start + row.num_tokens)]
-    )
-    q_pos = torch.arange(row.start, row.start + row.num_tokens)[:, None]
-    mask = key_pos[None, :] <= q_pos
-    if window > 0:
-        mask &= key_pos[None, :] > q_pos - window
-    return mask[None, None].to(device)

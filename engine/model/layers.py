@@ -41,12 +41,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]
 
 
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension through the bound kernel set, with a weight used as is
+    (Gemma's convention) or, with `with_weight=False`, none (DiffusionGemma's v_norm)."""
+
+    def __init__(self, dim: int, eps: float, with_weight: bool = True) -> None:
+        super().__init__()
+        self.kernels = UNBOUND
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_weight else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TextConfig, spec: LayerSpec) -> None:
         super().__init__()
         self.kernels = UNBOUND
         self.spec = spec
-        self.eps = cfg.rms_norm_eps
         hidden, num_heads = cfg.hidden_size, cfg.num_heads
         self.q_proj = nn.Linear(hidden, num_heads * spec.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, spec.num_kv_heads * spec.head_dim, bias=False)
@@ -59,8 +72,9 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else spec.head_dim**-0.5
         self.qkv_norm = cfg.qk_norm  # Gemma: weighted q/k norms and an unweighted v norm
         if self.qkv_norm:
-            _norm_weight(self, "q_norm", spec.head_dim)
-            _norm_weight(self, "k_norm", spec.head_dim)
+            self.q_norm = RMSNorm(spec.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, cfg.rms_norm_eps)
+            self.v_norm = RMSNorm(spec.head_dim, cfg.rms_norm_eps, with_weight=False)
 
     def forward(
         self,
@@ -81,9 +95,9 @@ class Attention(nn.Module):
         if self.v_proj is not None:
             v = ks.linear(x, self.v_proj.weight, seg).view(shape)
         if self.qkv_norm:
-            q = ks.rms_norm(q, self.q_norm.weight, self.eps)
-            v = ks.rms_norm(v, None, self.eps)
-            k = ks.rms_norm(k, self.k_norm.weight, self.eps)
+            q = self.q_norm(q)
+            v = self.v_norm(v)
+            k = self.k_norm(k)
         q = apply_rope(q, cos, sin)[0]  # [N, Hq, D]
         k = apply_rope(k, cos, sin)[0]  # [N, Hkv, D]
         window = batch.sliding_window if self.spec.is_sliding else 0
@@ -124,12 +138,6 @@ class GatedMLP(nn.Module):
         )
 
 
-def _norm_weight(module: nn.Module, name: str, dim: int) -> None:
-    sub = nn.Module()
-    sub.weight = nn.Parameter(torch.ones(dim))
-    module.add_module(name, sub)
-
-
 class SelfConditioning(GatedMLP):
     """Gated MLP over the previous step's soft embeddings, added to the canvas embeddings
     (then RMS-normed without weight in DiffusionGemma; left as is in converted backbones, whose
@@ -137,13 +145,15 @@ class SelfConditioning(GatedMLP):
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation)
-        self.eps = cfg.rms_norm_eps
-        self.post_norm = cfg.sc_post_norm
-        _norm_weight(self, "pre_norm", cfg.hidden_size)
+        self.pre_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = (
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_weight=False)
+            if cfg.sc_post_norm
+            else None
+        )
 
     def condition(
         self, embeds: torch.Tensor, soft_embeds: torch.Tensor, segments: list[int]
     ) -> torch.Tensor:
-        norm = self.kernels.rms_norm
-        signal = self(norm(soft_embeds, self.pre_norm.weight, self.eps), segments)
-        return norm(embeds + signal, None, self.eps) if self.post_norm else embeds + signal
+        signal = self(self.pre_norm(soft_embeds), segments)
+        return self.post_norm(embeds + signal) if self.post_norm is not None else embeds + signal

@@ -9,20 +9,18 @@ import torch
 from torch import nn
 
 from engine.model.base import DiffusionLM
-from engine.model.config import LayerSpec, TextConfig
+from engine.model.config import LayerSpec, TextConfig, parse_llama_text_config
 from engine.model.kv_cache import ForwardBatch, KVCache
-from engine.model.layers import UNBOUND, Attention, GatedMLP, _norm_weight
+from engine.model.layers import Attention, GatedMLP, RMSNorm
 
 
 class LlamaLayer(nn.Module):
     def __init__(self, cfg: TextConfig, spec: LayerSpec) -> None:
         super().__init__()
-        self.eps = cfg.rms_norm_eps
-        self.kernels = UNBOUND
         self.self_attn = Attention(cfg, spec)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation)
-        _norm_weight(self, "input_layernorm", cfg.hidden_size)
-        _norm_weight(self, "post_attention_layernorm", cfg.hidden_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -32,15 +30,14 @@ class LlamaLayer(nn.Module):
         batch: ForwardBatch,
         cache: KVCache,
     ) -> torch.Tensor:
-        norm = self.kernels.rms_norm
-        x = x + self.self_attn(
-            norm(x, self.input_layernorm.weight, self.eps), rope, layer, batch, cache
-        )
-        return x + self.mlp(norm(x, self.post_attention_layernorm.weight, self.eps), batch.segments)
+        x = x + self.self_attn(self.input_layernorm(x), rope, layer, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x), batch.segments)
 
 
 class LlamaDiffusion(DiffusionLM):
     """A converted Llama-style stack."""
+
+    parse_text_config = staticmethod(parse_llama_text_config)
 
     def make_layer(self, cfg: TextConfig, spec: LayerSpec) -> nn.Module:
         return LlamaLayer(cfg, spec)

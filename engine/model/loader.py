@@ -19,7 +19,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from engine.model.base import DiffusionLM
-from engine.model.config import CheckpointError, ModelConfig, load_model_config
+from engine.model.config import CheckpointError, ModelConfig, parse_model_config
 from engine.model.diffusion_gemma import DiffusionGemma
 from engine.model.llama import LlamaDiffusion
 from kernels import resolve_kernels
@@ -30,6 +30,7 @@ VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."
 PROGRESS_BAR_BYTES = 256 << 20
+# The model registry: config.json's model_type → the backbone that parses and runs it.
 BACKBONES: dict[str, type[DiffusionLM]] = {
     "diffusion_gemma": DiffusionGemma,
     "canvas_llama": LlamaDiffusion,
@@ -40,6 +41,22 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+DTYPE_CHOICES = ("auto", *DTYPES)  # every command's --dtype
+DEVICE_HELP = "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ..."
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Parse `model_dir/config.json` with its backbone's parser; raises CheckpointError naming
+    the missing or bad key."""
+    parsers = {name: backbone.parse_text_config for name, backbone in BACKBONES.items()}
+    return parse_model_config(model_dir, parsers)
+
+
+def resolve_device(name: str) -> str:
+    """`auto`: cuda when a GPU is available, else cpu; any other name as is."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
 
 
 def resolve_dtype(name: str | None, config: ModelConfig) -> torch.dtype:
@@ -119,8 +136,10 @@ def load_model(
     kernels: str = "auto",
 ) -> DiffusionLM:
     """Build the Canvas model from a checkpoint directory, with its kernel set bound: `exact`
-    numerics or fast ones, on the `kernels` backend ("auto" | "triton" | "twins")."""
+    numerics or fast ones, on the `kernels` backend ("auto" | "triton" | "twins"), on `device`
+    ("auto": cuda when available)."""
     model_dir = Path(model_dir)
+    device = resolve_device(str(device))
     config = load_model_config(model_dir)
     target = resolve_dtype(dtype, config)
     with torch.device("meta"):

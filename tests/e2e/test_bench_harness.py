@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tiny import (
+from engine.testing import (
     PRESETS,
     REAL_26B_A4B_TEXT_CONFIG,
     estimate_parameters,
@@ -34,12 +34,14 @@ RECORD_FIELDS = {
 META_FIELDS = {
     "command", "preset", "checkpoint", "checkpoint_description", "parameters",
     "canvas_length", "max_tokens", "denoising_steps", "adaptive_stop", "note", "prompt_set",
-    "num_prompts", "concurrency", "ar_concurrency", "requests_per_level", "ar_requests_per_level",
+    "num_prompts", "concurrency", "ar_concurrency", "exact_concurrency", "floor",
+    "requests_per_level", "ar_requests_per_level",
     "reference_requests", "static_batch", "static_batch_requests", "warmup", "seed",
     "torch_threads", "torch_version", "transformers_version", "hardware", "config", "seconds",
 }  # fmt: skip
 BY_CONCURRENCY_FIELDS = {
-    "concurrency", "output_tokens_per_s", "throughput_vs_reference_one_at_a_time",
+    "numerics", "concurrency", "output_tokens_per_s", "fraction_of_floor", "fast_vs_exact",
+    "throughput_vs_reference_one_at_a_time",
     "throughput_vs_reference_static_batch", "latency_p50_s", "engine_overhead_fraction",
     "mean_step_ms", "num_steps",
 }  # fmt: skip
@@ -47,6 +49,8 @@ LABELS = (
     "canvas c=1",
     "canvas c=2",
     "canvas-ar c=2",
+    "canvas-exact c=1",
+    "canvas-exact c=2",
     "reference 1-at-a-time",
     "reference static batch 2",
 )
@@ -79,10 +83,12 @@ def test_bench_json_has_every_section_and_run(toy_bench):
 def test_bench_reports_engine_overhead_for_canvas_runs_only(toy_bench):
     _, result = toy_bench
     overhead = {run["label"]: run["engine_overhead"] for run in result["runs"]}
-    for label in ("canvas c=1", "canvas c=2", "canvas-ar c=2"):
+    for label in ("canvas c=1", "canvas c=2", "canvas-ar c=2", "canvas-exact c=2"):
         assert set(overhead[label]) == {
-            "num_steps", "step_seconds", "forward_seconds", "mean_step_ms", "overhead_fraction",
+            "num_steps", "step_seconds", "forward_seconds", "sample_seconds", "mean_step_ms",
+            "overhead_fraction",
         }  # fmt: skip
+        assert overhead[label]["sample_seconds"] > 0
         assert overhead[label]["num_steps"] > 0
         assert 0.0 <= overhead[label]["overhead_fraction"] <= 1.0
     assert overhead["reference 1-at-a-time"] is None
@@ -91,13 +97,17 @@ def test_bench_reports_engine_overhead_for_canvas_runs_only(toy_bench):
 def test_bench_comparison_and_goals_cover_every_concurrency(toy_bench):
     _, result = toy_bench
     comparison = result["comparison"]
-    assert [row["concurrency"] for row in comparison["by_concurrency"]] == [1, 2]
+    rows = [(row["numerics"], row["concurrency"]) for row in comparison["by_concurrency"]]
+    assert rows == [("fast", 1), ("fast", 2), ("exact", 1), ("exact", 2)]
     for row in comparison["by_concurrency"]:
         assert set(row) == BY_CONCURRENCY_FIELDS
-        assert all(value is not None for value in row.values())
+        fast = row["numerics"] == "fast"  # fast rows carry their ratio over the exact ones
+        assert all(v is not None for k, v in row.items() if fast or k != "fast_vs_exact")
+        assert row["fraction_of_floor"] > 0
+    assert result["meta"]["floor"]["gemm_gflop_per_s"] > 0
     assert all(value is not None for value in comparison["latency_at_1"].values())
     assert [row["concurrency"] for row in comparison["ar_mode"]] == [2]
-    assert len(result["goals"]) == 4
+    assert len(result["goals"]) == 6
     for goal in result["goals"]:
         assert set(goal) == {"goal", "quantity", "op", "target", "value", "met"}
         assert goal["value"] is not None and goal["met"] in (True, False)
@@ -128,6 +138,9 @@ def test_bench_markdown_has_every_section_and_run(toy_bench):
         "Random weights",
         "Latency at 1 request",
         "Checks: every Canvas canvas ran 2 steps: True",
+        "| numerics | concurrency | Canvas out tok/s | of FLOP floor |",
+        "fast vs exact",
+        "FLOP floor:",
     ):
         assert heading in report
     for label in LABELS:

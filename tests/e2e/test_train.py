@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, DecodeMode, SamplingParams
-from engine.train_data import (
+from engine.adapt.train_data import (
     DataSpec,
     ExampleSampler,
     chat_sequence,

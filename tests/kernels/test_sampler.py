@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from kernels import reference, reference_sampler
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -79,7 +79,7 @@ def test_sampler_twin_chunks_give_the_unchunked_result(monkeypatch: pytest.Monke
     """The twin bounds its temporaries by sampling a few positions at a time."""
     x = make_logits(9, 301, torch.device("cpu"))
     whole = reference.fused_sample(**x)
-    monkeypatch.setattr(reference, "_SAMPLE_CHUNK_ELEMENTS", 301 * 2)  # two positions at once
+    monkeypatch.setattr(reference_sampler, "_SAMPLE_CHUNK_ELEMENTS", 301 * 2)  # 2 positions
     parts = reference.fused_sample(**x)
     for name in ("sample", "argmax", "entropy", "lse"):
         assert torch.equal(getattr(parts, name), getattr(whole, name)), name
@@ -142,3 +142,19 @@ def test_sampler_real_vocab_on_gpu() -> None:
     args = (x["logits"], x["temperature"], want.lse, weight, 53.0)
     got_soft = triton_sampler.soft_embedding(*args)
     torch.testing.assert_close(got_soft, reference.soft_embedding(*args), rtol=2e-2, atol=2e-2)
+
+
+def test_sample_and_embed_twin_equals_its_two_kernels_and_the_triton_version(
+    device: torch.device,
+) -> None:
+    x = make_logits(9, 301, device)
+    weight = torch.randn(301, 40, generator=torch.Generator().manual_seed(2)).to(device)
+    result, soft = reference.sample_and_embed(*x.values(), weight, 6.5)
+    alone = reference.fused_sample(**x)
+    for name in ("sample", "argmax", "entropy", "lse"):
+        assert torch.equal(getattr(result, name), getattr(alone, name)), name
+    want = reference.soft_embedding(x["logits"], x["temperature"], alone.lse, weight, 6.5)
+    torch.testing.assert_close(soft, want, rtol=1e-5, atol=1e-5)
+    got, got_soft = triton_sampler.sample_and_embed(*x.values(), weight, 6.5)
+    assert torch.equal(got.sample, result.sample)
+    torch.testing.assert_close(got_soft, soft, rtol=1e-5, atol=1e-5)

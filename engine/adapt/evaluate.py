@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from engine.adapt.forward import TrainKVCache, train_batch
 from engine.llm import LLM, RequestOutput
-from engine.model import DiffusionLM, ForwardBatch, Mode, Row, TrainKVCache, load_model
-from engine.model.config import LayerType
+from engine.model import DiffusionLM, Mode, load_model
 from engine.params import DecodeMode, SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -50,7 +50,7 @@ class EvalConfig:
     max_tokens: int = 64
     limit: int | None = None
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"  # cuda when available, else cpu
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -102,8 +102,7 @@ def teacher_forced_log_probs(
     one causal encoder pass over prompt + output."""
     device = model.embed_tokens.weight.device
     ids = torch.tensor(prompt_ids + output_ids[:-1], device=device)  # the last token is no input
-    pages = {LayerType.FULL: [0], LayerType.SLIDING: [0]}
-    batch = ForwardBatch([Row(Mode.ENCODE, 0, len(ids), pages)], model.cfg.sliding_window, 16)
+    batch = train_batch(Mode.ENCODE, [0], [len(ids)], model.cfg.sliding_window)
     hidden = model(ids, [], batch, TrainKVCache())  # [P + T - 1, H]
     return torch.log_softmax(model.logits(hidden[len(prompt_ids) - 1 :]), dim=-1)
 

@@ -1,6 +1,7 @@
 """Tiny random-weight DiffusionGemma checkpoints, built with transformers' reference classes.
 
-Used by the tests, the benchmarks and `canvas make-tiny DIR [--preset NAME]`. Each preset is a
+Used by the tests, the benchmarks, `canvas make-tiny DIR [--preset NAME]` and `canvas serve
+--placeholder-model`. Each preset is a
 real `diffusion_gemma` checkpoint directory (config.json, generation_config.json,
 model.safetensors, an offline byte-level tokenizer with a chat template) that both Canvas and
 `DiffusionGemmaForBlockDiffusion.from_pretrained` load. Weights are random but shaped so that
@@ -161,29 +162,25 @@ def preset_text_config(preset: str) -> dict[str, Any]:
 
 
 def estimate_parameters(text: dict[str, Any]) -> ParamCount:
-    """Count the text stack's parameters from a text_config dict, without building it.
+    """Count the text stack's parameters from a text_config dict, without building it: the
+    layer geometry is Canvas' own parse of the config (layer pattern, head dims, KV heads,
+    v_proj). Norm weights are included; the vision tower is not."""
+    from engine.model.config import parse_text_config
 
-    Layer i is full-attention when (i + 1) % 6 == 0 or it is the last layer (the config's
-    default pattern); full layers use `global_head_dim` and `num_global_key_value_heads` and
-    have no v_proj (k_eq_v). Norm weights are included; the vision tower is not.
-    """
-    hidden, heads = text["hidden_size"], text["num_attention_heads"]
-    num_layers = text["num_hidden_layers"]
-    dense = 3 * hidden * text["intermediate_size"]  # GeGLU gate, up, down
-    expert = 3 * hidden * text["moe_intermediate_size"]
-    num_experts, top_k = text["num_experts"], text["top_k_experts"]
+    cfg = parse_text_config(text)
+    hidden, heads = cfg.hidden_size, cfg.num_heads
+    dense = 3 * hidden * cfg.intermediate_size  # GeGLU gate, up, down
+    expert = 3 * hidden * cfg.moe_intermediate_size
     total = active = 0
-    for i in range(num_layers):
-        full = (i + 1) % 6 == 0 or i == num_layers - 1
-        head_dim = text["global_head_dim"] if full else text["head_dim"]
-        kv = text["num_global_key_value_heads"] if full else text["num_key_value_heads"]
-        attention = 2 * hidden * heads * head_dim + (1 if full else 2) * hidden * kv * head_dim
-        router = hidden * num_experts + hidden + num_experts
-        norms = 7 * hidden + 2 * head_dim
+    for spec in cfg.layers:
+        kv = (2 if spec.has_v_proj else 1) * hidden * spec.num_kv_heads * spec.head_dim
+        attention = 2 * hidden * heads * spec.head_dim + kv
+        router = hidden * cfg.num_experts + hidden + cfg.num_experts
+        norms = 7 * hidden + 2 * spec.head_dim
         shared = attention + dense + router + norms
-        total += shared + num_experts * expert
-        active += shared + top_k * expert
-    embed = text["vocab_size"] * hidden
+        total += shared + cfg.num_experts * expert
+        active += shared + cfg.top_k_experts * expert
+    embed = cfg.vocab_size * hidden
     self_conditioning = dense + hidden
     rest = embed + self_conditioning + hidden  # + the final norm
     return ParamCount(total + rest, active + rest)
@@ -251,8 +248,14 @@ def _perturb(model: Any, spec: TinyPreset, seed: int) -> None:
                 buf.copy_(torch.empty(buf.shape).uniform_(0.6, 1.4, generator=gen))
 
 
-def make_tiny(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0) -> Path:
-    """Write a tiny checkpoint for `preset` into `out_dir` and return the path."""
+def make_tiny(
+    out_dir: str | Path,
+    preset: str = DEFAULT_PRESET,
+    seed: int = 0,
+    text_overrides: dict[str, Any] | None = None,
+) -> Path:
+    """Write a tiny checkpoint for `preset` (its text_config updated with `text_overrides`, for
+    a config variant under test) into `out_dir` and return the path."""
     import torch
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
@@ -260,7 +263,9 @@ def make_tiny(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0) 
         EntropyBoundSamplerConfig,
     )
 
-    text = preset_text_config(preset)
+    from engine.params import DecodingDefaults
+
+    text = {**preset_text_config(preset), **(text_overrides or {})}
     spec = PRESETS[preset]
     config = DiffusionGemmaConfig(
         text_config=text, vision_config=dict(TINY_VISION_CONFIG), canvas_length=spec.canvas_length
@@ -268,14 +273,15 @@ def make_tiny(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0) 
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(config)
     _perturb(model, spec, seed)
+    defaults = DecodingDefaults()  # the reference's generation defaults
     model.generation_config = DiffusionGemmaGenerationConfig(
-        max_new_tokens=256,
-        max_denoising_steps=48,
-        sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
-        t_min=0.4,
-        t_max=0.8,
-        stability_threshold=1,
-        confidence_threshold=0.005,
+        max_new_tokens=defaults.max_new_tokens,
+        max_denoising_steps=defaults.max_denoising_steps,
+        sampler_config=EntropyBoundSamplerConfig(entropy_bound=defaults.entropy_bound),
+        t_min=defaults.t_min,
+        t_max=defaults.t_max,
+        stability_threshold=defaults.stability_threshold,
+        confidence_threshold=defaults.confidence_threshold,
         eos_token_id=text["eos_token_id"],
         pad_token_id=text["pad_token_id"],
         bos_token_id=text["bos_token_id"],

@@ -16,7 +16,8 @@ Sources:
   template when the checkpoint has one, canvases at canvas boundaries after it, as at inference),
   {"text"} (a document: a canvas may start anywhere) or {"prompt_ids", "completion_ids"}
   (already tokenized; what self-distillation writes);
-- self-distillation: the model's own AR completions of the prompts in `data/distill_prompts.jsonl`.
+- self-distillation: the model's own AR completions of the prompts in
+  `engine/adapt/data/distill_prompts.jsonl`.
 """
 
 from __future__ import annotations

