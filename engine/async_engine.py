@@ -145,6 +145,8 @@ class AsyncEngine:
         gone) aborts the request."""
         if self._inflight >= self.limits.max_inflight:
             raise QueueFull(f"{self._inflight} requests in flight")
+        if request_id in self._queues:  # would take over the running request's outputs
+            raise ValueError(f"request id {request_id!r} is already in flight")
         out_queue: asyncio.Queue[StepOutput | EngineFailure] = asyncio.Queue()
         self._queues[request_id] = out_queue
         self._inflight += 1

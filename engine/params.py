@@ -10,6 +10,7 @@ adds what needs the engine (context, vocabulary, KV cache) and the temperature p
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
@@ -36,6 +37,12 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise ParamError(param, message)
 
 
+# The lowest sampling temperature: logits / T must stay far from fp32 overflow (a request with
+# T = 1e-45 once turned into NaN and failed every request of its batch).
+MIN_TEMPERATURE = 1e-3
+FLOAT_FIELDS = ("entropy_bound", "t_min", "t_max", "confidence_threshold", "temperature")
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """What a request asks for. Fields left None take the checkpoint's defaults."""
@@ -57,6 +64,9 @@ class SamplingParams:
     temperature: float | None = None
 
     def __post_init__(self) -> None:
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(value is None or math.isfinite(value), name, "must be a finite number")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(
             self.mode is None or isinstance(self.mode, DecodeMode),
@@ -71,7 +81,11 @@ class SamplingParams:
         )
         _check(self.entropy_bound is None or self.entropy_bound > 0, "entropy_bound", "must be > 0")
         _check(self.t_min is None or self.t_min >= 0, "t_min", "must be >= 0")
-        _check(self.t_max is None or self.t_max > 0, "t_max", "must be > 0")
+        _check(
+            self.t_max is None or self.t_max >= MIN_TEMPERATURE,
+            "t_max",
+            f"must be >= {MIN_TEMPERATURE:g} (lower temperatures overflow the softmax)",
+        )
         _check(
             self.stability_threshold is None or 0 <= self.stability_threshold <= 64,
             "stability_threshold",
@@ -86,6 +100,12 @@ class SamplingParams:
             self.temperature is None or 0 <= self.temperature <= MAX_TEMPERATURE,
             "temperature",
             f"must be in [0, {MAX_TEMPERATURE:g}]",
+        )
+        _check(
+            not self.temperature or self.temperature >= MIN_TEMPERATURE,
+            "temperature",
+            f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (lower temperatures overflow the "
+            "softmax)",
         )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,6 +28,15 @@ from server.routes import VERSION, ops_router, v1_router
 from server.state import ServerState
 
 __all__ = ["ServerState", "create_app"]
+
+
+# A client's x-request-id: echoed into headers and logs, so bounded and plain.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_BAD_REQUEST_ID = APIError(
+    400,
+    "x-request-id must be 1 to 128 characters of letters, digits and . _ : -",
+    "x-request-id",
+)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -54,10 +64,15 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.middleware("http")
     async def _edge(request: Request, call_next: Any) -> Response:
-        """Request id, body-size limit (413) and API key (401) before any route runs."""
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        """Request ids, body-size limit (413) and API key (401) before any route runs. The
+        client's `x-request-id` (validated) is only echoed and logged; the engine keys every
+        request by `response_key`, which the server makes unique."""
+        client_id = request.headers.get("x-request-id")
+        valid = client_id is None or REQUEST_ID.fullmatch(client_id) is not None
+        request_id = client_id if client_id is not None and valid else uuid.uuid4().hex
         request.state.request_id = request_id
-        error = _refusal(state, request)
+        request.state.response_key = uuid.uuid4().hex
+        error = _refusal(state, request) if valid else _BAD_REQUEST_ID
         if error is not None:
             headers = {"x-request-id": request_id}
             return JSONResponse(error.body(), status_code=error.status, headers=headers)

@@ -59,7 +59,7 @@ def v1_router(state: ServerState) -> APIRouter:
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         renderer = CompletionRenderer(
-            request.state.request_id, state.model_name, body.include_usage
+            request.state.response_key, state.model_name, body.include_usage
         )
         try:
             prompt_ids = _encode(state, body.single_prompt())
@@ -71,7 +71,7 @@ def v1_router(state: ServerState) -> APIRouter:
 
     @router.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        renderer = ChatRenderer(request.state.request_id, state.model_name, body.include_usage)
+        renderer = ChatRenderer(request.state.response_key, state.model_name, body.include_usage)
         if state.tokenizer is None:
             raise APIError(
                 400, "This model has no tokenizer, so it has no chat template", "messages"

@@ -232,3 +232,30 @@ def test_engine_fault_mid_stream_is_reported_in_band(live_server):
         engine.step = real_step
     assert lines[-1] == "data: [DONE]"
     assert '"error"' in lines[-2] and "internal engine error" in lines[-2]
+
+
+def test_requests_sharing_an_x_request_id_both_complete_and_leak_nothing(live_server):
+    """A duplicate x-request-id used to key both requests in the engine: the first hung
+    forever, its in-flight slot leaked, and later requests got 429s."""
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 20, "seed": 1}
+            return list(
+                await asyncio.gather(
+                    *(
+                        client.post(
+                            f"{live_server.v1}/completions",
+                            json=body,
+                            headers={"x-request-id": "same-id"},
+                        )
+                        for _ in range(2)
+                    )
+                )
+            )
+
+    first, second = asyncio.run(run())
+    assert first.status_code == second.status_code == 200
+    assert first.json()["id"] != second.json()["id"]
+    assert all(r.json()["usage"]["completion_tokens"] == 20 for r in (first, second))
+    assert live_server.state.engine.num_inflight == 0

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import httpx
 import pytest
 
 from engine.params import DecodeMode
@@ -141,11 +144,29 @@ def test_version_reports_the_engines_numerics_and_kernels(fake):
     }
 
 
-def test_request_id_is_echoed_and_names_the_response(fake):
+def test_request_id_is_echoed_but_the_server_names_the_response_and_the_engine_request(fake):
+    def post() -> httpx.Response:
+        return fake.client.post(
+            "/v1/completions",
+            json={"model": "fake", "prompt": "a", "max_tokens": 1},
+            headers={"x-request-id": "abc123"},
+        )
+
+    first, second = post(), post()  # the same client id twice
+    assert first.headers["x-request-id"] == second.headers["x-request-id"] == "abc123"
+    ids = [r.json()["id"] for r in (first, second)]
+    assert ids[0] != ids[1] and all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids)
+    assert [s.request_id for s in fake.engine.submitted] == [f"{i}-0" for i in ids]
+
+
+@pytest.mark.parametrize("bad", ["x" * 129, "a b", "semi;colon", ""])
+def test_a_malformed_request_id_is_400_naming_the_header(fake, bad):
     r = fake.client.post(
         "/v1/completions",
         json={"model": "fake", "prompt": "a", "max_tokens": 1},
-        headers={"x-request-id": "abc123"},
+        headers={"x-request-id": bad},
     )
-    assert r.headers["x-request-id"] == "abc123" and r.json()["id"] == "cmpl-abc123"
-    assert fake.engine.submitted[0].request_id == "cmpl-abc123-0"
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "x-request-id" and "128 characters" in err["message"]
+    assert r.headers["x-request-id"] != bad and not fake.engine.submitted

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from engine.params import DecodeMode, DecodingDefaults, ParamError, SamplingParams
@@ -105,3 +107,21 @@ def test_request_shape_bounds_name_their_field():
 def test_limits_refuse_a_kv_bound_beyond_the_context():
     with pytest.raises(ValueError, match="max_fit_positions"):
         EngineLimits(100, 50, 8, 2, 4, max_fit_positions=101)
+
+
+@pytest.mark.parametrize(
+    "field,value,fragment",
+    [
+        ("temperature", 1e-45, "must be 0 (greedy) or >= 0.001"),
+        ("t_max", 1e-45, "must be >= 0.001"),
+        ("t_min", float("nan"), "must be a finite number"),
+        ("entropy_bound", float("inf"), "must be a finite number"),
+        ("temperature", float("nan"), "must be a finite number"),
+    ],
+)
+def test_temperatures_that_would_overflow_the_softmax_are_refused_by_name(field, value, fragment):
+    """A request with temperature 1e-45 used to pass, turn its logits into NaN and make the
+    engine fail every request of its batch."""
+    with pytest.raises(ParamError, match=re.escape(fragment)) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
