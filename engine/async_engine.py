@@ -181,20 +181,22 @@ class AsyncEngine:
             if self._stop.is_set():
                 break
             try:
-                outputs = engine.step()
+                result = engine.step()
             except Exception:  # a model fault fails the running requests, not the server
                 logger.exception("engine step failed; failing the running requests")
                 self._fail_all(RuntimeError("internal engine error"))
                 continue
             self._update_stats()
-            if engine.last_step.num_rows == 0:
+            if result.stats.num_rows == 0:
                 continue  # nothing ran (idle wake-up): no step to count or observe
             self._counters.num_steps += 1
             self._counters.last_step_time = time.monotonic()
             for listener in self.on_step:
-                listener(engine.last_step, outputs)
-            for out in outputs:
-                self._publish(out.request_id, out)
+                listener(result.stats, result.outputs)
+            for out in result.outputs:
+                # A request that failed alone ends with an engine error; the others go on.
+                failure = EngineFailure(RuntimeError(out.error)) if out.error else None
+                self._publish(out.request_id, failure or out)
 
     def _drain_commands(self, block: bool) -> None:
         while True:

@@ -157,7 +157,7 @@ class BatchedSampler:
         """One denoising step of the canvases in `slots` [R] from their raw decoder logits
         [R * L, V] fp32. Updates the slots' state (canvas, draft, stability run, steps, soft
         embeddings) and returns device tensors for the host: finished [R], steps [R],
-        drafts [R * L]."""
+        drafts [R * L], failed [R] (non-finite logits: the row's request must fail alone)."""
         s, ks = self.state, self.kernels
         num_rows, length = slots.shape[0], self.canvas_length
         steps_left, num_steps = s.steps_left[slots], s.num_steps[slots]
@@ -184,19 +184,22 @@ class BatchedSampler:
         s.steps_left[slots] = steps_left
         s.num_steps[slots] = num_steps
         s.soft[slots] = soft.view(num_rows, length, -1)
-        return [finished.long(), num_steps, draft.view(-1)]
+        failed = ~torch.isfinite(result.lse.view(num_rows, length)).all(-1)
+        return [finished.long(), num_steps, draft.view(-1), failed.long()]
 
     def sample_ar(
         self, logits: torch.Tensor, slots: torch.Tensor, token_index: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> list[torch.Tensor]:
         """Next tokens [R] of AR rows from their logits [R, V] fp32: greedy at temperature 0,
-        else a draw at counter `token_index` [R] (the output position) of the request's stream."""
+        else a draw at counter `token_index` [R] (the output position) of the request's stream;
+        and failed [R] (non-finite logits)."""
         s = self.state
         temperature = s.temperature[slots]
         greedy = temperature <= 0
         u = philox_uniform(s.seed[slots], token_index | _AR_COUNTERS)
         result = self.kernels.fused_sample(logits, torch.where(greedy, 1.0, temperature), u)
-        return torch.where(greedy, result.argmax, result.sample)
+        tokens = torch.where(greedy, result.argmax, result.sample)
+        return [tokens, (~torch.isfinite(result.lse)).long()]
 
 
 def to_host(parts: list[torch.Tensor]) -> list[list[int]]:

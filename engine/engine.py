@@ -10,6 +10,7 @@ on its prompt, parameters and seed only.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -24,9 +25,11 @@ from engine.request import RequestState
 from engine.rows import ROW_KINDS, RowResult
 from engine.runner import ModelRunner, RunOutput, StepInputs
 from engine.sampling import Sampled, make_sampling
-from engine.scheduler import ScheduledRow, Scheduler, SchedulerConfig, StepPlan
-from engine.types import FinishReason, RequestStats, StepOutput, StepStats
+from engine.scheduler import ScheduledRow, Scheduler, SchedulerConfig
+from engine.types import FinishReason, RequestStats, StepOutput, StepResult, StepStats
 from engine.validation import context_needed
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +75,7 @@ class Engine:
         self.runner = ModelRunner(model, cache)
         self.sampling = make_sampling(model, sched.max_num_seqs)
         self.requests: dict[str, RequestState] = {}
-        self.last_step = StepStats()
+        self._stats = StepStats()  # the step in progress
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -140,31 +143,70 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> StepResult:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
+        self._stats = StepStats(num_rows=len(plan.rows), num_tokens=plan.num_tokens)
         if not plan.rows:
-            self.last_step = StepStats()
-            return []
-        self.last_step = StepStats(num_rows=len(plan.rows), num_tokens=plan.num_tokens)
-        denoise, encode = self._split(plan)
+            return StepResult([], self._stats)
+        try:
+            outputs = self._run(list(plan.rows))
+        except Exception:
+            logger.exception("a step of %d rows failed; running them one at a time", len(plan.rows))
+            outputs = self._run_isolated(list(plan.rows))
+        self._stats.num_committed = sum(len(o.new_token_ids) for o in outputs)
+        self._stats.step_seconds = time.perf_counter() - start
+        return StepResult(outputs, self._stats)
+
+    def _run(self, rows: list[ScheduledRow]) -> list[StepOutput]:
+        """Forward and sample `rows`; nothing has advanced if this raises. Then each row's
+        after-step (state changes, outputs)."""
+        denoise, encode = self._split(rows)
         out = self.runner.execute(self._inputs(denoise, encode))
-        outputs = self._sample(denoise, encode, out)
-        self.last_step.num_committed = sum(len(o.new_token_ids) for o in outputs)
-        self.last_step.forward_seconds = out.forward_seconds
-        self.last_step.step_seconds = time.perf_counter() - start
+        self._stats.forward_seconds += out.forward_seconds
+        results = self._sample(denoise, encode, out)
+        outputs: list[StepOutput] = []
+        for row in (*denoise, *encode):
+            result = results.get(id(row), RowResult())
+            if result.failed:
+                outputs.append(self.fail(row.req, "the model produced non-finite logits"))
+            else:
+                outputs += ROW_KINDS[row.kind].after(self, row, result)
         return outputs
 
-    def _split(self, plan: StepPlan) -> tuple[list[ScheduledRow], list[ScheduledRow]]:
-        """The plan's DECODE (denoise) and ENCODE rows; newly running requests get their
-        sampler state."""
+    def _run_isolated(self, rows: list[ScheduledRow]) -> list[StepOutput]:
+        """A step failed and the fault could not be put on one request: each row runs alone,
+        and a row that fails again fails only its own request."""
+        outputs: list[StepOutput] = []
+        for row in rows:
+            try:
+                outputs += self._run([row])
+            except Exception as exc:
+                logger.warning("request %s failed alone: %r", row.req.request_id, exc)
+                outputs.append(self.fail(row.req, f"internal engine error ({type(exc).__name__})"))
+        return outputs
+
+    def fail(self, req: RequestState, reason: str) -> StepOutput:
+        """End one request with an error; its pages and sampler state are freed."""
+        self.scheduler.finish(req.request_id)
+        self.requests.pop(req.request_id, None)
+        self.sampling.release(req)
+        return StepOutput(req.request_id, [], FinishReason.ABORT, error=reason)
+
+    def note_canvas_latency(self, seconds: float) -> None:
+        """A canvas was committed this step, `seconds` after it started."""
+        self._stats.canvas_latencies.append(seconds)
+
+    def _split(self, rows: list[ScheduledRow]) -> tuple[list[ScheduledRow], list[ScheduledRow]]:
+        """The DECODE (denoise) and ENCODE rows; newly running requests get their sampler
+        state."""
         now = time.monotonic()
-        for row in plan.rows:
+        for row in rows:
             if row.req.first_scheduled_time is None:
                 row.req.first_scheduled_time = now
                 self.sampling.admit(row.req)
-        denoise = [row for row in plan.rows if ROW_KINDS[row.kind].decode]
-        return denoise, [row for row in plan.rows if not ROW_KINDS[row.kind].decode]
+        denoise = [row for row in rows if ROW_KINDS[row.kind].decode]
+        return denoise, [row for row in rows if not ROW_KINDS[row.kind].decode]
 
     def _inputs(self, denoise: list[ScheduledRow], encode: list[ScheduledRow]) -> StepInputs:
         canvas_ids: torch.Tensor | None = None
@@ -187,7 +229,7 @@ class Engine:
 
     def _sample(
         self, denoise: list[ScheduledRow], encode: list[ScheduledRow], out: RunOutput
-    ) -> list[StepOutput]:
+    ) -> dict[int, RowResult]:
         sampling = [row for row in encode if ROW_KINDS[row.kind].wants_token(row)]
         start = time.perf_counter()
         sampled = self.sampling.sample(
@@ -196,12 +238,8 @@ class Engine:
             out.last_logits,
             [row.req for row in sampling],
         )
-        self.last_step.sample_seconds = time.perf_counter() - start
-        results = _row_results(denoise, sampling, sampled)
-        outputs: list[StepOutput] = []
-        for row in (*denoise, *encode):
-            outputs += ROW_KINDS[row.kind].after(self, row, results.get(id(row), RowResult()))
-        return outputs
+        self._stats.sample_seconds += time.perf_counter() - start
+        return _row_results(denoise, sampling, sampled)
 
     def emit_token(self, req: RequestState, token: int) -> StepOutput:
         """An AR token: the request ends at EOS or at its token budget."""
@@ -243,10 +281,13 @@ def _row_results(
     """The sampler's results keyed by row (its identity)."""
     results = {
         id(row): RowResult(
-            finished=sampled.finished[j], num_steps=sampled.num_steps[j], draft=sampled.drafts[j]
+            finished=sampled.finished[j],
+            num_steps=sampled.num_steps[j],
+            draft=sampled.drafts[j],
+            failed=sampled.failed[j],
         )
         for j, row in enumerate(denoise)
     }
-    for row, token in zip(sampling, sampled.ar_tokens, strict=True):
-        results[id(row)] = RowResult(token=token)
+    for row, token, failed in zip(sampling, sampled.ar_tokens, sampled.ar_failed, strict=True):
+        results[id(row)] = RowResult(token=token, failed=failed)
     return results

@@ -17,7 +17,7 @@ from engine.engine import Engine, EngineConfig
 from engine.model import DiffusionLM, load_model
 from engine.params import DecodingDefaults, ParamError, SamplingParams
 from engine.tokenizer import Tokenizer
-from engine.types import StepOutput
+from engine.types import StepOutput, tokens_per_forward
 from engine.validation import RequestValidator
 
 Prompt = str | list[int]
@@ -38,8 +38,7 @@ class RequestOutput:
 
     @property
     def tokens_per_forward(self) -> float:
-        passes = self.decoder_passes or self.encoder_passes
-        return len(self.output_ids) / passes if passes else 0.0
+        return tokens_per_forward(len(self.output_ids), self.decoder_passes, self.encoder_passes)
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:
@@ -113,7 +112,9 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         try:
             while len(done) < len(names):
-                for out in self.engine.step():
+                for out in self.engine.step().outputs:
+                    if out.error is not None:
+                        raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                     tokens[out.request_id] += out.new_token_ids
                     if out.finish_reason is not None and out.stats is not None:
                         prompt = ids[names.index(out.request_id)]

@@ -31,6 +31,7 @@ class RowResult:
     finished: bool = False  # DENOISE: the canvas converged or hit the step cap
     num_steps: int = 0  # DENOISE: steps taken by the canvas so far
     draft: list[int] | None = None  # DENOISE: the argmax canvas (finished or asked for)
+    failed: bool = False  # the row's logits were not finite: its request fails alone
 
 
 class RowSpec(Protocol):
@@ -117,7 +118,7 @@ class DenoiseRow:
             return []
         assert result.draft is not None
         req.steps_per_canvas.append(result.num_steps)
-        engine.last_step.canvas_latencies.append(time.monotonic() - req.canvas_started)
+        engine.note_canvas_latency(time.monotonic() - req.canvas_started)
         req.in_canvas = False
         budget = req.params.max_tokens - len(req.output_ids)
         tokens, reason = first_cut(result.draft, budget, req.params.eos_token_ids)

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -21,7 +21,7 @@ from engine.request import RequestState
 from engine.sampler import CanvasState, denoise_update, start_canvas
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sampled:
     """Host-side results of one step's sampling, in the order of the rows given."""
 
@@ -29,6 +29,12 @@ class Sampled:
     num_steps: list[int]  # per DENOISE row: steps taken by its canvas so far
     drafts: list[list[int] | None]  # per DENOISE row: the argmax canvas (when finished or asked)
     ar_tokens: list[int]  # per AR-sampled row: the next token
+    failed: list[bool] = field(default_factory=list)  # per DENOISE row: non-finite logits
+    ar_failed: list[bool] = field(default_factory=list)  # per AR-sampled row
+
+    def __post_init__(self) -> None:
+        self.failed = self.failed or [False] * len(self.finished)
+        self.ar_failed = self.ar_failed or [False] * len(self.ar_tokens)
 
 
 class Sampling(Protocol):
@@ -96,16 +102,24 @@ class BatchedSampling:
         if ar:
             assert ar_logits is not None
             index = torch.tensor([len(r.output_ids) for r in ar]).to(self.device)
-            parts.append(self.sampler.sample_ar(ar_logits, self._slots(ar), index))
+            parts += self.sampler.sample_ar(ar_logits, self._slots(ar), index)
         host = to_host(parts)
+        ar_tokens, ar_failed = (host[-2], host[-1]) if ar else ([], [])
         if not denoise:
-            return Sampled([], [], [], host[0] if ar else [])
-        finished, steps, flat = host[0], host[1], host[2]
+            return Sampled([], [], [], ar_tokens, [], [bool(f) for f in ar_failed])
+        finished, steps, flat, failed = host[0], host[1], host[2], host[3]
         length = self.canvas_length
         drafts: list[list[int] | None] = [
             flat[i * length : (i + 1) * length] for i in range(len(denoise))
         ]
-        return Sampled([bool(f) for f in finished], steps, drafts, host[3] if ar else [])
+        return Sampled(
+            [bool(f) for f in finished],
+            steps,
+            drafts,
+            ar_tokens,
+            [bool(f) for f in failed],
+            [bool(f) for f in ar_failed],
+        )
 
 
 @dataclass(slots=True)

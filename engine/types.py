@@ -25,7 +25,9 @@ __all__ = [
     "RequestStats",
     "StepListener",
     "StepOutput",
+    "StepResult",
     "StepStats",
+    "tokens_per_forward",
 ]
 
 
@@ -55,8 +57,7 @@ class RequestStats:
 
     @property
     def tokens_per_forward(self) -> float:
-        passes = self.decoder_passes or self.encoder_passes
-        return self.num_output_tokens / passes if passes else 0.0
+        return tokens_per_forward(self.num_output_tokens, self.decoder_passes, self.encoder_passes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     draft: list[int] | None = None
     stats: RequestStats | None = None
+    error: str | None = None  # the request failed (finish_reason ABORT); the rest carry on
 
 
 @dataclass(slots=True)
@@ -82,6 +84,21 @@ class StepStats:
     sample_seconds: float = 0.0  # the sampler's arithmetic and its host transfer
     step_seconds: float = 0.0
     canvas_latencies: list[float] = field(default_factory=list)  # committed canvases
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one engine step returns: its outputs (one per request it advanced that has
+    something to say) and its counters."""
+
+    outputs: list[StepOutput]
+    stats: StepStats
+
+
+def tokens_per_forward(num_tokens: int, decoder_passes: int, encoder_passes: int) -> float:
+    """TPF: generated tokens per decoder pass (AR mode: per encoder pass)."""
+    passes = decoder_passes or encoder_passes
+    return num_tokens / passes if passes else 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -221,8 +221,8 @@ def run_round(
     for _ in range(limit):
         if not engine.has_work():
             break
-        outputs = engine.step()
-        last = engine.last_step
+        step = engine.step()
+        outputs, last = step.outputs, step.stats
         records.append((last.num_rows, last.num_tokens, last.step_seconds, forward[-1]))
         finished += [o.stats for o in outputs if o.stats is not None]
     if engine.has_work():

@@ -27,6 +27,7 @@ from engine.llm import LLM, RequestOutput
 from engine.model import DiffusionLM, Mode, load_model
 from engine.params import DecodeMode, SamplingParams
 from engine.tokenizer import Tokenizer
+from engine.types import tokens_per_forward
 
 EVAL_PROMPTS = Path(__file__).parent / "data" / "eval_prompts.jsonl"
 
@@ -132,7 +133,6 @@ def evaluate_mode(
     outputs = llm.generate(ids, params)
     seconds = max(o.seconds for o in outputs)  # each output's clock starts with the batch
     num_tokens = sum(len(o.output_ids) for o in outputs)
-    passes = sum(o.decoder_passes or o.encoder_passes for o in outputs)
     steps = [s for o in outputs for s in o.steps_per_canvas]
     correct = sum(p.is_answered_by(o.text) for p, o in zip(prompts, outputs, strict=True))
     logliks = output_logliks(source, outputs)
@@ -143,9 +143,9 @@ def evaluate_mode(
         num_correct=correct,
         accuracy=correct / len(prompts),
         num_output_tokens=num_tokens,
-        decoder_passes=sum(o.decoder_passes for o in outputs),
-        encoder_passes=sum(o.encoder_passes for o in outputs),
-        tokens_per_forward=num_tokens / passes if passes else 0.0,
+        decoder_passes=(decoder := sum(o.decoder_passes for o in outputs)),
+        encoder_passes=(encoder := sum(o.encoder_passes for o in outputs)),
+        tokens_per_forward=tokens_per_forward(num_tokens, decoder, encoder),
         tokens_per_second=num_tokens / seconds if seconds > 0 else 0.0,
         seconds=seconds,
         mean_steps_per_canvas=sum(steps) / len(steps) if steps else 0.0,

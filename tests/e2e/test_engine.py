@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import LLM, DecodeMode, SamplingParams
@@ -18,9 +19,10 @@ def run_together(
         engine.add_request(f"r{i}", prompt, llm.defaults.resolve(p))
         outputs[f"r{i}"] = []
     while engine.has_work():
-        for out in engine.step():
+        step = engine.step()
+        for out in step.outputs:
             outputs[out.request_id] += out.new_token_ids
-        widest = max(widest, engine.last_step.num_rows)
+        widest = max(widest, step.stats.num_rows)
     return outputs, widest
 
 
@@ -64,4 +66,61 @@ def test_finished_and_aborted_requests_return_their_pages(tiny_checkpoint):
     assert engine.pages.usage() > 0 and engine.scheduler.num_running == 1
     assert engine.abort("x")
     assert (engine.pages.full.num_free, engine.pages.sliding.num_free) == free
-    assert not engine.has_work() and engine.step() == []
+    assert not engine.has_work() and engine.step().outputs == []
+
+
+def _generate_all(engine, prompts, params):  # type: ignore[no-untyped-def]
+    """Run requests r0.. to their ends; returns {id: (tokens, error)}."""
+    results = {f"r{i}": ([], None) for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.has_work():
+        for out in engine.step().outputs:
+            tokens, _ = results[out.request_id]
+            results[out.request_id] = (tokens + out.new_token_ids, out.error)
+    return results
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+def test_a_fault_in_one_requests_row_fails_only_that_request(tiny_checkpoint, exact):
+    """A step that raises is re-run one row at a time: the request whose row fails again gets
+    an error, every other request of the batch finishes normally."""
+    llm = LLM.from_pretrained(tiny_checkpoint("c16"), exact=exact)
+    engine, poison = llm.engine, 77
+    execute = engine.runner.execute
+
+    def faulty(step):  # type: ignore[no-untyped-def]
+        if any(poison in e.tokens for e in step.encode):
+            raise RuntimeError("injected fault")
+        return execute(step)
+
+    engine.runner.execute = faulty  # type: ignore[method-assign]
+    params = llm.defaults.resolve(SamplingParams(max_tokens=20, seed=3))
+    results = _generate_all(engine, [[5, 6, 7], [8, poison, 9], [10, 11]], params)
+    assert results["r1"] == ([], "internal engine error (RuntimeError)")
+    for name in ("r0", "r2"):
+        tokens, error = results[name]
+        assert error is None and len(tokens) == 20
+    assert not engine.requests and engine.pages.usage() == 0.0
+
+
+def test_non_finite_logits_fail_only_their_request(tiny_checkpoint):
+    """Fast numerics check every row's logits (their log-normaliser) for NaN and inf."""
+    llm = LLM.from_pretrained(tiny_checkpoint("c16"))
+    engine = llm.engine
+    execute = engine.runner.execute
+
+    def nan_for_the_first_canvas(step):  # type: ignore[no-untyped-def]
+        out = execute(step)
+        if out.denoise_logits is not None and 60 in step.denoise_starts:
+            row = step.denoise_starts.index(60) * engine.canvas_length
+            with torch.inference_mode():
+                out.denoise_logits[row : row + engine.canvas_length, 3] = float("nan")
+        return out
+
+    engine.runner.execute = nan_for_the_first_canvas  # type: ignore[method-assign]
+    params = llm.defaults.resolve(SamplingParams(max_tokens=20, seed=3))
+    results = _generate_all(engine, [[5] * 60, [6, 7], [8, 9, 10]], params)
+    assert results["r0"] == ([], "the model produced non-finite logits")
+    assert all(results[n][1] is None and len(results[n][0]) == 20 for n in ("r1", "r2"))
+    assert not engine.requests and engine.pages.usage() == 0.0

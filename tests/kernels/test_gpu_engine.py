@@ -124,10 +124,11 @@ def serve(model: DiffusionLM, steps: int) -> tuple[dict[str, list[int]], list[St
             engine.add_request("r70", prompts["r70"], params)
         if not engine.has_work():
             break
-        for out in engine.step():
+        step = engine.step()
+        for out in step.outputs:
             tokens[out.request_id] += out.new_token_ids
             finals += [out] if out.finish_reason else []
-        last = engine.last_step
+        last = step.stats
         mixed |= last.num_rows > 1 and last.num_tokens % length != 0
     return tokens, finals, mixed
 

@@ -259,3 +259,39 @@ def test_requests_sharing_an_x_request_id_both_complete_and_leak_nothing(live_se
     assert first.json()["id"] != second.json()["id"]
     assert all(r.json()["usage"]["completion_tokens"] == 20 for r in (first, second))
     assert live_server.state.engine.num_inflight == 0
+
+
+def test_a_poisoned_request_fails_alone_while_the_others_are_served(live_server):
+    """A fault in one request's row used to fail every running request (500s for innocent
+    clients); now the step is re-run row by row and only the poisoned request fails."""
+    engine = live_server.state.engine.engine
+    execute, poison = engine.runner.execute, 99
+
+    def faulty(step):  # type: ignore[no-untyped-def]
+        if any(poison in e.tokens for e in step.encode):
+            raise RuntimeError("injected fault")
+        return execute(step)
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            prompts = [[5, 6, 7], [8, poison, 9], [10, 11], [12, 13, 14]]
+            return list(
+                await asyncio.gather(
+                    *(
+                        client.post(
+                            f"{live_server.v1}/completions",
+                            json={"model": "tiny", "prompt": p, "max_tokens": 16, "seed": 2},
+                        )
+                        for p in prompts
+                    )
+                )
+            )
+
+    engine.runner.execute = faulty
+    try:
+        responses = asyncio.run(run())
+    finally:
+        engine.runner.execute = execute
+    assert [r.status_code for r in responses] == [200, 500, 200, 200]
+    assert "internal engine error" in responses[1].json()["error"]["message"]
+    assert live_server.state.engine.num_inflight == 0
