@@ -4,7 +4,7 @@
     python3 -m loadtest.gpu_bench --dry-run     # the same flow on CPU at a toy shape, seconds
 
 No checkpoint: the engine's model (engine/model) is built on the meta device from the real
-text config (engine/tiny.py REAL_26B_A4B_TEXT_CONFIG, the one source of the shapes), then
+text config (engine/testing.py REAL_26B_A4B_TEXT_CONFIG, the one source of the shapes), then
 materialised on the GPU with random bf16 weights, and its kernel set is bound as `load_model`
 binds it. Measured, in this order:
 

@@ -11,7 +11,7 @@ from tests.conftest import ALL_PRESETS
 
 SEEDS = (0, 1, 2)
 # Presets whose random weights are confident enough for canvases to stop before the step cap
-# (see engine.tiny): on these the adaptive stop must be exercised.
+# (see engine.testing): on these the adaptive stop must be exercised.
 EARLY_STOP_PRESETS = {"c16", "c256"}
 
 
