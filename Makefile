@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 BENCH_ARGS  ?=
 
-.PHONY: venv serve test lint bench clean
+.PHONY: venv serve test lint bench soak clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,10 @@ bench: $(BENCH_STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.bench $(BENCH_ARGS)
 
 # Style and types (CI runs this before the tests): ruff, then mypy on engine/ and server/.
+# A live server under mixed, partly hostile traffic for 5 minutes, RSS sampled (bench-out/soak).
+soak: $(STAMP)
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.soak --seconds 300
+
 lint: $(STAMP)
 	$(BIN)/ruff check server engine kernels tests loadtest
 	$(BIN)/ruff format --check server engine kernels tests loadtest

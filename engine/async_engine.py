@@ -169,6 +169,15 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def fail_all_inflight(self, error: Exception) -> int:
+        """Fail every request in flight with `error` and abort it; returns how many (call on
+        the event loop, which owns the output queues: each generate() raises at once)."""
+        in_flight = list(self._queues.items())
+        for request_id, out_queue in in_flight:
+            out_queue.put_nowait(EngineFailure(error))
+            self.abort(request_id)
+        return len(in_flight)
+
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 

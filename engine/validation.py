@@ -92,17 +92,30 @@ class RequestValidator:
     def resolve(self, num_prompt: int, params: SamplingParams) -> ResolvedParams:
         """Apply the temperature policy and the defaults, then check the context and the KV
         cache. Without `max_tokens`: the checkpoint's default, bounded by the whole canvases
-        left in the context."""
+        left in the context and the KV cache (so a request that did not send `max_tokens` is
+        never refused for it)."""
         if params.max_tokens is None:
-            params = replace(params, max_tokens=self.default_max_tokens(num_prompt))
+            default = self.default_max_tokens(num_prompt)
+            if default < 1:
+                positions = min(self.limits.max_context_positions, self.limits.max_fit_positions)
+                raise ParamError(
+                    "prompt",
+                    f"{num_prompt} tokens leave no room for a completion (the context and the "
+                    f"KV cache hold {positions} positions)",
+                )
+            params = replace(params, max_tokens=default)
         resolved = self.defaults.resolve(apply_temperature(params, self.defaults))
         self.check_context(num_prompt, resolved)
         return resolved
 
     def default_max_tokens(self, num_prompt: int) -> int:
+        """The checkpoint's default budget, cut to the whole canvases (diffusion; AR needs no
+        whole canvas, but the same bound keeps one rule) left in the context and the KV cache;
+        0 when none is left."""
         canvas = self.limits.canvas_length
-        room = (self.limits.max_context_positions - num_prompt) // canvas * canvas
-        return max(1, min(self.defaults.max_new_tokens, room))
+        positions = min(self.limits.max_context_positions, self.limits.max_fit_positions)
+        room = (positions - num_prompt) // canvas * canvas
+        return max(0, min(self.defaults.max_new_tokens, room))
 
     def check_context(self, num_prompt: int, params: ResolvedParams) -> None:
         limits = self.limits

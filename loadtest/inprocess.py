@@ -36,6 +36,7 @@ def serve_in_thread(
     import uvicorn
 
     from server.app import create_app
+    from server.http import uvicorn_config
     from server.serve import add_serve_arguments, build_state
 
     parser = argparse.ArgumentParser()
@@ -46,8 +47,9 @@ def serve_in_thread(
     for line in banner[:3]:  # the address lines name the requested port 0: skip them
         logger.info("%s", line.strip())
     server = uvicorn.Server(
-        uvicorn.Config(
+        uvicorn_config(
             create_app(state),
+            state.http,
             host="127.0.0.1",
             port=0,
             log_level="warning",

@@ -120,13 +120,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from server.serve import DefaultModelMissing, serve
+    from server.serve import StartupError, serve
 
     try:
         return serve(args)
-    except DefaultModelMissing as exc:
+    except StartupError as exc:
         print(f"canvas serve: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the weights load: no traceback
+        return 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:

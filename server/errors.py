@@ -7,11 +7,12 @@ with Retry-After, anything else → 500 naming the request id. Client mistakes a
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.params import ParamError
@@ -25,11 +26,17 @@ TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
     500: "internal_error",
 }
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response; its engine requests are aborted."""
 
 
 class APIError(Exception):
@@ -100,35 +107,71 @@ def to_api_error(exc: BaseException, request_id: str, prompt_param: str = "promp
     return APIError(500, f"Engine error for request {request_id}: {exc}")
 
 
+async def client_gone_handler(_: Request, exc: Exception) -> Response:
+    """Nobody reads this response; 499 (nginx's "client closed request") marks it in the log."""
+    return Response(status_code=499)
+
+
 async def api_error_handler(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def _param_of(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("body",)]
-    return ".".join(parts) if parts else "body"
+# A pydantic union reports one error per member, its loc tagged with the member's type
+# ('str', 'list[int]', 'TextPart'); field names are lower-case words or indices.
+_UNION_TAG = re.compile(r"[a-z-]+\[.*\]|str|int|float|bool|none|[A-Z]\w*")
+UNION_FIELDS = {  # what a union-typed field accepts, as a 400 says it
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "content": 'a string or a list of text parts ({"type": "text", "text": ...})',
+}
+_SPECIFIC = ("literal_error", "extra_forbidden", "missing")  # say more than "wrong type"
+
+
+def _loc(error: Any) -> tuple[list[str], bool]:
+    """The field path of a validation error without 'body' and union tags, and whether it
+    went through a union."""
+    parts, union = [], False
+    for p in error.get("loc", ()):
+        if p == "body":
+            continue
+        if isinstance(p, str) and _UNION_TAG.fullmatch(p):
+            union = True
+            continue
+        parts.append(str(p))
+    return parts, union
+
+
+def validation_message(errors: list[Any]) -> tuple[str, str, str | None]:
+    """(message, param, code) of a request body's validation errors: the most specific one,
+    or for a union-typed field that matches none of its types, what that field accepts."""
+    if not errors:
+        return "Invalid request", "body", None
+    located = [(_loc(e), e) for e in errors]
+    specific = [x for x in located if x[1].get("type") in _SPECIFIC]
+    (parts, union), first = max(specific or located[:1], key=lambda x: len(x[0][0]))
+    param = ".".join(parts) or "body"
+    kind = str(first.get("type", "")) or None
+    if kind == "json_invalid":
+        return "The request body is not valid JSON.", "body", kind
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param, kind
+    if kind == "missing":
+        return f"Missing required parameter: {param}", param, kind
+    if union and kind == "literal_error" and parts[-1] == "type" and "content" in parts:
+        return f"Invalid value for {param}: only text content parts are supported", param, kind
+    if union and not specific:
+        field = next((p for p in reversed(parts) if p in UNION_FIELDS), None)
+        if field is not None:
+            path = ".".join(parts[: len(parts) - parts[::-1].index(field)])
+            return f"Invalid value for {path}: must be {UNION_FIELDS[field]}", path, kind
+    return f"Invalid value for {param}: {first.get('msg', 'invalid')}", param, kind
 
 
 async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request", "type": ""}
-    param = _param_of(tuple(first.get("loc", ())))
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        message = "The request body is not valid JSON."
-        param = "body"
-    elif kind == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: {param}"
-    elif kind == "missing":
-        message = f"Missing required parameter: {param}"
-    else:
-        message = f"Invalid value for {param}: {first.get('msg', 'invalid')}"
-    return JSONResponse(
-        envelope(message, "invalid_request_error", str(param), str(kind) if kind else None),
-        status_code=400,
-    )
+    message, param, code = validation_message(list(exc.errors()))
+    return JSONResponse(envelope(message, "invalid_request_error", param, code), status_code=400)
 
 
 async def http_error_handler(_: Request, exc: Exception) -> JSONResponse:

@@ -7,45 +7,75 @@ does not implement are rejected by name rather than ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from engine.params import DecodeMode, ParamError, SamplingParams
 from engine.validation import check_n, check_stop, check_user
 
-# OpenAI parameters Canvas does not implement: rejected (400 naming the parameter) when set to
-# anything but their neutral value.
-UNSUPPORTED: dict[str, Any] = {
-    "tools": None,
-    "tool_choice": None,
-    "functions": None,
-    "function_call": None,
-    "response_format": None,
-    "logit_bias": None,
-    "logprobs": None,
-    "top_logprobs": None,
-    "echo": False,
-    "suffix": None,
-    "best_of": 1,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "top_p": 1.0,
-    "top_k": -1,
-    "min_tokens": 0,
-    "parallel_tool_calls": None,
-    "audio": None,
-    "modalities": None,
-    "prediction": None,
-    "reasoning_effort": None,
-    "web_search_options": None,
+# OpenAI parameters Canvas does not implement, with their neutral values (accepted as no-ops;
+# anything else is rejected with a 400 naming the parameter). The first is the default.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (False,),
+    "suffix": (None,),
+    "best_of": (1,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "top_p": (1.0,),
+    "top_k": (-1,),
+    "min_tokens": (0,),
+    "parallel_tool_calls": (None,),
+    "audio": (None,),
+    "modalities": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
 }
+
+# JSON numbers and booleans as they are: `max_tokens: true` is a 400, not 1.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # an integer is a valid number
+Bool = Annotated[bool, Strict()]
+
+
+def _neutral(name: str) -> Any:
+    """An unsupported parameter's field: its schema lists the only values accepted."""
+    values = UNSUPPORTED[name]
+    doc = "Not supported by Canvas: only these neutral values are accepted."
+    return Field(values[0], json_schema_extra={"enum": list(values), "description": doc})
+
+
+def _is_neutral(value: Any, neutral: Any) -> bool:
+    if isinstance(value, bool) != isinstance(neutral, bool):  # True is not 1
+        return False
+    return bool(value == neutral)
+
+
+def check_text(param: str, text: str) -> None:
+    """ParamError when `text` is not valid Unicode (JSON lets a lone surrogate through)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise ParamError(
+            param,
+            f"contains a lone surrogate (U+{ord(text[exc.start]):04X}) at character "
+            f"{exc.start}; text must be valid Unicode",
+        ) from None
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class CommonParams(BaseModel):
@@ -54,62 +84,59 @@ class CommonParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    seed: int | None = None
+    max_tokens: Int | None = None
+    temperature: Float | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: Int = 1
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Canvas extras (extra_body)
-    ignore_eos: bool = False
-    max_denoising_steps: int | None = None
-    entropy_bound: float | None = None
-    t_min: float | None = None
-    t_max: float | None = None
-    stability_threshold: int | None = None
-    confidence_threshold: float | None = None
+    ignore_eos: Bool = False
+    max_denoising_steps: Int | None = None
+    entropy_bound: Float | None = None
+    t_min: Float | None = None
+    t_max: Float | None = None
+    stability_threshold: Int | None = None
+    confidence_threshold: Float | None = None
     mode: Literal["diffusion", "ar"] | None = None  # None: the checkpoint's default mode
-    stream_drafts: bool = False
+    stream_drafts: Bool = False
     # Unsupported OpenAI parameters are accepted by the schema and rejected by name in
-    # `unsupported()`, so the message can say what the neutral value would be.
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    logit_bias: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = False
-    suffix: Any = None
-    best_of: Any = 1
-    presence_penalty: Any = 0.0
-    frequency_penalty: Any = 0.0
-    repetition_penalty: Any = 1.0
-    top_p: Any = 1.0
-    top_k: Any = -1
-    min_tokens: Any = 0
-    parallel_tool_calls: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
+    # `unsupported()` unless neutral, so the message can name the parameter.
+    tools: Any = _neutral("tools")
+    tool_choice: Any = _neutral("tool_choice")
+    functions: Any = _neutral("functions")
+    function_call: Any = _neutral("function_call")
+    response_format: Any = _neutral("response_format")
+    logit_bias: Any = _neutral("logit_bias")
+    logprobs: Any = _neutral("logprobs")
+    top_logprobs: Any = _neutral("top_logprobs")
+    echo: Any = _neutral("echo")
+    suffix: Any = _neutral("suffix")
+    best_of: Any = _neutral("best_of")
+    presence_penalty: Any = _neutral("presence_penalty")
+    frequency_penalty: Any = _neutral("frequency_penalty")
+    repetition_penalty: Any = _neutral("repetition_penalty")
+    top_p: Any = _neutral("top_p")
+    top_k: Any = _neutral("top_k")
+    min_tokens: Any = _neutral("min_tokens")
+    parallel_tool_calls: Any = _neutral("parallel_tool_calls")
+    audio: Any = _neutral("audio")
+    modalities: Any = _neutral("modalities")
+    prediction: Any = _neutral("prediction")
+    reasoning_effort: Any = _neutral("reasoning_effort")
+    web_search_options: Any = _neutral("web_search_options")
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
 
     def unsupported(self) -> str | None:
         """The first unsupported OpenAI parameter set to a non-neutral value, if any."""
-        for name, neutral in UNSUPPORTED.items():
+        for name, neutrals in UNSUPPORTED.items():
             value = getattr(self, name)
-            if value is None or value == neutral:
-                continue
-            if name == "logprobs" and value is False:
-                continue
-            return name
+            if not any(_is_neutral(value, neutral) for neutral in neutrals):
+                return name
         return None
 
     @property
@@ -144,10 +171,17 @@ class CommonParams(BaseModel):
 
 
 class CompletionRequest(CommonParams):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Int] | list[list[Int]]
 
     def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request; ParamError for an empty or batched prompt."""
+        """The one prompt of this request; ParamError for an empty or batched prompt, or text
+        that is not valid Unicode."""
+        prompt = self._single_prompt()
+        if isinstance(prompt, str):
+            check_text("prompt", prompt)
+        return prompt
+
+    def _single_prompt(self) -> str | list[int]:
         value = self.prompt
         if isinstance(value, list) and not value:
             raise ParamError("prompt", "must not be empty")
@@ -178,7 +212,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(CommonParams):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
 
     @property
     def token_limit(self) -> int | None:
@@ -190,8 +224,12 @@ class ChatCompletionRequest(CommonParams):
         return self.max_tokens
 
     def chat(self) -> list[dict[str, str]]:
-        """The conversation for the chat template; ParamError when there is none."""
+        """The conversation for the chat template; ParamError when there is none or a message
+        is not valid Unicode."""
         if not self.messages:
             raise ParamError("messages", "must contain at least one message")
         role = {"developer": "system"}
-        return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+        chat = [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+        for i, message in enumerate(chat):
+            check_text(f"messages.{i}.content", message["content"])
+        return chat

@@ -3,17 +3,20 @@ readiness, metrics, version)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine.params import ParamError
 from server.errors import APIError, draining_error, queue_full_error, to_api_error
 from server.protocol import ChatCompletionRequest, CommonParams, CompletionRequest
 from server.render import ChatRenderer, CompletionRenderer, Renderer
-from server.run import RequestRun
+from server.run import RequestRun, SSEResponse
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -61,39 +64,51 @@ def v1_router(state: ServerState) -> APIRouter:
         renderer = CompletionRenderer(
             request.state.response_key, state.model_name, body.include_usage
         )
-        try:
-            prompt_ids = _encode(state, body.single_prompt())
+        with param_errors(renderer):
+            prompt = body.single_prompt()
             limit = body.max_tokens
             max_tokens = limit if limit is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        except ParamError as exc:
-            raise to_api_error(exc, renderer.response_id, renderer.prompt_param) from None
-        return await _serve(state, body, prompt_ids, max_tokens, renderer, request)
+        if isinstance(prompt, list):
+            return await _serve(state, body, lambda: list(prompt), max_tokens, renderer, request)
+        tokenizer = state.tokenizer
+        if tokenizer is None:
+            raise APIError(
+                400, "This model has no tokenizer; send the prompt as token ids", "prompt"
+            )
+        return await _serve(
+            state, body, lambda: tokenizer.encode(prompt), max_tokens, renderer, request
+        )
 
     @router.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         renderer = ChatRenderer(request.state.response_key, state.model_name, body.include_usage)
-        if state.tokenizer is None:
+        tokenizer = state.tokenizer
+        if tokenizer is None:
             raise APIError(
                 400, "This model has no tokenizer, so it has no chat template", "messages"
             )
-        try:
-            prompt_ids = state.tokenizer.apply_chat_template(body.chat())
+        with param_errors(renderer):
+            messages = body.chat()
             max_tokens = body.token_limit  # None: the checkpoint's default, bounded by the room
-        except ParamError as exc:
-            raise to_api_error(exc, renderer.response_id, renderer.prompt_param) from None
-        except ValueError as exc:  # the chat template refused the conversation
-            raise APIError(400, str(exc), "messages") from None
-        return await _serve(state, body, prompt_ids, max_tokens, renderer, request)
+        return await _serve(
+            state,
+            body,
+            lambda: tokenizer.apply_chat_template(messages),
+            max_tokens,
+            renderer,
+            request,
+        )
 
     return router
 
 
-def _encode(state: ServerState, prompt: str | list[int]) -> list[int]:
-    if not isinstance(prompt, str):
-        return list(prompt)
-    if state.tokenizer is None:
-        raise APIError(400, "This model has no tokenizer; send the prompt as token ids", "prompt")
-    return state.tokenizer.encode(prompt)
+@contextlib.contextmanager
+def param_errors(renderer: Renderer) -> Iterator[None]:
+    """Turn a ParamError raised inside the block into its 400."""
+    try:
+        yield
+    except ParamError as exc:
+        raise to_api_error(exc, renderer.response_id, renderer.prompt_param) from None
 
 
 def _check_served(state: ServerState, body: CommonParams) -> None:
@@ -104,7 +119,8 @@ def _check_served(state: ServerState, body: CommonParams) -> None:
     if body.model != state.model_name:
         raise APIError(
             404,
-            f"The model '{body.model}' does not exist; this server serves '{state.model_name}'",
+            f"The model {_shown(body.model)} does not exist; this server serves "
+            f"'{state.model_name}'",
             "model",
             "model_not_found",
         )
@@ -113,20 +129,24 @@ def _check_served(state: ServerState, body: CommonParams) -> None:
 async def _serve(
     state: ServerState,
     body: CommonParams,
-    prompt_ids: list[int],
+    encode: Callable[[], list[int]],
     max_tokens: int | None,
     renderer: Renderer,
     request: Request,
 ) -> Response:
-    """Validate the request (400/404), admit it (503 draining, 429 full), then run it."""
+    """Check the cheap things first (503 draining, 400/404 parameters and model), tokenise off
+    the event loop (`encode`: prompt or chat template), check the context (400), admit the
+    request (429 when full, before any response starts), then run it."""
     if state.draining:
         raise draining_error()
     _check_served(state, body)
-    try:
-        params = state.validator.validate(prompt_ids, body.sampling_params(max_tokens))
-    except ParamError as exc:
-        raise to_api_error(exc, renderer.response_id, renderer.prompt_param) from None
-    if state.engine.stats.num_inflight + body.n > state.engine.limits.max_inflight:
+    with param_errors(renderer):
+        sampling = body.sampling_params(max_tokens)
+    prompt_ids = await _tokenize(encode, renderer)
+    with param_errors(renderer):
+        params = state.validator.validate(prompt_ids, sampling)
+    ticket = state.admission.admit(body.n, state.engine.stats.num_inflight)
+    if ticket is None:
         raise queue_full_error()
     logger.info(
         "request %s: %d prompt tokens, n=%d, stream=%s",
@@ -138,5 +158,25 @@ async def _serve(
     want_drafts = body.stream and body.stream_drafts
     run = RequestRun(state, renderer, prompt_ids, params, body.n, body.stop_strings, want_drafts)
     if body.stream:
-        return StreamingResponse(run.sse(), media_type="text/event-stream")
-    return JSONResponse(await run.complete(request))
+        return SSEResponse(run, ticket)  # releases the ticket when the stream ends
+    try:
+        return JSONResponse(await run.complete(request))
+    finally:
+        ticket.release()
+
+
+async def _tokenize(encode: Callable[[], list[int]], renderer: Renderer) -> list[int]:
+    """Run the tokenizer or chat template in a worker thread: a long prompt must not stall
+    the event loop (health probes, other streams)."""
+    try:
+        return await asyncio.to_thread(encode)
+    except ParamError as exc:
+        raise to_api_error(exc, renderer.response_id, renderer.prompt_param) from None
+    except ValueError as exc:  # the chat template refused the conversation
+        raise APIError(400, str(exc), renderer.prompt_param) from None
+
+
+def _shown(text: str, limit: int = 64) -> str:
+    """A client's string fit to echo: its repr (control characters escaped), at most `limit`
+    characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "…")

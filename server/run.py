@@ -7,17 +7,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import anyio
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from engine.params import ResolvedParams
 from engine.types import FinishReason, RequestStats
-from server.errors import to_api_error
+from server.errors import ClientGone, to_api_error
 from server.render import ChoiceResult, Renderer
-from server.state import ServerState
+from server.state import ServerState, Ticket
 from server.stream import DONE, ChoiceEvent, OutputCollector, sse
 from server.text import TextStream
 
@@ -98,6 +101,9 @@ class RequestRun:
                     sink.put(event)
                 if choice.finish_reason is not None:
                     break
+        except asyncio.CancelledError:  # the client went away mid-answer
+            self.state.metrics.success(FinishReason.ABORT.value)
+            raise
         finally:
             await stream.aclose()  # aborts the engine request if it is still running
         self._record(choice)
@@ -117,30 +123,35 @@ class RequestRun:
     def _num_completion(self) -> int:
         return sum(c.text.num_tokens for c in self.choices)
 
-    async def _watch(self, request: Request, tasks: list[asyncio.Task[None]]) -> None:
-        """Cancel the choices when the client goes away (frees their pages)."""
+    async def _watch(self, request: Request, tasks: list[asyncio.Task[None]]) -> bool:
+        """Cancel the choices when the client goes away (frees their pages); returns whether
+        it did."""
         while not all(t.done() for t in tasks):
             if await request.is_disconnected():
                 logger.info("request %s: client disconnected, aborting", self.response_id)
                 for t in tasks:
                     t.cancel()
-                return
+                return True
             await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+        return False
 
     async def complete(self, request: Request) -> dict[str, Any]:
-        """The full response; raises APIError when a choice fails."""
+        """The full response; raises APIError when a choice fails, ClientGone when the client
+        disconnected first (its choices aborted). Returns only once every choice's engine
+        request has ended."""
         tasks = [asyncio.create_task(self._run_choice(c, None)) for c in self.choices]
         watcher = asyncio.create_task(self._watch(request, tasks))
         try:
             await asyncio.gather(*tasks)
         except asyncio.CancelledError:
+            if watcher.done() and not watcher.cancelled() and watcher.result():
+                raise ClientGone(self.response_id) from None
             raise
         except Exception as exc:
             raise to_api_error(exc, self.response_id, self.renderer.prompt_param) from None
         finally:
             watcher.cancel()
-            for t in tasks:
-                t.cancel()
+            await _cancel_all(tasks)
         results = [c.result() for c in self.choices]
         return self.renderer.response(results, len(self.prompt_ids))
 
@@ -152,7 +163,7 @@ class RequestRun:
         finally:
             sink.close()
 
-    async def sse(self) -> AsyncIterator[str]:
+    async def sse(self) -> AsyncGenerator[str, None]:
         """The SSE stream: every choice's chunks as they come, the usage chunk when asked for,
         an in-band error if a choice fails, then [DONE]. Closing it (client gone) cancels the
         choices, which aborts their engine requests."""
@@ -172,11 +183,35 @@ class RequestRun:
             logger.warning("request %s failed mid-stream: %s", self.response_id, exc)
             yield sse(to_api_error(exc, self.response_id, render.prompt_param).body())
         finally:
-            for t in tasks:
-                t.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancel_all(tasks)
         yield DONE
+
+
+class SSEResponse(StreamingResponse):
+    """A run's SSE stream. Its admission ticket is released when the response ends however it
+    ends (finished, client gone, or the stream never started), after the run's engine requests
+    have ended."""
+
+    def __init__(self, run: RequestRun, ticket: Ticket) -> None:
+        self._events = run.sse()
+        self._ticket = ticket
+        super().__init__(self._events, media_type="text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()  # a stream left mid-way cancels its choices
+            self._ticket.release()
+
+
+async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel `tasks` and wait until they have ended (their engine requests closed)."""
+    for t in tasks:
+        t.cancel()
+    with contextlib.suppress(BaseException):
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _no_text(_: list[int]) -> str:

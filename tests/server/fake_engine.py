@@ -75,7 +75,9 @@ class Submitted:
 class FakeEngine:
     """Configure by attribute: `answer` (token ids every request produces; None: `letters` of
     the request's seed), `drafts_per_canvas`, `fail_after` (outputs before a RuntimeError),
-    `refuse` (a ParamError generate raises), `queue_full`, `delay` (seconds per output)."""
+    `refuse` (a ParamError generate raises), `queue_full` (the engine reports itself full and
+    refuses every request), `delay` (seconds per output). Like the async engine, it counts a
+    request in flight from its generator's first step and refuses one past `max_inflight`."""
 
     limits: EngineLimits = LIMITS
     answer: list[int] | None = None
@@ -92,16 +94,18 @@ class FakeEngine:
     num_inflight: int = 0
     submitted: list[Submitted] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    failed_all: list[Exception] = field(default_factory=list)
     on_step: list[StepListener] = field(default_factory=list)
 
     @property
     def stats(self) -> EngineStats:
+        full = self.limits.max_inflight if self.queue_full else 0
         return EngineStats(
             alive=self.alive,
             healthy=self.alive and self.healthy,
             num_running=self.num_running,
             num_waiting=self.num_waiting,
-            num_inflight=self.num_inflight,
+            num_inflight=max(self.num_inflight, full),
             kv_usage=self.kv_usage,
             num_steps=0,
         )
@@ -115,6 +119,10 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    def fail_all_inflight(self, error: Exception) -> int:
+        self.failed_all.append(error)
+        return 0
+
     def step(self, step: StepStats) -> None:
         """Run the step listeners as the engine thread does after a step."""
         for listener in self.on_step:
@@ -127,8 +135,8 @@ class FakeEngine:
         params: ResolvedParams,
         want_drafts: bool = False,
     ) -> AsyncIterator[StepOutput]:
-        if self.queue_full:
-            raise QueueFull("the fake's queue is full")
+        if self.queue_full or self.num_inflight >= self.limits.max_inflight:
+            raise QueueFull(f"{self.num_inflight} requests in flight")
         if self.refuse is not None:
             raise self.refuse
         self.submitted.append(Submitted(request_id, list(prompt_ids), params, want_drafts))

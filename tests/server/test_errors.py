@@ -8,6 +8,7 @@ import re
 import pytest
 
 from engine.params import ParamError
+from server.state import HttpLimits
 from tests.server.conftest import make_fake_server
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -114,7 +115,7 @@ def test_api_key_guards_v1_but_not_health():
 
 
 def test_oversized_body_is_413():
-    server = make_fake_server(max_body_bytes=100)
+    server = make_fake_server(http=HttpLimits(max_body_bytes=100))
     with server.client:
         r = server.post("/completions", prompt="x" * 200)
         assert "exceeds the limit of 100" in error_of(r, 413)["message"]

@@ -12,6 +12,7 @@ import pytest
 from engine.params import SamplingParams
 from engine.types import FinishReason
 from engine.validation import RequestValidator
+from server.errors import ClientGone
 from server.render import CompletionRenderer
 from server.run import RequestRun
 from server.state import ServerState
@@ -102,12 +103,6 @@ def test_an_engine_fault_mid_stream_is_reported_in_band_then_done(fake):
     assert chunks[2] == "data: [DONE]"
 
 
-def test_a_full_engine_queue_after_the_headers_is_an_in_band_429(fake):
-    fake.engine.queue_full = True
-    *_, error, done = fake.sse("/completions", prompt="a")
-    assert error["error"]["type"] == "rate_limit_error" and done == "[DONE]"
-
-
 def make_run(engine: FakeEngine, num_choices: int, max_tokens: int = 40) -> RequestRun:
     state = ServerState(engine, ByteTokenizer(), DEFAULTS, "fake")  # type: ignore[arg-type]
     params = RequestValidator(DEFAULTS, LIMITS).resolve(
@@ -135,7 +130,7 @@ def test_a_client_gone_before_the_answer_aborts_its_request():
 
     async def main() -> list[str]:
         engine = FakeEngine(delay=0.05)
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(ClientGone):
             await make_run(engine, num_choices=1).complete(Gone())  # type: ignore[arg-type]
         return engine.aborted
 

@@ -52,10 +52,19 @@ def test_temperature_above_two_is_rejected_naming_it():
         SamplingParams(temperature=2.5)
 
 
-def test_the_default_budget_is_bounded_by_the_whole_canvases_left():
+def test_the_default_budget_is_bounded_by_the_whole_canvases_left_in_context_and_kv():
     assert VALIDATOR.resolve(10, SamplingParams()).max_tokens == 32
-    assert VALIDATOR.default_max_tokens(70) == 24  # (100 - 70) // 8 * 8
-    assert VALIDATOR.default_max_tokens(99) == 1
+    assert VALIDATOR.default_max_tokens(70) == 8  # (80 KV positions - 70) // 8 * 8
+    assert VALIDATOR.default_max_tokens(75) == 0
+
+
+def test_a_request_without_max_tokens_is_never_refused_for_max_tokens():
+    """A chat without max_tokens on a small KV cache used to get a 400 blaming max_tokens,
+    which the client never sent: the default now fits the KV cache, or the prompt is named."""
+    assert VALIDATOR.resolve(60, SamplingParams()).max_tokens == 16  # fits 80 KV positions
+    with pytest.raises(ParamError, match="leave no room for a completion") as info:
+        VALIDATOR.resolve(75, SamplingParams())
+    assert info.value.param == "prompt"
 
 
 def test_diffusion_context_counts_whole_canvases_and_ar_counts_tokens():

@@ -1,0 +1,156 @@
+"""The edge of every HTTP request, as a plain ASGI middleware: request ids, head limits, the
+API key, the body (read here, within its size and time limits), and the last word on errors.
+
+A plain ASGI middleware rather than Starlette's `BaseHTTPMiddleware`: the route sees the
+server's own `receive`, so `Request.is_disconnected()` notices a client that went away and the
+request is aborted. The body is read here once, bounded as it arrives (a chunked body counts
+too), then replayed to the route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import uuid
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import APIError
+from server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+# A client's x-request-id: echoed into headers and logs, so bounded and plain.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_BAD_REQUEST_ID = APIError(
+    400,
+    "x-request-id must be 1 to 128 characters of letters, digits and . _ : -",
+    "x-request-id",
+)
+_CLOSE = {"connection": "close"}  # the rest of the body is not read: end the connection
+
+
+class EdgeMiddleware:
+    """Runs before any route: refuses bad request ids (400), too many or too large header
+    fields (431), a declared body over the limit (413) and a missing API key on /v1 (401);
+    reads the body (413 past the limit, 408 when it is late); echoes `x-request-id`; turns an
+    unexpected exception into a 500 in the OpenAI envelope naming the request id.
+
+    Sets `request.state.request_id` (the client's valid id, or a new one; only echoed and
+    logged) and `request.state.response_key` (unique, made here: the engine keys requests by
+    it)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        client_id = headers.get("x-request-id")
+        valid = client_id is None or REQUEST_ID.fullmatch(client_id) is not None
+        request_id = client_id if client_id is not None and valid else uuid.uuid4().hex
+        scope.setdefault("state", {}).update(request_id=request_id, response_key=uuid.uuid4().hex)
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                extra = [(b"x-request-id", request_id.encode())]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        async def refuse(error: APIError) -> None:
+            response = JSONResponse(error.body(), error.status, headers=error.headers)
+            await response(scope, receive, send_with_id)
+
+        error = self._refusal(scope, headers) if valid else _BAD_REQUEST_ID
+        if error is None:
+            body, error = await self._read_body(receive)
+            if body is None and error is None:
+                return  # the client left while sending its body
+            receive = _replay(body or b"", receive)
+        if error is not None:
+            await refuse(error)
+            return
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            logger.exception("request %s failed", request_id)
+            if started:
+                raise
+            await refuse(APIError(500, f"Internal error for request {request_id}"))
+
+    def _refusal(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
+        limits = self.state.http
+        if len(scope["headers"]) > limits.max_header_count:
+            return APIError(
+                431, f"More than {limits.max_header_count} header fields", headers=_CLOSE
+            )
+        # h11 bounds a head still arriving; this bounds one that arrived whole.
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > limits.max_header_bytes:
+            return APIError(
+                431, f"The header fields exceed {limits.max_header_bytes} bytes", headers=_CLOSE
+            )
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > limits.max_body_bytes:
+            return _too_large(limits.max_body_bytes)
+        key = self.state.api_key
+        if key and scope["path"].startswith("/v1/") and not _authorized(headers, key):
+            return APIError(401, "Invalid or missing API key (send Authorization: Bearer <key>)")
+        return None
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes | None, APIError | None]:
+        """The whole body, or the error that ends the request (413 past the size limit, 408
+        past the time limit); (None, None) when the client disconnected."""
+        limits = self.state.http
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limits.body_timeout_s
+        chunks: list[bytes] = []
+        num_bytes = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), deadline - loop.time())
+            except TimeoutError:
+                message_ = f"The request body did not arrive within {limits.body_timeout_s:g} s"
+                return None, APIError(408, message_, "body", headers=_CLOSE)
+            if message["type"] == "http.disconnect":
+                return None, None
+            chunk = message.get("body", b"")
+            num_bytes += len(chunk)
+            if num_bytes > limits.max_body_bytes:
+                return None, _too_large(limits.max_body_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body exceeds the limit of {limit} bytes", headers=_CLOSE)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` that first hands out the body already read, then the server's messages (a
+    disconnect)."""
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop()
+        message: Any = await receive()
+        return message
+
+    return replay
+
+
+def _authorized(headers: dict[str, str], key: str) -> bool:
+    header = headers.get("authorization", "")
+    token = header[7:] if header.lower().startswith("bearer ") else ""
+    return hmac.compare_digest(token.encode(), key.encode())

@@ -1,0 +1,106 @@
+"""`canvas serve` in a child process, for what only a real process shows: signals, exit codes,
+and what it writes to its logs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+STARTED = "Application startup complete"
+ADDRESS = re.compile(r"http://127\.0\.0\.1:(\d+)/v1")
+
+
+@dataclass
+class ServeProcess:
+    process: subprocess.Popen[str]
+    url: str  # http://127.0.0.1:PORT (no /v1)
+    lines: list[str] = field(default_factory=list)  # stdout and stderr, as written
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.process.send_signal(sig)
+
+    def wait(self, timeout: float) -> tuple[int, float]:
+        """(exit code, seconds it took to exit)."""
+        start = time.monotonic()
+        code = self.process.wait(timeout)
+        return code, time.monotonic() - start
+
+
+@contextlib.contextmanager
+def serve_process(
+    model: Path, flags: Sequence[str] = (), env: dict[str, str] | None = None
+) -> Iterator[ServeProcess]:
+    """`canvas serve --model MODEL --port 0 --served-model-name tiny FLAGS`, started and ready;
+    killed on exit if still running."""
+    argv = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", "0"]
+    process = subprocess.Popen(
+        [*argv, "--served-model-name", "tiny", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        encoding="utf-8",
+        errors="backslashreplace",
+        env={**os.environ, "OMP_NUM_THREADS": "2", **(env or {})},
+    )
+    assert process.stdout is not None
+    lines: list[str] = []
+    port = None
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if (match := ADDRESS.search(line)) is not None:
+                port = match.group(1)
+            if STARTED in line:
+                break
+        assert port is not None and STARTED in lines[-1], "".join(lines)
+        reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)  # type: ignore[arg-type]
+        reader.start()
+        yield ServeProcess(process, f"http://127.0.0.1:{port}", lines)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+
+
+class StreamReader:
+    """A long streaming completion read on a thread: its `data:` lines as they come."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
+        self.lines: list[str] = []
+        body = {"model": "tiny", "prompt": "abc", "max_tokens": 8000, "ignore_eos": True}
+        self._thread = threading.Thread(
+            target=self._read, args=(f"{url}/v1/completions", {**body, "stream": True}, headers)
+        )
+        self._thread.start()
+
+    def _read(self, url: str, body: dict[str, object], headers: dict[str, str] | None) -> None:
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    self.lines.append(line)
+
+    def wait_for_chunks(self, num_chunks: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.lines) < num_chunks:
+            assert time.monotonic() < deadline and self._thread.is_alive(), self.lines
+            time.sleep(0.02)
+
+    def join(self, timeout: float = 10.0) -> list[str]:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the stream did not end"
+        return self.lines

@@ -1,0 +1,77 @@
+"""Shutdown: SIGTERM/SIGINT drain for --drain-seconds, then end what is left cleanly; a second
+signal exits at once; no tracebacks."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from server.app import create_app
+from server.serve import draining_server
+from tests.server.conftest import make_fake_server
+from tests.server.process import StreamReader, serve_process
+
+# What a process needs to exit after its drain ends: the ended streams flush, torch unloads.
+EXIT_MARGIN_S = 3.0
+
+
+def _assert_ended_cleanly(lines: list[str]) -> None:
+    """The stream ended with the in-band shutdown error, then [DONE]."""
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert '"error"' in lines[-2] and "server_shutdown" in lines[-2], lines[-3:]
+
+
+def test_sigterm_drains_for_drain_seconds_then_ends_running_streams_with_done(tiny_checkpoint):
+    """The drain used to ignore --drain-seconds: the process waited for every stream to end."""
+    with serve_process(tiny_checkpoint("c16"), ["--drain-seconds", "1"]) as server:
+        stream = StreamReader(server.url)
+        stream.wait_for_chunks(2)
+        server.signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert httpx.get(f"{server.url}/ready").status_code == 503  # draining
+        code, seconds = server.wait(1 + EXIT_MARGIN_S + 10)
+        lines = stream.join()
+    assert code == 0, server.output
+    assert seconds < 1 + EXIT_MARGIN_S, f"exited {seconds:.1f} s after SIGTERM"
+    _assert_ended_cleanly(lines)
+    assert "draining for up to 1 s" in server.output
+    assert "Traceback" not in server.output
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_second_signal_exits_at_once_and_ends_streams_without_a_traceback(tiny_checkpoint, sig):
+    """A second SIGTERM used to be ignored until every stream ended; a second SIGINT cut the
+    streams without [DONE] and printed pages of tracebacks."""
+    with serve_process(tiny_checkpoint("c16"), ["--drain-seconds", "60"]) as server:
+        stream = StreamReader(server.url)
+        stream.wait_for_chunks(2)
+        server.signal(sig)
+        time.sleep(0.3)
+        server.signal(sig)
+        code, seconds = server.wait(EXIT_MARGIN_S + 10)
+        lines = stream.join()
+    assert code == 0, server.output
+    assert seconds < EXIT_MARGIN_S, f"exited {seconds:.1f} s after the second signal"
+    _assert_ended_cleanly(lines)
+    assert "Traceback" not in server.output and "KeyboardInterrupt" not in server.output
+
+
+def test_drain_with_nothing_running_exits_without_waiting_out_the_drain():
+    state = make_fake_server().state
+    config = uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning")
+    server = draining_server(state, config, drain_seconds=60)
+    thread = threading.Thread(target=server.run, daemon=True)  # no signal handlers off main
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    server.handle_exit(signal.SIGTERM, None)
+    assert state.draining
+    thread.join(2)
+    assert not thread.is_alive()
