@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from engine.engine import Engine
 from engine.params import ResolvedParams
-from engine.types import EngineLimits, EngineStats, QueueFull, StepListener, StepOutput
+from engine.types import EngineStats, QueueFull, StepListener, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -46,27 +46,6 @@ class EngineFailure:
     error: Exception
 
 
-def engine_limits(engine: Engine) -> EngineLimits:
-    """The limits of a built engine, from its model config, scheduler config and KV pages."""
-    cfg, sched = engine.model.cfg, engine.scheduler.config
-    max_pos = cfg.max_position_embeddings
-    lo, hi = 0, max_pos  # the largest context an empty cache holds (fits_ever is monotone)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if engine.pages.fits_ever(mid) else (lo, mid - 1)
-    kernels = engine.model.kernels
-    return EngineLimits(
-        max_context_positions=max_pos,
-        vocab_size=cfg.vocab_size,
-        canvas_length=engine.canvas_length,
-        max_num_seqs=sched.max_num_seqs,
-        max_inflight=sched.max_num_seqs + sched.max_queue,
-        max_fit_positions=lo,
-        numerics=kernels.numerics,
-        kernels=kernels.backend,
-    )
-
-
 @dataclass(slots=True)
 class _LoopCounters:
     """What the loop thread last saw (written by the loop thread only)."""
@@ -84,7 +63,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, stall_seconds: float = 60.0) -> None:
         self.engine = engine
         self.stall_seconds = stall_seconds
-        self.limits = engine_limits(engine)
+        self.limits = engine.limits
         self._counters = _LoopCounters(last_step_time=time.monotonic())
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue[StepOutput | EngineFailure]] = {}

@@ -20,14 +20,21 @@ from engine.kv_pages import KVPages, PageGeometry
 from engine.model import DiffusionLM, PagedKVCache
 from engine.model.base import SoftEmbeds
 from engine.model.config import LayerType
-from engine.params import DecodingDefaults, ParamError, ResolvedParams
+from engine.params import DecodingDefaults, ResolvedParams
 from engine.request import RequestState
 from engine.rows import ROW_KINDS, RowResult
 from engine.runner import ModelRunner, RunOutput, StepInputs
 from engine.sampling import Sampled, make_sampling
 from engine.scheduler import ScheduledRow, Scheduler, SchedulerConfig
-from engine.types import FinishReason, RequestStats, StepOutput, StepResult, StepStats
-from engine.validation import context_needed
+from engine.types import (
+    EngineLimits,
+    FinishReason,
+    RequestStats,
+    StepOutput,
+    StepResult,
+    StepStats,
+)
+from engine.validation import RequestValidator, context_needed
 
 logger = logging.getLogger(__name__)
 
@@ -74,34 +81,31 @@ class Engine:
         )
         self.runner = ModelRunner(model, cache)
         self.sampling = make_sampling(model, sched.max_num_seqs)
+        self.limits = self._limits()
+        self.validator = RequestValidator(defaults, self.limits)
         self.requests: dict[str, RequestState] = {}
         self._stats = StepStats()  # the step in progress
 
+    def _limits(self) -> EngineLimits:
+        """What a request may ask of this engine: model config, scheduler config, KV pages."""
+        cfg, sched = self.model.cfg, self.scheduler.config
+        max_pos = cfg.max_position_embeddings
+        lo, hi = 0, max_pos  # the largest context an empty cache holds (fits_ever is monotone)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.pages.fits_ever(mid) else (lo, mid - 1)
+        return EngineLimits(
+            max_context_positions=max_pos,
+            vocab_size=cfg.vocab_size,
+            canvas_length=self.canvas_length,
+            max_num_seqs=sched.max_num_seqs,
+            max_inflight=sched.max_num_seqs + sched.max_queue,
+            max_fit_positions=lo,
+            numerics=self.model.kernels.numerics,
+            kernels=self.model.kernels.backend,
+        )
+
     # -- requests -------------------------------------------------------------------------------
-
-    def context_needed(self, num_prompt: int, params: ResolvedParams) -> int:
-        """Positions a request occupies (see `engine.validation.context_needed`)."""
-        return context_needed(num_prompt, params, self.canvas_length)
-
-    def check_prompt(self, ids: list[int]) -> None:
-        vocab = self.model.cfg.vocab_size
-        if not ids:
-            raise ParamError("prompt", "must contain at least one token")
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ParamError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
-
-    def check_context(self, num_prompt: int, params: ResolvedParams) -> None:
-        limit = self.model.cfg.max_position_embeddings
-        needed = self.context_needed(num_prompt, params)
-        if needed > limit:
-            raise ParamError(
-                "max_tokens",
-                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) needs {needed} "
-                f"positions, more than the model's context of {limit}",
-            )
-        if not self.pages.fits_ever(needed):
-            raise ParamError("max_tokens", f"{needed} positions do not fit in the KV cache")
 
     def add_request(
         self,
@@ -113,13 +117,13 @@ class Engine:
         """Queue a request. Raises ParamError (bad prompt, too long) or QueueFull."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.check_prompt(prompt_ids)
-        self.check_context(len(prompt_ids), params)
+        self.validator.check_prompt(prompt_ids)  # callers validated: a cheap second look
+        self.validator.check_context(len(prompt_ids), params)
         req = RequestState(
             request_id,
             list(prompt_ids),
             params,
-            context=self.context_needed(len(prompt_ids), params),
+            context=context_needed(len(prompt_ids), params, self.canvas_length),
             canvas_length=self.canvas_length,
             want_drafts=want_drafts,
         )

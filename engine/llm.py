@@ -12,13 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.async_engine import engine_limits
 from engine.engine import Engine, EngineConfig
 from engine.model import DiffusionLM, load_model
 from engine.params import DecodingDefaults, ParamError, SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.types import StepOutput, tokens_per_forward
-from engine.validation import RequestValidator
 
 Prompt = str | list[int]
 
@@ -57,7 +55,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.defaults = defaults
         self.engine = Engine(model, defaults, config)
-        self.validator = RequestValidator(defaults, engine_limits(self.engine))
+        self.validator = self.engine.validator
         self.canvas_length = model.config.canvas_length
         self._next_id = 0
 
