@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat bound (completions: 5, checked by the server)
 
 
 class DecodeMode(str, Enum):
@@ -62,6 +63,11 @@ class SamplingParams:
     # What `temperature` means depends on the mode (engine.validation.apply_temperature):
     # diffusion: scales the t_min..t_max schedule; AR: the sampling temperature, 0 is greedy.
     temperature: float | None = None
+    # Structured output: the text must be a JSON document valid under this JSON schema (a JSON
+    # string; '{"type": "object"}' for OpenAI's json_object). Enforced by a grammar per request.
+    json_schema: str | None = None
+    # Log-probabilities: None = none; k >= 0 = the chosen token's plus the top k (k <= 20).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in FLOAT_FIELDS:
@@ -107,6 +113,11 @@ class SamplingParams:
             f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (lower temperatures overflow the "
             "softmax)",
         )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+            "top_logprobs",
+            f"must be in [0, {MAX_TOP_LOGPROBS}]",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +135,8 @@ class ResolvedParams:
     stability_threshold: int
     confidence_threshold: float
     temperature: float  # AR sampling temperature (0 = greedy); diffusion ignores it
+    json_schema: str | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.t_max > self.t_min, "t_max", f"must be > t_min ({self.t_max} <= {self.t_min})")
@@ -190,4 +203,6 @@ class DecodingDefaults:
                 pick(params.confidence_threshold, self.confidence_threshold)
             ),
             temperature=float(pick(params.temperature, 0.0)),
+            json_schema=params.json_schema,
+            logprobs=params.logprobs,
         )
