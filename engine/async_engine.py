@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from engine.engine import Engine
 from engine.params import ResolvedParams
+from engine.structured import Constraint
 from engine.types import EngineStats, QueueFull, StepListener, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class _Add:
     prompt_ids: list[int]
     params: ResolvedParams
     want_drafts: bool
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,10 +128,16 @@ class AsyncEngine:
             raise QueueFull(f"{self._inflight} requests in flight")
         if request_id in self._queues:  # would take over the running request's outputs
             raise ValueError(f"request id {request_id!r} is already in flight")
+        # A schema compiles here, off the step loop (cached: usually the route compiled it).
+        constraint = (
+            await asyncio.to_thread(self.engine.build_constraint, params)
+            if params.json_schema is not None
+            else None
+        )
         out_queue: asyncio.Queue[StepOutput | EngineFailure] = asyncio.Queue()
         self._queues[request_id] = out_queue
         self._inflight += 1
-        self._commands.put(_Add(request_id, prompt_ids, params, want_drafts))
+        self._commands.put(_Add(request_id, prompt_ids, params, want_drafts, constraint))
         finished = False
         try:
             while True:
@@ -201,7 +209,9 @@ class AsyncEngine:
                     logger.info("request %s aborted", cmd.request_id)
                 continue
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.want_drafts)
+                self.engine.add_request(
+                    cmd.request_id, cmd.prompt_ids, cmd.params, cmd.want_drafts, cmd.constraint
+                )
             except (ValueError, QueueFull) as exc:  # ParamError is a ValueError
                 self._publish(cmd.request_id, EngineFailure(exc))
 

@@ -11,6 +11,7 @@ on its prompt, parameters and seed only.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -20,12 +21,15 @@ from engine.kv_pages import KVPages, PageGeometry
 from engine.model import DiffusionLM, PagedKVCache
 from engine.model.base import SoftEmbeds
 from engine.model.config import LayerType
-from engine.params import DecodingDefaults, ResolvedParams
+from engine.params import DecodingDefaults, ParamError, ResolvedParams
+from engine.postprocess import after_sampling, before_sampling
 from engine.request import RequestState
 from engine.rows import ROW_KINDS, RowResult
 from engine.runner import ModelRunner, RunOutput, StepInputs
 from engine.sampling import Sampled, make_sampling
 from engine.scheduler import ScheduledRow, Scheduler, SchedulerConfig
+from engine.structured import Constraint, GrammarCompiler, grammar_compiler
+from engine.tokenizer import Tokenizer
 from engine.types import (
     EngineLimits,
     FinishReason,
@@ -33,6 +37,7 @@ from engine.types import (
     StepOutput,
     StepResult,
     StepStats,
+    TokenLogprob,
 )
 from engine.validation import RequestValidator, context_needed
 
@@ -52,7 +57,11 @@ class EngineConfig:
 
 class Engine:
     def __init__(
-        self, model: DiffusionLM, defaults: DecodingDefaults, config: EngineConfig | None = None
+        self,
+        model: DiffusionLM,
+        defaults: DecodingDefaults,
+        config: EngineConfig | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.model = model
         self.defaults = defaults
@@ -85,6 +94,26 @@ class Engine:
         self.validator = RequestValidator(defaults, self.limits)
         self.requests: dict[str, RequestState] = {}
         self._stats = StepStats()  # the step in progress
+        # Structured outputs: the grammar compiler is built from the tokenizer on first use.
+        self._tokenizer = tokenizer
+        self._grammar: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+
+    def build_constraint(self, params: ResolvedParams) -> Constraint | None:
+        """The grammar state of a structured-output request (None for the others). Compiles
+        its schema (cached): call it off the step loop. ParamError for a bad schema."""
+        if params.json_schema is None:
+            return None
+        with self._grammar_lock:
+            if self._grammar is None and self._tokenizer is not None:
+                self._grammar = grammar_compiler(
+                    self._tokenizer, self.model.cfg.vocab_size, self.defaults.eos_token_ids
+                )
+        if self._grammar is None:
+            raise ParamError(
+                "response_format", "structured output needs the checkpoint's (fast) tokenizer"
+            )
+        return self._grammar.constraint(params.json_schema)
 
     def _limits(self) -> EngineLimits:
         """What a request may ask of this engine: model config, scheduler config, KV pages."""
@@ -113,8 +142,11 @@ class Engine:
         prompt_ids: list[int],
         params: ResolvedParams,
         want_drafts: bool = False,
+        constraint: Constraint | None = None,
     ) -> None:
-        """Queue a request. Raises ParamError (bad prompt, too long) or QueueFull."""
+        """Queue a request. Raises ParamError (bad prompt, too long, bad schema) or QueueFull.
+        A structured-output request brings its `constraint` (`build_constraint`) or has it
+        built here."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validator.check_prompt(prompt_ids)  # callers validated: a cheap second look
@@ -126,6 +158,7 @@ class Engine:
             context=context_needed(len(prompt_ids), params, self.canvas_length),
             canvas_length=self.canvas_length,
             want_drafts=want_drafts,
+            constraint=constraint or self.build_constraint(params),
         )
         self.scheduler.add(req)
         self.requests[request_id] = req
@@ -235,33 +268,39 @@ class Engine:
         self, denoise: list[ScheduledRow], encode: list[ScheduledRow], out: RunOutput
     ) -> dict[int, RowResult]:
         sampling = [row for row in encode if ROW_KINDS[row.kind].wants_token(row)]
+        denoise_reqs, ar_reqs = [row.req for row in denoise], [row.req for row in sampling]
         start = time.perf_counter()
-        sampled = self.sampling.sample(
-            out.denoise_logits,
-            [row.req for row in denoise],
-            out.last_logits,
-            [row.req for row in sampling],
-        )
+        raw_ar = before_sampling(ar_reqs, out.last_logits)
+        sampled = self.sampling.sample(out.denoise_logits, denoise_reqs, out.last_logits, ar_reqs)
+        logprobs = after_sampling(denoise_reqs, ar_reqs, sampled, out.denoise_logits, raw_ar)
         self._stats.sample_seconds += time.perf_counter() - start
-        return _row_results(denoise, sampling, sampled)
+        return _row_results(denoise, sampling, sampled, logprobs)
 
-    def emit_token(self, req: RequestState, token: int) -> StepOutput:
+    def emit_token(
+        self, req: RequestState, token: int, logprob: list[TokenLogprob] | None = None
+    ) -> StepOutput:
         """An AR token: the request ends at EOS or at its token budget."""
         reason = None
         if token in req.params.eos_token_ids:
             reason = FinishReason.STOP
         elif len(req.output_ids) + 1 >= req.params.max_tokens:
             reason = FinishReason.LENGTH
-        return self.emit(req, [token], reason)
+        return self.emit(req, [token], reason, logprob)
 
-    def emit(self, req: RequestState, tokens: list[int], reason: FinishReason | None) -> StepOutput:
+    def emit(
+        self,
+        req: RequestState,
+        tokens: list[int],
+        reason: FinishReason | None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> StepOutput:
         """Append committed tokens; with a finish reason, the request ends here."""
         now = time.monotonic()
         if tokens and req.first_token_time is None:
             req.first_token_time = now
         req.output_ids += tokens
         if reason is None:
-            return StepOutput(req.request_id, tokens)
+            return StepOutput(req.request_id, tokens, logprobs=logprobs)
         self.scheduler.finish(req.request_id)
         del self.requests[req.request_id]
         self.sampling.release(req)
@@ -276,22 +315,30 @@ class Engine:
             first_token_time=req.first_token_time,
             finish_time=now,
         )
-        return StepOutput(req.request_id, tokens, reason, stats=stats)
+        return StepOutput(req.request_id, tokens, reason, stats=stats, logprobs=logprobs)
 
 
 def _row_results(
-    denoise: list[ScheduledRow], sampling: list[ScheduledRow], sampled: Sampled
+    denoise: list[ScheduledRow],
+    sampling: list[ScheduledRow],
+    sampled: Sampled,
+    logprobs: tuple[dict[int, list[TokenLogprob]], dict[int, TokenLogprob]],
 ) -> dict[int, RowResult]:
     """The sampler's results keyed by row (its identity)."""
+    denoise_lp, ar_lp = logprobs
     results = {
         id(row): RowResult(
             finished=sampled.finished[j],
             num_steps=sampled.num_steps[j],
             draft=sampled.drafts[j],
             failed=sampled.failed[j],
+            logprobs=denoise_lp.get(j),
         )
         for j, row in enumerate(denoise)
     }
-    for row, token, failed in zip(sampling, sampled.ar_tokens, sampled.ar_failed, strict=True):
-        results[id(row)] = RowResult(token=token, failed=failed)
+    for k, row in enumerate(sampling):
+        lp = [ar_lp[k]] if k in ar_lp else None
+        results[id(row)] = RowResult(
+            token=sampled.ar_tokens[k], failed=sampled.ar_failed[k], logprobs=lp
+        )
     return results

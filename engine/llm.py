@@ -16,7 +16,7 @@ from engine.engine import Engine, EngineConfig
 from engine.model import DiffusionLM, load_model
 from engine.params import DecodingDefaults, ParamError, SamplingParams
 from engine.tokenizer import Tokenizer
-from engine.types import StepOutput, tokens_per_forward
+from engine.types import StepOutput, TokenLogprob, tokens_per_forward
 
 Prompt = str | list[int]
 
@@ -33,6 +33,7 @@ class RequestOutput:
     encoder_passes: int  # prefill chunks + commit passes (AR mode: + one per token)
     steps_per_canvas: list[int]
     seconds: float
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
 
     @property
     def tokens_per_forward(self) -> float:
@@ -54,7 +55,7 @@ class LLM:
         self.model = model
         self.tokenizer = tokenizer
         self.defaults = defaults
-        self.engine = Engine(model, defaults, config)
+        self.engine = Engine(model, defaults, config, tokenizer)
         self.validator = self.engine.validator
         self.canvas_length = model.config.canvas_length
         self._next_id = 0
@@ -107,6 +108,7 @@ class LLM:
             self.engine.add_request(name, prompt, p)
             names.append(name)
         tokens: dict[str, list[int]] = {n: [] for n in names}
+        logprobs: dict[str, list[TokenLogprob]] = {n: [] for n in names}
         done: dict[str, RequestOutput] = {}
         try:
             while len(done) < len(names):
@@ -114,10 +116,12 @@ class LLM:
                     if out.error is not None:
                         raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                     tokens[out.request_id] += out.new_token_ids
+                    logprobs[out.request_id] += out.logprobs or []
                     if out.finish_reason is not None and out.stats is not None:
-                        prompt = ids[names.index(out.request_id)]
+                        i = names.index(out.request_id)
+                        lp = logprobs[out.request_id] if resolved[i].logprobs is not None else None
                         done[out.request_id] = self._output(
-                            prompt, tokens[out.request_id], out, start
+                            ids[i], tokens[out.request_id], out, start, lp
                         )
         finally:
             for name in names:
@@ -126,7 +130,12 @@ class LLM:
         return [done[n] for n in names]
 
     def _output(
-        self, prompt: list[int], tokens: list[int], out: StepOutput, start: float
+        self,
+        prompt: list[int],
+        tokens: list[int],
+        out: StepOutput,
+        start: float,
+        logprobs: list[TokenLogprob] | None,
     ) -> RequestOutput:
         stats = out.stats
         assert stats is not None and out.finish_reason is not None, "a request's last output"
@@ -139,4 +148,5 @@ class LLM:
             encoder_passes=stats.encoder_passes,
             steps_per_canvas=list(stats.steps_per_canvas),
             seconds=time.perf_counter() - start,
+            logprobs=logprobs,
         )

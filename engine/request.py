@@ -8,10 +8,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from engine.kv_pages import PageTables
 from engine.params import DecodeMode, ResolvedParams
 from engine.types import FinishReason
+
+if TYPE_CHECKING:
+    from engine.structured import Constraint
 
 
 class SeqState(str, Enum):
@@ -49,6 +53,12 @@ class RequestState:
     # The sampler's own state: a slot of the batched sampler (fast numerics) or a private
     # generator and canvas (exact numerics); see `engine.sampling`.
     sampler_state: object | None = None
+    constraint: Constraint | None = None  # the request's grammar state (structured output)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens left in the budget."""
+        return self.params.max_tokens - len(self.output_ids)
 
     @property
     def num_prompt(self) -> int:

@@ -17,7 +17,7 @@ from engine.params import DecodeMode
 from engine.request import first_cut
 from engine.runner import EncodeInput
 from engine.scheduler import RowKind, ScheduledRow
-from engine.types import StepOutput
+from engine.types import StepOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -32,6 +32,7 @@ class RowResult:
     num_steps: int = 0  # DENOISE: steps taken by the canvas so far
     draft: list[int] | None = None  # DENOISE: the argmax canvas (finished or asked for)
     failed: bool = False  # the row's logits were not finite: its request fails alone
+    logprobs: list[TokenLogprob] | None = None  # per token (AR) or per draft position
 
 
 class RowSpec(Protocol):
@@ -63,7 +64,7 @@ class _EncodeRow:
         engine.scheduler.on_row_done(row)
         if result.token is None:
             return []
-        return [engine.emit_token(row.req, result.token)]
+        return [engine.emit_token(row.req, result.token, result.logprobs)]
 
 
 class PrefillRow(_EncodeRow):
@@ -120,12 +121,12 @@ class DenoiseRow:
         req.steps_per_canvas.append(result.num_steps)
         engine.note_canvas_latency(time.monotonic() - req.canvas_started)
         req.in_canvas = False
-        budget = req.params.max_tokens - len(req.output_ids)
-        tokens, reason = first_cut(result.draft, budget, req.params.eos_token_ids)
+        tokens, reason = first_cut(result.draft, req.remaining, req.params.eos_token_ids)
         if reason is None:
             req.draft_to_commit = result.draft
             engine.scheduler.on_row_done(row, canvas_finished=True)
-        return [engine.emit(req, tokens, reason)]
+        logprobs = result.logprobs[: len(tokens)] if result.logprobs is not None else None
+        return [engine.emit(req, tokens, reason, logprobs)]
 
 
 ROW_KINDS: dict[RowKind, RowSpec] = {

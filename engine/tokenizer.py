@@ -15,6 +15,11 @@ class Tokenizer:
         self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
     @property
+    def hf(self) -> Any:
+        """The transformers tokenizer itself (for the grammar engine)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return len(self._tok)
 

@@ -27,6 +27,7 @@ __all__ = [
     "StepOutput",
     "StepResult",
     "StepStats",
+    "TokenLogprob",
     "tokens_per_forward",
 ]
 
@@ -61,6 +62,16 @@ class RequestStats:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A committed token's log-probability and the top alternatives at its position, most
+    likely first (`engine.logprobs` defines the distribution)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutput:
     """What one step publishes for one request: committed tokens (never revised), the draft
     of an unfinished canvas (when asked for), and on the last output the finish reason."""
@@ -71,6 +82,7 @@ class StepOutput:
     draft: list[int] | None = None
     stats: RequestStats | None = None
     error: str | None = None  # the request failed (finish_reason ABORT); the rest carry on
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
 
 
 @dataclass(slots=True)

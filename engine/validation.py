@@ -106,6 +106,12 @@ class RequestValidator:
             params = replace(params, max_tokens=default)
         resolved = self.defaults.resolve(apply_temperature(params, self.defaults))
         self.check_context(num_prompt, resolved)
+        if resolved.json_schema is not None and not resolved.eos_token_ids:
+            raise ParamError(
+                "response_format",
+                "structured output ends its document with an end-of-sequence token: it cannot "
+                "be combined with ignore_eos (or an empty EOS set)",
+            )
         return resolved
 
     def default_max_tokens(self, num_prompt: int) -> int:
