@@ -271,9 +271,13 @@ class Engine:
         denoise_reqs, ar_reqs = [row.req for row in denoise], [row.req for row in sampling]
         start = time.perf_counter()
         raw_ar = before_sampling(ar_reqs, out.last_logits)
+        masked = time.perf_counter()
         sampled = self.sampling.sample(out.denoise_logits, denoise_reqs, out.last_logits, ar_reqs)
+        after = time.perf_counter()
         logprobs = after_sampling(denoise_reqs, ar_reqs, sampled, out.denoise_logits, raw_ar)
-        self._stats.sample_seconds += time.perf_counter() - start
+        end = time.perf_counter()
+        self._stats.sample_seconds += end - start
+        self._stats.grammar_seconds += (masked - start) + (end - after)
         return _row_results(denoise, sampling, sampled, logprobs)
 
     def emit_token(

@@ -94,6 +94,7 @@ class StepStats:
     num_committed: int = 0
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0  # the sampler's arithmetic and its host transfer
+    grammar_seconds: float = 0.0  # of which: grammars and log-probabilities (engine.postprocess)
     step_seconds: float = 0.0
     canvas_latencies: list[float] = field(default_factory=list)  # committed canvases
 

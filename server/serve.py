@@ -221,7 +221,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         ),
         kv_cache_tokens=args.kv_cache_tokens,
     )
-    engine = AsyncEngine(Engine(model, defaults, config))
+    engine = AsyncEngine(Engine(model, defaults, config, tokenizer))
     name = args.served_model_name or model_dir.name
     state = ServerState(engine, tokenizer, defaults, name, api_key=api_key)
     banner = [
