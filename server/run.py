@@ -175,8 +175,11 @@ class RequestRun:
                 yield sse(chunk)
             while (events := await sink.get()) is not None:
                 for event in events:
-                    draft = self.decode(event.draft_ids) if event.draft_ids is not None else None
-                    yield sse(render.chunk(event, draft))
+                    ids = event.draft_ids
+                    draft = self.decode(ids) if ids is not None else None
+                    # One string per canvas position: what the playground draws as cells.
+                    cells = [self.decode([t]) for t in ids] if ids is not None else None
+                    yield sse(render.chunk(event, draft, cells))
             if render.include_usage:
                 yield sse(render.usage_chunk(len(self.prompt_ids), self._num_completion()))
         except Exception as exc:
