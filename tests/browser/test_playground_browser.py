@@ -114,10 +114,13 @@ def test_an_answer_streams_canvas_by_canvas_while_the_grid_redraws_each_draft(
     num_drafts = int(view.get_attribute("data-drafts"))
     assert num_drafts >= 6 and len(set(seen)) >= 3  # the view advanced while we watched
     assert int(view.get_attribute("data-changed-drafts")) >= 1  # and cells changed on the way
-    assert int(view.get_attribute("data-canvases")) == 3
+    # Three canvases; a browser slower than the server may get two commits merged into one
+    # event (the server coalesces for slow readers), so it may draw fewer.
+    assert 1 <= int(view.get_attribute("data-canvases")) <= 3
     cells = browser.find_elements(By.CSS_SELECTOR, "#grid .cell")
     assert len(cells) == CANVAS and all("committed" in c.get_attribute("class") for c in cells)
-    assert len(browser.find_elements(By.CSS_SELECTOR, ".message.assistant .chunk")) == 3
+    chunks = browser.find_elements(By.CSS_SELECTOR, ".message.assistant .chunk")
+    assert 1 <= len(chunks) <= 3 and all(c.get_attribute("textContent") for c in chunks)
     steps = [int(s) for s in by_id(browser, "stat-steps").text.split(", ")]
     assert len(steps) == 3 and all(s >= 1 for s in steps)
     assert float(by_id(browser, "stat-tpf").text) > 0
@@ -210,11 +213,15 @@ def test_screenshot_mid_denoise_for_the_readme(tiny_checkpoint: Callable[[str], 
             by_id(driver, "max-tokens").clear()
             by_id(driver, "max-tokens").send_keys("512")
             Select(by_id(driver, "mode")).select_by_value("diffusion")
-            by_id(driver, "prompt").send_keys("Explain block diffusion in one paragraph." + Keys.ENTER)
+            by_id(driver, "prompt").send_keys(
+                "Explain block diffusion in one paragraph." + Keys.ENTER
+            )
             view = by_id(driver, "canvas-view")
             WebDriverWait(driver, 120, poll_frequency=0.01).until(
-                lambda d: view.get_attribute("data-canvases") == "2"
-                and int(d.find_element(By.ID, "canvas-step").text or 0) >= 3
+                lambda d: (
+                    view.get_attribute("data-canvases") == "2"
+                    and int(d.find_element(By.ID, "canvas-step").text or 0) >= 3
+                )
             )
             driver.save_screenshot(str(out))
         finally:

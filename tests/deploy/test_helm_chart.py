@@ -22,7 +22,8 @@ helm = pytest.importorskip(
     "helm_python", reason="the chart tests need Helm's SDK: pip install -e '.[dev]'"
 )
 kubernetes_validate = pytest.importorskip(
-    "kubernetes_validate", reason="the chart tests need kubernetes-validate: pip install -e '.[dev]'"
+    "kubernetes_validate",
+    reason="the chart tests need kubernetes-validate: pip install -e '.[dev]'",
 )
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
@@ -49,9 +50,7 @@ def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
 
 
 def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
-    (doc,) = [
-        d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])
-    ]
+    (doc,) = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
     return doc
 
 
@@ -181,7 +180,9 @@ def test_bad_values_are_refused_naming_the_value(values, fragment):
 def test_the_service_monitor_scrapes_metrics_on_the_services_port():
     docs = render({"serviceMonitor": {"enabled": True}})
     monitor, service = one(docs, "ServiceMonitor"), one(docs, "Service", "demo-canvas")
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["path"] == "/metrics"
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
@@ -214,7 +215,9 @@ def test_the_inference_pool_routes_to_canvas_pods_by_metrics_canvas_exports():
     service = one(docs, "Service", picker["name"])
     assert picker["port"]["number"] in {p["port"] for p in service["spec"]["ports"]}
     epp = one(docs, "Deployment", picker["name"])
-    assert service["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        service["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    )
     (container,) = epp["spec"]["template"]["spec"]["containers"]
     args = container["args"]
     assert args[args.index("--pool-name") + 1] == pool["metadata"]["name"]
