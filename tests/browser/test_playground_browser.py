@@ -202,25 +202,27 @@ def test_the_page_fits_a_phone_and_works_from_the_keyboard(open_server: str) -> 
 
 @pytest.mark.skipif(not os.environ.get("CANVAS_SCREENSHOT"), reason="set CANVAS_SCREENSHOT=path")
 def test_screenshot_mid_denoise_for_the_readme(tiny_checkpoint: Callable[[str], Path]) -> None:
-    """CANVAS_SCREENSHOT=docs/playground.png pytest tests/browser -k screenshot: the page in the
-    middle of denoising a 256-token canvas (the c256 preset, so the text is noise)."""
+    """CANVAS_SCREENSHOT=docs/playground.png [CANVAS_SCREENSHOT_MODEL=dir] pytest tests/browser
+    -k screenshot: the page while the third canvas of an answer denoises (model: the given
+    checkpoint, served in diffusion mode; default: the tiny c256 preset, whose text is noise)."""
     out = Path(os.environ["CANVAS_SCREENSHOT"])
-    with serve_process(tiny_checkpoint("c256")) as server:
+    model = os.environ.get("CANVAS_SCREENSHOT_MODEL")
+    checkpoint = Path(model).expanduser() if model else tiny_checkpoint("c256")
+    with serve_process(checkpoint, ["--served-model-name", checkpoint.name]) as server:
         driver = make_browser(1400, 900)
         try:
-            open_page(driver, server.url)
+            open_page(driver, server.url, model=checkpoint.name)
             by_id(driver, "system-prompt").send_keys("You are a helpful assistant.")
             by_id(driver, "max-tokens").clear()
             by_id(driver, "max-tokens").send_keys("512")
             Select(by_id(driver, "mode")).select_by_value("diffusion")
-            by_id(driver, "prompt").send_keys(
-                "Explain block diffusion in one paragraph." + Keys.ENTER
-            )
+            prompt = "What is the capital of France?"
+            by_id(driver, "prompt").send_keys(prompt + Keys.ENTER)
             view = by_id(driver, "canvas-view")
             WebDriverWait(driver, 120, poll_frequency=0.01).until(
                 lambda d: (
-                    view.get_attribute("data-canvases") == "2"
-                    and int(d.find_element(By.ID, "canvas-step").text or 0) >= 3
+                    int(view.get_attribute("data-canvases")) >= 3
+                    and int(d.find_element(By.ID, "canvas-step").text or 0) >= 4
                 )
             )
             driver.save_screenshot(str(out))
