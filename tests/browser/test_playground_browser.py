@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.server.process import serve_process
@@ -139,6 +140,16 @@ def test_a_conversation_keeps_its_history_and_system_prompt_without_streaming(
     by_id(browser, "max-tokens").send_keys("8")
     ask(browser, "first question")
     first_prompt = int(by_id(browser, "stat-tokens").text.split(" / ")[0])
+    sent = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "first question"},
+    ]
+    expected = httpx.post(
+        f"{open_server}/v1/chat/completions",
+        json={"model": "tiny", "messages": sent, "max_tokens": 1},
+        timeout=60,
+    )
+    assert first_prompt == expected.json()["usage"]["prompt_tokens"]  # the system prompt went too
     by_id(browser, "stream").click()  # off: one JSON answer
     Select(by_id(browser, "mode")).select_by_value("ar")
     ask(browser, "second")
