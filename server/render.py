@@ -75,7 +75,9 @@ class Renderer:
         """Chunks sent before any output."""
         return []
 
-    def chunk(self, event: ChoiceEvent, draft: str | None) -> dict[str, Any]:
+    def chunk(
+        self, event: ChoiceEvent, draft: str | None, draft_tokens: list[str] | None = None
+    ) -> dict[str, Any]:
         item: dict[str, Any] = {
             "index": event.index,
             "finish_reason": event.finish_reason,
@@ -84,6 +86,8 @@ class Renderer:
         }
         if draft is not None:
             item["draft"] = draft  # an argmax preview of the unfinished canvas; not content
+        if draft_tokens is not None:
+            item["draft_tokens"] = draft_tokens  # the same draft, one string per position
         if event.finish_reason is not None:
             item["canvas_stats"] = canvas_stats(event.stats)
         return self._chunk([item])

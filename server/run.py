@@ -62,6 +62,7 @@ class RequestRun:
         tokenizer = state.tokenizer
         self.decode: Callable[[list[int]], str] = tokenizer.decode if tokenizer else _no_text
         self.choices = [Choice(i, TextStream(self.decode, stop)) for i in range(num_choices)]
+        self._token_text: dict[int, str] = {}  # token id -> its text alone (draft cells)
 
     @property
     def response_id(self) -> str:
@@ -163,6 +164,12 @@ class RequestRun:
         finally:
             sink.close()
 
+    def _cells(self, draft_ids: list[int]) -> list[str]:
+        """A draft's tokens decoded one by one (what the playground draws as cells); memoised,
+        since a canvas' drafts share most of their tokens."""
+        memo = self._token_text
+        return [memo[t] if t in memo else memo.setdefault(t, self.decode([t])) for t in draft_ids]
+
     async def sse(self) -> AsyncGenerator[str, None]:
         """The SSE stream: every choice's chunks as they come, the usage chunk when asked for,
         an in-band error if a choice fails, then [DONE]. Closing it (client gone) cancels the
@@ -175,8 +182,10 @@ class RequestRun:
                 yield sse(chunk)
             while (events := await sink.get()) is not None:
                 for event in events:
-                    draft = self.decode(event.draft_ids) if event.draft_ids is not None else None
-                    yield sse(render.chunk(event, draft))
+                    ids = event.draft_ids
+                    draft = self.decode(ids) if ids is not None else None
+                    cells = self._cells(ids) if ids is not None else None
+                    yield sse(render.chunk(event, draft, cells))
             if render.include_usage:
                 yield sse(render.usage_chunk(len(self.prompt_ids), self._num_completion()))
         except Exception as exc:
