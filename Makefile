@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 BENCH_ARGS  ?=
 
-.PHONY: venv serve test lint bench soak clean
+.PHONY: venv serve test lint bench bench-structured soak clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.bench $(BENCH_ARGS)
+
+# What JSON-schema constraints cost a step that mixes constrained and free requests (default model).
+bench-structured: $(STAMP)
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.structured_bench
 
 # Style and types (CI runs this before the tests): ruff, then mypy on engine/ and server/.
 # A live server under mixed, partly hostile traffic for 5 minutes, RSS sampled (bench-out/soak).
