@@ -16,6 +16,7 @@ class Tokenizer:
         self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         template = getattr(self._tok, "chat_template", None)
         self._template: str = template if isinstance(template, str) else ""
+        self._markup_decoders: dict[frozenset[str], Callable[[list[int]], str]] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -65,7 +66,13 @@ class Tokenizer:
     def markup_decoder(self, keep: Collection[str]) -> Callable[[list[int]], str]:
         """A decode that keeps the special tokens spelled as in `keep` (a chat format's markup,
         e.g. Gemma 4's tool-call and thinking delimiters, which a parser must see) and drops
-        every other special token, as `decode` does."""
+        every other special token, as `decode` does. Built once per `keep`."""
+        key = frozenset(keep)
+        if key not in self._markup_decoders:
+            self._markup_decoders[key] = self._markup_decoder(key)
+        return self._markup_decoders[key]
+
+    def _markup_decoder(self, keep: frozenset[str]) -> Callable[[list[int]], str]:
         special = set(self._tok.all_special_ids) | {
             i for i, t in self._tok.added_tokens_decoder.items() if t.special
         }
