@@ -59,7 +59,8 @@ CHAT_TEMPLATE = """\
 {{ messages[0]['content'] | trim }}{% set ns.rest = messages[1:] %}
 {%- endif -%}
 {%- for tool in tools or [] -%}
-<|tool>declaration:{{ tool['function']['name'] }}{description:{{ fmt(tool['function']['description'] or '') }}\
+<|tool>declaration:{{ tool['function']['name'] }}\
+{description:{{ fmt(tool['function']['description'] or '') }}\
 ,parameters:{{ fmt(tool['function']['parameters'] or {}) }}{{ '}' }}<tool|>
 {%- endfor -%}
 {{ '<turn|>\n' }}
@@ -69,7 +70,8 @@ CHAT_TEMPLATE = """\
 <|tool_response>response:{{ m['name'] }}{value:{{ fmt(m['content']) }}}<tool_response|>
 {%- else -%}
 {%- if not (ns.open and m['role'] == 'assistant') -%}
-{{ '<turn|>\n' if ns.open }}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}{{ '\n' }}
+{{ '<turn|>\n' if ns.open }}<|turn>\
+{{ 'model' if m['role'] == 'assistant' else m['role'] }}{{ '\n' }}
 {%- endif -%}
 {%- if m.get('reasoning_content') and m.get('tool_calls') -%}
 <|channel>thought\n{{ m['reasoning_content'] }}<channel|>

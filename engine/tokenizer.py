@@ -49,9 +49,10 @@ class Tokenizer:
             raise ValueError(
                 "this checkpoint has no chat template; use the completions API instead"
             )
+        tool_list: list[Any] | None = list(tools) if tools is not None else None
         ids = self._tok.apply_chat_template(
             messages,
-            tools=tools,
+            tools=tool_list,
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
             **(template_kwargs or {}),

@@ -71,8 +71,10 @@ def chat_inputs(request: ChatCompletionRequest, template: ChatTemplateInfo) -> C
     tools = template_tools(request, template)
     thinking = thinking_switch(request)
     if thinking is not None and not template.template_knows_thinking:
-        param = "reasoning_effort" if request.chat_template_kwargs is None else (
-            "chat_template_kwargs.enable_thinking"
+        param = (
+            "reasoning_effort"
+            if request.chat_template_kwargs is None
+            else ("chat_template_kwargs.enable_thinking")
         )
         raise ParamError(param, "this checkpoint's chat template has no thinking switch")
     forced = isinstance(request.tool_choice, NamedToolChoice) or request.tool_choice == "required"
@@ -158,7 +160,9 @@ def check_parameters(param: str, schema: dict[str, Any] | None) -> None:
     if schema.get("type", "object") != "object":
         raise ParamError(f"{param}.type", "must be 'object': a function's arguments are an object")
     properties = schema.get("properties", {})
-    if not isinstance(properties, dict) or not all(isinstance(v, dict) for v in properties.values()):
+    if not isinstance(properties, dict) or not all(
+        isinstance(v, dict) for v in properties.values()
+    ):
         raise ParamError(f"{param}.properties", "must map each argument name to a JSON schema")
     required = schema.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):

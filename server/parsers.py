@@ -25,7 +25,7 @@ THOUGHT_OPEN, THOUGHT_CLOSE, THOUGHT_LABEL = "<|channel>", "<channel|>", "though
 CALL_OPEN, CALL_CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 TURN_ENDS = ("<turn|>", "<eos>", "<|tool_response>")
 # Special tokens the decode must keep for the parser to see them (the rest are dropped).
-MARKUP = (THOUGHT_OPEN, THOUGHT_CLOSE, CALL_OPEN, CALL_CLOSE, QUOTE, "<|tool_response>")
+MARKUP = (THOUGHT_OPEN, THOUGHT_CLOSE, CALL_OPEN, CALL_CLOSE, QUOTE, *TURN_ENDS)
 
 
 def new_call_id() -> str:
@@ -184,9 +184,9 @@ class Gemma4Parser:
     def _step(self, out: Parsed, final: bool) -> bool:
         """Decide what can be decided of the buffer; True when it should run again."""
         if self.mode is Mode.THOUGHT and not self.label_checked:
-            if not final and len(self.buffer) < len(THOUGHT_LABEL):
-                if THOUGHT_LABEL.startswith(self.buffer):
-                    return False  # may still become the label
+            short = not final and len(self.buffer) < len(THOUGHT_LABEL)
+            if short and THOUGHT_LABEL.startswith(self.buffer):
+                return False  # may still become the label
             self.label_checked = True
             if self.buffer.startswith(THOUGHT_LABEL):
                 self._consume(len(THOUGHT_LABEL))

@@ -177,11 +177,8 @@ class CompletionRequest(CommonParams):
         value = self.prompt
         if isinstance(value, list) and not value:
             raise ParamError("prompt", "must not be empty")
-        batch: list[str | list[int]]
-        if isinstance(value, str) or isinstance(value[0], int):
-            batch = [value]  # type: ignore[list-item]
-        else:
-            batch = list(value)  # type: ignore[arg-type]
+        single = isinstance(value, str) or isinstance(value[0], int)
+        batch: list[str | list[int]] = [value] if single else list(value)  # type: ignore[list-item,arg-type]
         if len(batch) > MAX_PROMPTS:
             raise ParamError("prompt", f"at most {MAX_PROMPTS} prompts per request")
         for i, prompt in enumerate(batch):

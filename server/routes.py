@@ -13,8 +13,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.params import ParamError
-from server.errors import APIError, draining_error, queue_full_error, to_api_error
 from server.chat import chat_inputs, output_parser
+from server.errors import APIError, draining_error, queue_full_error, to_api_error
 from server.parsers import OutputParser
 from server.protocol import ChatCompletionRequest, CommonParams, CompletionRequest
 from server.render import ChatRenderer, CompletionRenderer, Renderer
@@ -127,8 +127,7 @@ def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise APIError(
             404,
-            f"The model {_shown(model)} does not exist; this server serves "
-            f"'{state.model_name}'",
+            f"The model {_shown(model)} does not exist; this server serves '{state.model_name}'",
             "model",
             "model_not_found",
         )
@@ -177,9 +176,7 @@ async def _serve(
         body.stream,
     )
     want_drafts = body.stream and body.stream_drafts
-    run = RequestRun(
-        state, renderer, prompts, body.n, body.stop_strings, want_drafts, parser
-    )
+    run = RequestRun(state, renderer, prompts, body.n, body.stop_strings, want_drafts, parser)
     if body.stream:
         return SSEResponse(run, ticket)  # releases the ticket when the stream ends
     try:
@@ -201,9 +198,7 @@ def _prompt_errors(renderer: Renderer, index: int | None) -> Iterator[None]:
         raise error from None
 
 
-async def _tokenize(
-    encode: Callable[[], list[list[int]]], renderer: Renderer
-) -> list[list[int]]:
+async def _tokenize(encode: Callable[[], list[list[int]]], renderer: Renderer) -> list[list[int]]:
     """Run the tokenizer or chat template in a worker thread: a long prompt must not stall
     the event loop (health probes, other streams)."""
     try:

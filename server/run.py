@@ -59,9 +59,9 @@ class Choice:
         parsed = self.parser.feed(delta)
         if self.finish_reason is not None:
             parsed.merge(self.parser.finish())
-            if self.parser.calls_finish and (self.parsed.tool_calls or parsed.tool_calls):
-                if self.finish_reason == FinishReason.STOP:
-                    self.finish_reason = "tool_calls"
+            called = self.parsed.tool_calls or parsed.tool_calls
+            if self.parser.calls_finish and called and self.finish_reason == FinishReason.STOP:
+                self.finish_reason = "tool_calls"
         self.parsed.merge(parsed)
         return parsed
 
@@ -105,7 +105,7 @@ class RequestRun:
         self.prompts = prompts
         tokenizer = state.tokenizer
         self.decode: Callable[[list[int]], str] = tokenizer.decode if tokenizer else _no_text
-        text_decode = self.decode
+        text_decode: Callable[[list[int]], str] = self.decode
         if tokenizer is not None and parser is not None:
             text_decode = tokenizer.markup_decoder(MARKUP)  # the parser must see the markup
         self.choices = [

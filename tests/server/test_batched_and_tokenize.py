@@ -72,7 +72,11 @@ def test_more_generations_than_the_server_runs_at_once_is_400_not_429(fake):
 
 def test_tokenize_a_prompt_and_a_conversation(fake):
     r = fake.client.post("/tokenize", json={"model": "fake", "prompt": "hi"})
-    assert r.json() == {"count": 2, "max_model_len": LIMITS.max_context_positions, "tokens": [104, 105]}
+    assert r.json() == {
+        "count": 2,
+        "max_model_len": LIMITS.max_context_positions,
+        "tokens": [104, 105],
+    }
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     r = fake.client.post("/tokenize", json=chat)
     assert bytes(r.json()["tokens"]).decode() == "user: hi\n"

@@ -28,7 +28,7 @@ CONTENT_AND_NESTED_CALL = (
     "Let me book that.\n"
     '<|tool_call>call:book_flight{from:<|"|>SFO<|"|>,to:<|"|>NRT<|"|>,passengers:2,'
     'window:true,fare:1234.5,note:null,legs:[{day:<|"|>mon<|"|>,seat:<|"|>12A, aisle: no}<|"|>},'
-    "{day:<|\"|>fri<|\"|>,seat:7}],tags:[<|\"|>a<|\"|>,<|\"|>b<|\"|>]}<tool_call|>"
+    '{day:<|"|>fri<|"|>,seat:7}],tags:[<|"|>a<|"|>,<|"|>b<|"|>]}<tool_call|>'
 )
 THOUGHT_AND_ANSWER = "<|channel>thought\nSimple arithmetic.<channel|>2 + 2 = 4.<turn|>ignored"
 RECORDED = [THINK_THEN_CALLS, CONTENT_AND_NESTED_CALL, THOUGHT_AND_ANSWER]
@@ -65,7 +65,7 @@ def test_thoughts_and_two_tool_calls_are_split_from_the_content():
 def test_nested_arguments_keep_their_json_types_and_delimited_strings_keep_punctuation():
     out = parse([CONTENT_AND_NESTED_CALL])
     assert out.content == "Let me book that.\n" and out.reasoning == ""
-    (name, arguments), = calls(out)
+    ((name, arguments),) = calls(out)
     assert name == "book_flight"
     assert arguments == {
         "from": "SFO",
@@ -116,7 +116,7 @@ def test_tool_call_markup_is_content_when_the_request_has_no_tools():
 
 
 def test_a_malformed_or_cut_off_call_is_kept_as_content():
-    bad = "<|tool_call>call:f{a:<|\"|>x}<tool_call|>"  # unterminated string
+    bad = '<|tool_call>call:f{a:<|"|>x}<tool_call|>'  # unterminated string
     assert parse([bad]).content == bad and parse([bad]).tool_calls == []
     cut = "ok <|tool_call>call:f{a:1"
     out = parse([cut[:10], cut[10:]])
@@ -132,7 +132,7 @@ def test_reasoning_spans_cover_the_thought_markup():
     parser = Gemma4Parser(tools=True)
     parser.feed("Hi <|channel>thought\nx<channel|>done")
     parser.finish()
-    (start, end), = parser.reasoning_spans
+    ((start, end),) = parser.reasoning_spans
     assert "Hi <|channel>thought\nx<channel|>done"[start:end] == "<|channel>thought\nx<channel|>"
 
 

@@ -66,9 +66,11 @@ def test_tool_calls_and_thoughts_are_parsed_out_of_the_answer(fake):
         {"location": "San Francisco, CA", "unit": "celsius"},
         {"location": "Tokyo", "unit": "celsius"},
     ]
-    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in message["tool_calls"])
-    thought = len("<|channel>thought\nThe user wants the weather in two cities; call the tool twice.<channel|>")
-    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == thought  # bytes
+    assert all(
+        c["type"] == "function" and c["id"].startswith("call_") for c in message["tool_calls"]
+    )
+    thought = THINK_THEN_CALLS.index("<channel|>") + len("<channel|>")  # one token per byte
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == thought
 
 
 def test_streamed_tool_calls_and_reasoning_add_up_to_the_full_answer(fake):
@@ -119,7 +121,9 @@ def test_a_named_tool_choice_constrains_to_its_parameters_and_returns_one_call(f
     chunks = fake.sse(
         "/chat/completions", messages=ASK, max_tokens=300, tools=[WEATHER], tool_choice=named
     )
-    pieces = [p for c in chunks[:-1] for x in c["choices"] for p in x["delta"].get("tool_calls", [])]
+    pieces = [
+        p for c in chunks[:-1] for x in c["choices"] for p in x["delta"].get("tool_calls", [])
+    ]
     assert pieces[0]["function"]["name"] == "get_weather" and pieces[0]["id"].startswith("call_")
     assert "".join(p["function"]["arguments"] for p in pieces) == '{"location": "Paris"}'
     chat(fake, tools=[TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
@@ -186,29 +190,54 @@ def test_content_parts_are_joined_by_newlines(fake):
 
 NAMED_OTHER = {"type": "function", "function": {"name": "nope"}}
 CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+IMAGE = {"type": "image_url", "image_url": {"url": "x"}}
+
+
+def function(**fields) -> dict:
+    return {"tools": [{"type": "function", "function": {"name": "f", **fields}}]}
+
+
+def user(content) -> dict:
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+def then(*messages) -> dict:
+    return {"messages": [*ASK, *messages]}
+
+
+ASSISTANT_BAD_ARGS = {
+    "messages": [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}],
+        }
+    ]
+}
 
 
 @pytest.mark.parametrize(
     ("body", "param", "fragment"),
     [
-        ({"tools": [WEATHER], "tool_choice": NAMED_OTHER}, "tool_choice.function.name", "get_weather"),
+        (
+            {"tools": [WEATHER], "tool_choice": NAMED_OTHER},
+            "tool_choice.function.name",
+            "get_weather",
+        ),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tool_choice": "sometimes"}, "tool_choice", "Invalid value"),
-        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name", "letters"),
+        (function(name="a b"), "tools.0.function.name", "letters"),
         ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name", "defined twice"),
         ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "Invalid value"),
+        (function(parameters={"type": "string"}), "tools.0.function.parameters.type", "'object'"),
+        (function(parameters={"required": "x"}), "tools.0.function.parameters.required", "names"),
+        (function(parameters={"properties": [1]}), "tools.0.function.parameters.properties", "map"),
+        ({"chat_template_kwargs": {"x": True}}, "chat_template_kwargs.x", "only 'enable_thinking'"),
         (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
-            "tools.0.function.parameters.type",
-            "must be 'object'",
+            {"chat_template_kwargs": {"enable_thinking": 1}},
+            "chat_template_kwargs.enable_thinking",
+            "boolean",
         ),
-        (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"required": "x"}}}]},
-            "tools.0.function.parameters.required",
-            "list of argument names",
-        ),
-        ({"chat_template_kwargs": {"add_vision_id": True}}, "chat_template_kwargs.add_vision_id", "only 'enable_thinking'"),
-        ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs.enable_thinking", "boolean"),
         ({"reasoning_effort": "extreme"}, "reasoning_effort", "Invalid value"),
         (
             {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
@@ -221,29 +250,29 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arg
             "cannot be combined with thinking",
         ),
         (
-            {"messages": [*ASK, {"role": "tool", "tool_call_id": "c9", "content": "x"}]},
+            then({"role": "tool", "tool_call_id": "c9", "content": "x"}),
             "messages.1.tool_call_id",
-            "matches no tool call",
+            "matches no",
         ),
-        ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages.1.tool_call_id", "required"),
+        (then({"role": "tool", "content": "x"}), "messages.1.tool_call_id", "required"),
+        (ASSISTANT_BAD_ARGS, "messages.0.tool_calls.0.function.arguments", "JSON object"),
         (
-            {"messages": [{"role": "assistant", "content": None, "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]}]},
-            "messages.0.tool_calls.0.function.arguments",
-            "JSON object",
+            then({"role": "user", "content": "x", "tool_calls": [CALL]}),
+            "messages.1.tool_calls",
+            "assistant",
         ),
-        ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages.0.tool_calls", "only assistant"),
-        ({"messages": [{"role": "user", "content": None}]}, "messages.0.content", "is required"),
+        (user(None), "messages.0.content", "is required"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
+            user([{"type": "text", "text": "a"}, IMAGE]),
             "messages.0.content.1.type",
-            "image input is not supported",
+            "image input is not",
         ),
-        ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages.0.content.0.type", "audio input"),
-        ({"messages": [{"role": "user", "content": [{"type": "fancy"}]}]}, "messages.0.content.0.type", "unknown part type"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0.content.0.text", "string"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]}, "messages.0.content.0.x", "not a field"),
+        (user([{"type": "input_audio"}]), "messages.0.content.0.type", "audio input"),
+        (user([{"type": "fancy"}]), "messages.0.content.0.type", "unknown part type"),
+        (user([{"type": "text", "text": 5}]), "messages.0.content.0.text", "string"),
+        (user([{"type": "text", "text": "a", "x": 1}]), "messages.0.content.0.x", "not a field"),
     ],
-)  # fmt: skip
+)
 def test_bad_tool_and_message_fields_are_400_naming_them(fake, body, param, fragment):
     err = error(fake, **body)
     assert err["param"] == param and fragment in err["message"], err
