@@ -44,19 +44,25 @@ class Tokenizer:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """The prompt ids of a conversation; `tools` and `template_kwargs` (e.g.
-        enable_thinking) are passed to the template. ValueError when there is no template."""
+        enable_thinking) are passed to the template. ValueError when there is no template or
+        the template refuses the conversation (its `raise_exception`, a missing field)."""
+        from jinja2 import TemplateError
+
         if not self._template:
             raise ValueError(
                 "this checkpoint has no chat template; use the completions API instead"
             )
         tool_list: list[Any] | None = list(tools) if tools is not None else None
-        ids = self._tok.apply_chat_template(
-            messages,
-            tools=tool_list,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            **(template_kwargs or {}),
-        )
+        try:
+            ids = self._tok.apply_chat_template(
+                messages,
+                tools=tool_list,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                **(template_kwargs or {}),
+            )
+        except TemplateError as exc:
+            raise ValueError(f"the chat template refused the conversation: {exc}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]  # type: ignore[call-overload,index]
         return list(ids)

@@ -218,3 +218,13 @@ def test_recorded_thoughts_apart_from_the_answer_through_the_client(recorded):
     )
     thought = recorded.tokenizer.encode("<|channel>thought\nSimple arithmetic.<channel|>")
     assert r.usage.completion_tokens_details.reasoning_tokens == len(thought)
+
+
+def test_a_template_that_raises_refuses_the_conversation_with_a_value_error(tmp_path):
+    from engine.testing import build_tokenizer
+
+    tok = build_tokenizer(512)
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="roles must alternate"):
+        Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
