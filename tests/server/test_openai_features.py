@@ -142,6 +142,24 @@ def test_a_named_tool_choice_answers_with_one_call_of_that_function(client, extr
     assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
 
 
+@pytest.mark.parametrize("extra", MODES)
+def test_exact_numerics_serve_batches_parts_and_tools(exact_server, extra):
+    """Exact numerics are batch-invariant: a batched prompt's choice equals it alone."""
+    exact = openai.OpenAI(base_url=exact_server.v1, api_key="unused", max_retries=0)
+    common = {"model": "tiny", "max_tokens": 10, "seed": 5, "extra_body": extra}
+    batch = exact.completions.create(prompt=["abc", "xyz"], **common)
+    alone = exact.completions.create(prompt="xyz", **common)
+    assert batch.choices[1].text == alone.choices[0].text
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    r = exact.chat.completions.create(
+        messages=[{"role": "user", "content": parts}],
+        tools=[TOOL],
+        reasoning_effort="low",
+        **common,
+    )
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 @dataclass
 class RecordedServer:
     url: str
