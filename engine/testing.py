@@ -56,7 +56,7 @@ CHAT_TEMPLATE = """\
 {%- if thinking or tools or messages[0]['role'] == 'system' -%}
 <|turn>system\n{{ '<|think|>\n' if thinking }}
 {%- if messages[0]['role'] == 'system' -%}
-{{ messages[0]['content'] | trim }}{% set ns.rest = messages[1:] %}
+{{ messages[0]['content'] }}{% set ns.rest = messages[1:] %}
 {%- endif -%}
 {%- for tool in tools or [] -%}
 <|tool>declaration:{{ tool['function']['name'] }}\
@@ -76,7 +76,7 @@ CHAT_TEMPLATE = """\
 {%- if m.get('reasoning_content') and m.get('tool_calls') -%}
 <|channel>thought\n{{ m['reasoning_content'] }}<channel|>
 {%- endif -%}
-{{ (m['content'] or '') | trim }}
+{{ m['content'] or '' }}
 {%- for call in m.get('tool_calls') or [] -%}
 <|tool_call>call:{{ call['function']['name'] }}{{ fmt(call['function']['arguments']) }}<tool_call|>
 {%- endfor -%}
