@@ -40,6 +40,7 @@ MARKUP_TOKENS = (
 # holding the thinking switch and the tool declarations, assistant tool calls and the tool
 # responses inside the model's turn, and the generation prompt left out when the model goes on
 # after a tool response. Values are written as Gemma 4 writes them (strings between <|"|>).
+# A conversation without tools or thinking renders to the same ids as Gemma's turn format did.
 CHAT_TEMPLATE = """\
 {%- macro fmt(v) -%}
 {%- if v is string -%}<|"|>{{ v }}<|"|>
