@@ -246,3 +246,35 @@ def test_a_template_that_raises_refuses_the_conversation_with_a_value_error(tmp_
     tok.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="roles must alternate"):
         Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_the_tiny_template_renders_a_tool_conversation_in_gemma4_format():
+    from engine.testing import build_tokenizer
+
+    tok = build_tokenizer(512)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather"}}
+    call["function"]["arguments"] = {"location": "SF", "days": 2, "hourly": True}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "Ask."},
+        {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    text = tok.apply_chat_template(
+        messages, tools=[TOOL], enable_thinking=True, add_generation_prompt=True, tokenize=False
+    )
+    assert text == (
+        "<bos><|turn>system\n<|think|>\nBe brief."
+        '<|tool>declaration:get_weather{description:<|"|>The weather in a city<|"|>,'
+        'parameters:{properties:{location:{type:<|"|>string<|"|>}},required:[<|"|>location<|"|>],'
+        'type:<|"|>object<|"|>}}<tool|><turn|>\n'
+        "<|turn>user\nWeather?<turn|>\n"
+        "<|turn>model\n<|channel>thought\nAsk.<channel|>"
+        '<|tool_call>call:get_weather{days:2,hourly:true,location:<|"|>SF<|"|>}<tool_call|>'
+        '<|tool_response>response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>'
+        "Sunny.<turn|>\n<|turn>user\nThanks<turn|>\n<|turn>model\n"
+    )
+    pending = tok.apply_chat_template(messages[:4], add_generation_prompt=True, tokenize=False)
+    assert pending.endswith("<tool_response|>")  # the model goes on in its own turn
