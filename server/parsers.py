@@ -171,6 +171,8 @@ class Gemma4Parser:
         out = Parsed()
         while self.mode is not Mode.ENDED and self.buffer and self._step(out, final=True):
             pass
+        if self.mode is Mode.CALL:  # a call cut off: keep its text as content
+            out.content += CALL_OPEN + self._consume(len(self.buffer))
         if self.mode is Mode.THOUGHT:
             self._spans.append((self._thought_start, self.offset))
         self.mode = Mode.ENDED
@@ -193,9 +195,7 @@ class Gemma4Parser:
         hit = _first(self.buffer, self._ends())
         if hit is None:
             if self.mode is Mode.CALL:
-                if final:  # a call cut off: keep its text as content
-                    out.content += CALL_OPEN + self._consume(len(self.buffer))
-                return False
+                return False  # the call is not complete yet
             keep = 0 if final else _held_back(self.buffer, self._ends())
             self._emit(out, self._consume(len(self.buffer) - keep))
             return False

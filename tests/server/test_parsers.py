@@ -121,6 +121,7 @@ def test_a_malformed_or_cut_off_call_is_kept_as_content():
     cut = "ok <|tool_call>call:f{a:1"
     out = parse([cut[:10], cut[10:]])
     assert out.content == cut and out.tool_calls == []
+    assert parse(["ok <|tool_call>"]).content == "ok <|tool_call>"  # cut right after the marker
 
 
 def test_an_unterminated_thought_is_all_reasoning():
