@@ -33,8 +33,9 @@ class Tokenizer:
         """Whether the chat template has the `enable_thinking` switch."""
         return "enable_thinking" in self._template
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`, with the checkpoint's special tokens (BOS) unless told not to."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def apply_chat_template(
         self,

@@ -1,9 +1,9 @@
 """POST /tokenize and /detokenize in vLLM's shapes.
 
-/tokenize takes a `prompt` (text, encoded as /v1/completions encodes it) or chat `messages`
-(rendered by the chat template as /v1/chat/completions renders them, with `tools`,
-`chat_template_kwargs` and `add_generation_prompt`) and answers {"count", "max_model_len",
-"tokens"}; /detokenize takes `tokens` and answers {"prompt"}.
+/tokenize takes a `prompt` (text, encoded as /v1/completions encodes it; `add_special_tokens`
+false leaves out BOS) or chat `messages` (rendered by the chat template as /v1/chat/completions
+renders them, with `tools`, `chat_template_kwargs` and `add_generation_prompt`) and answers
+{"count", "max_model_len", "tokens"}; /detokenize takes `tokens` and answers {"prompt"}.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: Bool = True
+    # vLLM's defaults: True for a prompt; a chat template writes its own special tokens.
+    add_special_tokens: Bool | None = None
     tools: list[ToolDef] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -82,7 +84,12 @@ def _encode(state: ServerState, body: TokenizeRequest) -> list[int]:
                 param = "tools" if body.tools is not None else "chat_template_kwargs"
                 raise ParamError(param, "applies to 'messages', not to 'prompt'")
             check_text("prompt", body.prompt)
-            return list(_tokenizer(state, "prompt").encode(body.prompt))
+            add = body.add_special_tokens is not False
+            return list(_tokenizer(state, "prompt").encode(body.prompt, add))
+        if body.add_special_tokens:
+            raise ParamError(
+                "add_special_tokens", "must be false with 'messages': the template writes them"
+            )
         tokenizer = _tokenizer(state, "messages")
         chat = ChatCompletionRequest(
             model=state.model_name,

@@ -51,8 +51,8 @@ class ByteTokenizer:
     template_knows_tools = True
     template_knows_thinking = True
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())  # bytes have no special tokens to add
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode(errors="replace")

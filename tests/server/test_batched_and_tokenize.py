@@ -104,6 +104,7 @@ def test_detokenize_round_trips(fake):
         ("/tokenize", {"prompt": "a", "messages": []}, 400, "prompt", "exactly one of"),
         ("/tokenize", {"prompt": "a", "tools": []}, 400, "tools", "applies to 'messages'"),
         ("/tokenize", {"messages": []}, 400, "messages", "at least one message"),
+        ("/tokenize", {"messages": [], "add_special_tokens": True}, 400, "add_special_tokens", ""),
         ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model", "does not exist"),
     ],
 )
