@@ -278,4 +278,3 @@ def test_the_tiny_template_renders_a_tool_conversation_in_gemma4_format():
     )
     pending = tok.apply_chat_template(messages[:4], add_generation_prompt=True, tokenize=False)
     assert pending.endswith("<tool_response|>")  # the model goes on in its own turn
-
