@@ -20,13 +20,72 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
-    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
-    "{{ message['content'] }}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+# Gemma 4's markup: turns, the thinking switch and channel, tool declarations, calls and
+# responses, and its string delimiter. The two turn tokens keep ids 4 and 5; the rest follow the
+# byte alphabet (in slots that were unused), so every other token id is unchanged.
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>")
+MARKUP_TOKENS = (
+    "<|think|>",
+    "<|channel>",
+    "<channel|>",
+    "<|tool>",
+    "<tool|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    '<|"|>',
 )
+# A compact chat template in Gemma 4's format (what `server.parsers` reads back): a system turn
+# holding the thinking switch and the tool declarations, assistant tool calls and the tool
+# responses inside the model's turn, and the generation prompt left out when the model goes on
+# after a tool response. Values are written as Gemma 4 writes them (strings between <|"|>).
+# A conversation without tools or thinking renders to the same ids as Gemma's turn format did.
+CHAT_TEMPLATE = """\
+{%- macro fmt(v) -%}
+{%- if v is string -%}<|"|>{{ v }}<|"|>
+{%- elif v is boolean -%}{{ 'true' if v else 'false' }}
+{%- elif v is none -%}null
+{%- elif v is mapping -%}{{ '{' }}{% for k, x in v | dictsort %}{{ k }}:{{ fmt(x) }}\
+{{ ',' if not loop.last }}{% endfor %}{{ '}' }}
+{%- elif v is sequence -%}[{% for x in v %}{{ fmt(x) }}{{ ',' if not loop.last }}{% endfor %}]
+{%- else -%}{{ v }}{%- endif -%}
+{%- endmacro -%}
+{{ bos_token }}
+{%- set thinking = enable_thinking is defined and enable_thinking -%}
+{%- set ns = namespace(open=false, rest=messages) -%}
+{%- if thinking or tools or messages[0]['role'] == 'system' -%}
+<|turn>system\n{{ '<|think|>\n' if thinking }}
+{%- if messages[0]['role'] == 'system' -%}
+{{ messages[0]['content'] }}{% set ns.rest = messages[1:] %}
+{%- endif -%}
+{%- for tool in tools or [] -%}
+<|tool>declaration:{{ tool['function']['name'] }}\
+{description:{{ fmt(tool['function']['description'] or '') }}\
+,parameters:{{ fmt(tool['function']['parameters'] or {}) }}{{ '}' }}<tool|>
+{%- endfor -%}
+{{ '<turn|>\n' }}
+{%- endif -%}
+{%- for m in ns.rest -%}
+{%- if m['role'] == 'tool' -%}
+<|tool_response>response:{{ m['name'] }}{value:{{ fmt(m['content']) }}}<tool_response|>
+{%- else -%}
+{%- if not (ns.open and m['role'] == 'assistant') -%}
+{{ '<turn|>\n' if ns.open }}<|turn>\
+{{ 'model' if m['role'] == 'assistant' else m['role'] }}{{ '\n' }}
+{%- endif -%}
+{%- if m.get('reasoning_content') and m.get('tool_calls') -%}
+<|channel>thought\n{{ m['reasoning_content'] }}<channel|>
+{%- endif -%}
+{{ m['content'] or '' }}
+{%- for call in m.get('tool_calls') or [] -%}
+<|tool_call>call:{{ call['function']['name'] }}{{ fmt(call['function']['arguments']) }}<tool_call|>
+{%- endfor -%}
+{%- set ns.open = (m.get('tool_calls') or []) | length > 0 -%}
+{{ '<turn|>\n' if not ns.open }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt and not ns.open -%}<|turn>model{{ '\n' }}{%- endif -%}"""
 
 BASE_TEXT_CONFIG: dict[str, Any] = {
     "vocab_size": 512,
@@ -204,7 +263,7 @@ def build_tokenizer(vocab_size: int) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens = list(SPECIAL_TOKENS) + alphabet
+    tokens = list(SPECIAL_TOKENS) + alphabet + list(MARKUP_TOKENS)
     tokens += [f"<unused{i}>" for i in range(vocab_size - len(tokens))]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     model = models.BPE(vocab=vocab, merges=[], unk_token="<unk>")
@@ -217,7 +276,7 @@ def build_tokenizer(vocab_size: int) -> Any:
         eos_token="<eos>",
         bos_token="<bos>",
         unk_token="<unk>",
-        additional_special_tokens=["<start_of_turn>", "<end_of_turn>"],
+        additional_special_tokens=list(SPECIAL_TOKENS[4:] + MARKUP_TOKENS),
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,9 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        template = getattr(self._tok, "chat_template", None)
+        self._template: str = template if isinstance(template, str) else ""
+        self._markup_decoders: dict[frozenset[str], Callable[[list[int]], str]] = {}
 
     @property
     def hf(self) -> Any:
@@ -23,18 +27,73 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._tok)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True))
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the chat template renders `tools` (a template that never reads the variable
+        would drop them silently)."""
+        return "tools" in self._template
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        if not getattr(self._tok, "chat_template", None):
+    @property
+    def template_knows_thinking(self) -> bool:
+        """Whether the chat template has the `enable_thinking` switch."""
+        return "enable_thinking" in self._template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`, with the checkpoint's special tokens (BOS) unless told not to."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The prompt ids of a conversation; `tools` and `template_kwargs` (e.g.
+        enable_thinking) are passed to the template. ValueError when there is no template or
+        the template refuses the conversation (its `raise_exception`, a missing field)."""
+        from jinja2 import TemplateError
+
+        if not self._template:
             raise ValueError(
                 "this checkpoint has no chat template; use the completions API instead"
             )
-        ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        tool_list: list[Any] | None = list(tools) if tools is not None else None
+        try:
+            ids = self._tok.apply_chat_template(
+                messages,
+                tools=tool_list,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                **(template_kwargs or {}),
+            )
+        except TemplateError as exc:
+            raise ValueError(f"the chat template refused the conversation: {exc}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]  # type: ignore[call-overload,index]
         return list(ids)
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))
+
+    def markup_decoder(self, keep: Collection[str]) -> Callable[[list[int]], str]:
+        """A decode that keeps the special tokens spelled as in `keep` (a chat format's markup,
+        e.g. Gemma 4's tool-call and thinking delimiters, which a parser must see) and drops
+        every other special token, as `decode` does. Built once per `keep`."""
+        key = frozenset(keep)
+        if key not in self._markup_decoders:
+            self._markup_decoders[key] = self._markup_decoder(key)
+        return self._markup_decoders[key]
+
+    def _markup_decoder(self, keep: frozenset[str]) -> Callable[[list[int]], str]:
+        special = set(self._tok.all_special_ids) | {
+            i for i, t in self._tok.added_tokens_decoder.items() if t.special
+        }
+        keep_ids = {i for i in special if self._tok.convert_ids_to_tokens(i) in keep}
+        drop = frozenset(special - keep_ids)
+
+        def decode(ids: list[int]) -> str:
+            kept = [i for i in ids if i not in drop]
+            return str(self._tok.decode(kept, skip_special_tokens=False))
+
+        return decode

@@ -1,9 +1,10 @@
 """The HTTP server: OpenAI-compatible routes over an engine client (`engine.types.EngineClient`).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /ready, GET /metrics, GET /version, OpenAPI docs at /docs, and the playground page at / and
-/playground (`server.playground`). With an API key, the /v1 routes need
-`Authorization: Bearer <key>`; /health, /ready, /metrics, /docs and the page stay public. The edge
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+POST /detokenize, GET /health, GET /ready, GET /metrics, GET /version, OpenAPI docs at /docs,
+and the playground page at / and /playground (`server.playground`). With an API key, the /v1
+routes and the tokenizer's need `Authorization: Bearer <key>`; /health, /ready, /metrics, /docs
+and the page stay public. The edge
 of every request (ids, limits, auth, body, last-resort errors) is `server.edge`.
 
 Importing this module loads no torch: the engine is reached only through its torch-free
@@ -32,6 +33,7 @@ from server.errors import (
 from server.playground import playground_router
 from server.routes import VERSION, ops_router, v1_router
 from server.state import ServerState
+from server.tokenize import tokenize_router
 
 __all__ = ["ServerState", "create_app"]
 
@@ -62,6 +64,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.include_router(ops_router(state))
     app.include_router(v1_router(state))
+    app.include_router(tokenize_router(state))
     app.include_router(playground_router())
     app.add_middleware(EdgeMiddleware, state=state)
     return app

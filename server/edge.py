@@ -103,7 +103,7 @@ class EdgeMiddleware:
         if length.isdigit() and int(length) > limits.max_body_bytes:
             return _too_large(limits.max_body_bytes)
         key = self.state.api_key
-        if key and scope["path"].startswith("/v1/") and not _authorized(headers, key):
+        if key and _needs_key(scope["path"]) and not _authorized(headers, key):
             return APIError(401, "Invalid or missing API key (send Authorization: Bearer <key>)")
         return None
 
@@ -154,3 +154,8 @@ def _authorized(headers: dict[str, str], key: str) -> bool:
     header = headers.get("authorization", "")
     token = header[7:] if header.lower().startswith("bearer ") else ""
     return hmac.compare_digest(token.encode(), key.encode())
+
+
+def _needs_key(path: str) -> bool:
+    """The API routes (/v1 and the tokenizer's) need the key; the operational ones do not."""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")

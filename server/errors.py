@@ -123,7 +123,7 @@ _UNION_TAG = re.compile(r"[a-z-]+\[.*\]|str|int|float|bool|none|[A-Z]\w*")
 UNION_FIELDS = {  # what a union-typed field accepts, as a 400 says it
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "a string or a list of strings",
-    "content": 'a string or a list of text parts ({"type": "text", "text": ...})',
+    "content": 'a string or a list of content parts ({"type": "text", "text": ...})',
 }
 _SPECIFIC = ("literal_error", "extra_forbidden", "missing")  # say more than "wrong type"
 
@@ -158,8 +158,6 @@ def validation_message(errors: list[Any]) -> tuple[str, str, str | None]:
         return f"Unrecognized request argument supplied: {param}", param, kind
     if kind == "missing":
         return f"Missing required parameter: {param}", param, kind
-    if union and kind == "literal_error" and parts[-1] == "type" and "content" in parts:
-        return f"Invalid value for {param}: only text content parts are supported", param, kind
     if union and not specific:
         field = next((p for p in reversed(parts) if p in UNION_FIELDS), None)
         if field is not None:

@@ -7,6 +7,7 @@ does not implement are rejected by name rather than ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
@@ -17,8 +18,6 @@ from engine.validation import check_n, check_stop, check_user
 # OpenAI parameters Canvas does not implement, with their neutral values (accepted as no-ops;
 # anything else is rejected with a 400 naming the parameter). The first is the default.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -34,11 +33,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "top_p": (1.0,),
     "top_k": (-1,),
     "min_tokens": (0,),
-    "parallel_tool_calls": (None,),
     "audio": (None,),
     "modalities": (None,),
     "prediction": (None,),
-    "reasoning_effort": (None,),
     "web_search_options": (None,),
 }
 
@@ -104,8 +101,6 @@ class CommonParams(BaseModel):
     stream_drafts: Bool = False
     # Unsupported OpenAI parameters are accepted by the schema and rejected by name in
     # `unsupported()` unless neutral, so the message can name the parameter.
-    tools: Any = _neutral("tools")
-    tool_choice: Any = _neutral("tool_choice")
     functions: Any = _neutral("functions")
     function_call: Any = _neutral("function_call")
     response_format: Any = _neutral("response_format")
@@ -121,11 +116,9 @@ class CommonParams(BaseModel):
     top_p: Any = _neutral("top_p")
     top_k: Any = _neutral("top_k")
     min_tokens: Any = _neutral("min_tokens")
-    parallel_tool_calls: Any = _neutral("parallel_tool_calls")
     audio: Any = _neutral("audio")
     modalities: Any = _neutral("modalities")
     prediction: Any = _neutral("prediction")
-    reasoning_effort: Any = _neutral("reasoning_effort")
     web_search_options: Any = _neutral("web_search_options")
     metadata: Any = None
     store: Any = None
@@ -163,6 +156,7 @@ class CommonParams(BaseModel):
             stability_threshold=self.stability_threshold,
             confidence_threshold=self.confidence_threshold,
             temperature=self.temperature,
+            json_schema=structured_schema(self),
         )
 
     @property
@@ -170,49 +164,97 @@ class CommonParams(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+
+
 class CompletionRequest(CommonParams):
     prompt: str | list[str] | list[Int] | list[list[Int]]
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request; ParamError for an empty or batched prompt, or text
-        that is not valid Unicode."""
-        prompt = self._single_prompt()
-        if isinstance(prompt, str):
-            check_text("prompt", prompt)
-        return prompt
-
-    def _single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request (a string, a list of token ids, or a batch of either);
+        ParamError for an empty prompt or batch, more than MAX_PROMPTS, or text that is not
+        valid Unicode."""
         value = self.prompt
         if isinstance(value, list) and not value:
             raise ParamError("prompt", "must not be empty")
-        if isinstance(value, list) and len(value) > 1 and not isinstance(value[0], int):
-            raise ParamError("prompt", "batched prompts are not supported; send one per request")
-        if isinstance(value, list) and isinstance(value[0], (str, list)):
-            return value[0]
-        return value
+        single = isinstance(value, str) or isinstance(value[0], int)
+        batch: list[str | list[int]] = [value] if single else list(value)  # type: ignore[list-item,arg-type]
+        if len(batch) > MAX_PROMPTS:
+            raise ParamError("prompt", f"at most {MAX_PROMPTS} prompts per request")
+        for i, prompt in enumerate(batch):
+            param = "prompt" if len(batch) == 1 else f"prompt.{i}"
+            if not prompt:
+                raise ParamError(param, "must not be empty")
+            if isinstance(prompt, str):
+                check_text(param, prompt)
+        return batch
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are accepted (checked in
+    `server.chat`, so a rejection can say why)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Any = None
+
+
+class ToolCallFunction(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+class ToolCallItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant: its thoughts, for templates that show them
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: Bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(CommonParams):
     messages: list[ChatMessage]
     max_completion_tokens: Int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: {"enable_thinking": bool}
 
     @property
     def token_limit(self) -> int | None:
@@ -223,13 +265,51 @@ class ChatCompletionRequest(CommonParams):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def chat(self) -> list[dict[str, str]]:
-        """The conversation for the chat template; ParamError when there is none or a message
-        is not valid Unicode."""
-        if not self.messages:
-            raise ParamError("messages", "must contain at least one message")
-        role = {"developer": "system"}
-        chat = [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
-        for i, message in enumerate(chat):
-            check_text(f"messages.{i}.content", message["content"])
-        return chat
+
+def structured_schema(request: CommonParams) -> str | None:
+    """The JSON schema the engine constrains this request's output to (a JSON text), or None.
+
+    The one place a request's `SamplingParams.json_schema` is decided: forced tool choice
+    here; `response_format` belongs here too."""
+    if isinstance(request, ChatCompletionRequest):
+        return forced_tool_schema(request)
+    return None
+
+
+def arguments_schema(function: FunctionDef) -> dict[str, Any]:
+    """The schema of a function's arguments: its `parameters`, an object either way."""
+    return {"type": "object", **(function.parameters or {})}
+
+
+def forced_tool_schema(request: ChatCompletionRequest) -> str | None:
+    """For `tool_choice` naming a function: the function's arguments schema (the output is
+    its arguments). For "required": an array of one or more {"name", "arguments"} objects, one
+    alternative per tool (at most one item when `parallel_tool_calls` is false). Else None."""
+    choice, tools = request.tool_choice, request.tools or []
+    if isinstance(choice, NamedToolChoice):
+        names = [t.function.name for t in tools]
+        if choice.function.name not in names:
+            raise ParamError(
+                "tool_choice.function.name",
+                f"names no function in tools (they are: {', '.join(names) or 'none'})",
+            )
+        tool = tools[names.index(choice.function.name)]
+        return json.dumps(arguments_schema(tool.function))
+    if choice != "required":
+        return None
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": arguments_schema(t.function),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if request.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return json.dumps(schema)

@@ -6,10 +6,11 @@ A route picks its renderer once; nothing downstream tests which kind it is servi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from engine.types import FinishReason, RequestStats
+from engine.types import RequestStats
+from server.parsers import Parsed, ToolCallDelta
 from server.stream import ChoiceEvent
 
 
@@ -18,10 +19,13 @@ class ChoiceResult:
     """A choice as the full (non-streamed) response shows it."""
 
     index: int
-    text: str
+    text: str  # chat: the content, apart from reasoning and tool calls
     num_tokens: int  # up to a stop string, when one cut the text
-    finish_reason: FinishReason | None
+    finish_reason: str | None
     stats: RequestStats | None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    num_reasoning_tokens: int = 0
 
 
 def canvas_stats(stats: RequestStats | None) -> dict[str, Any] | None:
@@ -62,14 +66,13 @@ class Renderer:
                 "index": c.index,
                 "finish_reason": c.finish_reason,
                 "logprobs": None,
-                **self._content(c.text),
+                **self._content(c),
                 "canvas_stats": canvas_stats(c.stats),
             }
             for c in choices
         ]
-        num_completion = sum(c.num_tokens for c in choices)
         body = {**self._head(self.object), "choices": items}
-        return {**body, "usage": usage(num_prompt, num_completion)}
+        return {**body, "usage": self._usage(num_prompt, choices)}
 
     def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         """Chunks sent before any output."""
@@ -92,9 +95,12 @@ class Renderer:
             item["canvas_stats"] = canvas_stats(event.stats)
         return self._chunk([item])
 
-    def usage_chunk(self, num_prompt: int, num_completion: int) -> dict[str, Any]:
+    def usage_chunk(self, num_prompt: int, choices: list[ChoiceResult]) -> dict[str, Any]:
         body = {**self._head(self.chunk_object), "choices": []}
-        return {**body, "usage": usage(num_prompt, num_completion)}
+        return {**body, "usage": self._usage(num_prompt, choices)}
+
+    def _usage(self, num_prompt: int, choices: list[ChoiceResult]) -> dict[str, Any]:
+        return usage(num_prompt, sum(c.num_tokens for c in choices))
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
@@ -105,10 +111,10 @@ class Renderer:
             chunk["usage"] = None
         return chunk
 
-    def _content(self, text: str) -> dict[str, Any]:
+    def _content(self, choice: ChoiceResult) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _delta(self, text: str) -> dict[str, Any]:
+    def _delta(self, delta: Parsed) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -118,14 +124,17 @@ class CompletionRenderer(Renderer):
     id_prefix = "cmpl-"
     prompt_param = "prompt"
 
-    def _content(self, text: str) -> dict[str, Any]:
-        return {"text": text}
+    def _content(self, choice: ChoiceResult) -> dict[str, Any]:
+        return {"text": choice.text}
 
-    def _delta(self, text: str) -> dict[str, Any]:
-        return {"text": text}
+    def _delta(self, delta: Parsed) -> dict[str, Any]:
+        return {"text": delta.content}
 
 
 class ChatRenderer(Renderer):
+    """Chat bodies: the content apart from the reasoning (`reasoning_content`) and the tool
+    calls (`tool_calls`; content is null when a choice only called tools)."""
+
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
@@ -139,8 +148,40 @@ class ChatRenderer(Renderer):
             for i in range(num_choices)
         ]
 
-    def _content(self, text: str) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": text}}
+    def _content(self, choice: ChoiceResult) -> dict[str, Any]:
+        content = None if choice.tool_calls and not choice.text else choice.text
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if choice.reasoning is not None:
+            message["reasoning_content"] = choice.reasoning
+        if choice.tool_calls:
+            message["tool_calls"] = choice.tool_calls
+        return {"message": message}
 
-    def _delta(self, text: str) -> dict[str, Any]:
-        return {"delta": {"content": text} if text else {}}
+    def _delta(self, delta: Parsed) -> dict[str, Any]:
+        body: dict[str, Any] = {}
+        if delta.reasoning:
+            body["reasoning_content"] = delta.reasoning
+        if delta.content:
+            body["content"] = delta.content
+        if delta.tool_calls:
+            body["tool_calls"] = [piece.openai() for piece in _coalesce(delta.tool_calls)]
+        return {"delta": body}
+
+    def _usage(self, num_prompt: int, choices: list[ChoiceResult]) -> dict[str, Any]:
+        reasoning = sum(c.num_reasoning_tokens for c in choices)
+        details = {"completion_tokens_details": {"reasoning_tokens": reasoning}}
+        return {**super()._usage(num_prompt, choices), **details}
+
+
+def _coalesce(pieces: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Pieces of one call that arrived together, as one piece (a slow reader's merged
+    events), so a chunk names each call index once."""
+    out: list[ToolCallDelta] = []
+    for piece in pieces:
+        if out and out[-1].index == piece.index:
+            last = out[-1]
+            piece = ToolCallDelta(last.index, last.arguments + piece.arguments, last.id, last.name)
+            out[-1] = piece
+        else:
+            out.append(piece)
+    return out

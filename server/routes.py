@@ -13,10 +13,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.params import ParamError
+from server.chat import chat_inputs, output_parser
 from server.errors import APIError, draining_error, queue_full_error, to_api_error
+from server.parsers import OutputParser
 from server.protocol import ChatCompletionRequest, CommonParams, CompletionRequest
 from server.render import ChatRenderer, CompletionRenderer, Renderer
-from server.run import RequestRun, SSEResponse
+from server.run import Prompt, RequestRun, SSEResponse
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -65,19 +67,19 @@ def v1_router(state: ServerState) -> APIRouter:
             request.state.response_key, state.model_name, body.include_usage
         )
         with param_errors(renderer):
-            prompt = body.single_prompt()
+            prompts = body.prompts()
             limit = body.max_tokens
             max_tokens = limit if limit is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        if isinstance(prompt, list):
-            return await _serve(state, body, lambda: list(prompt), max_tokens, renderer, request)
         tokenizer = state.tokenizer
-        if tokenizer is None:
+        if tokenizer is None and any(isinstance(p, str) for p in prompts):
             raise APIError(
                 400, "This model has no tokenizer; send the prompt as token ids", "prompt"
             )
-        return await _serve(
-            state, body, lambda: tokenizer.encode(prompt), max_tokens, renderer, request
-        )
+
+        def encode() -> list[list[int]]:
+            return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
+
+        return await _serve(state, body, encode, max_tokens, renderer, request)
 
     @router.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -88,16 +90,17 @@ def v1_router(state: ServerState) -> APIRouter:
                 400, "This model has no tokenizer, so it has no chat template", "messages"
             )
         with param_errors(renderer):
-            messages = body.chat()
+            inputs = chat_inputs(body, tokenizer)
             max_tokens = body.token_limit  # None: the checkpoint's default, bounded by the room
-        return await _serve(
-            state,
-            body,
-            lambda: tokenizer.apply_chat_template(messages),
-            max_tokens,
-            renderer,
-            request,
-        )
+
+        def encode() -> list[list[int]]:
+            ids = tokenizer.apply_chat_template(
+                inputs.messages, inputs.tools, inputs.template_kwargs
+            )
+            return [ids]
+
+        parser = output_parser(body)
+        return await _serve(state, body, encode, max_tokens, renderer, request, parser)
 
     return router
 
@@ -116,11 +119,15 @@ def _check_served(state: ServerState, body: CommonParams) -> None:
         raise APIError(
             400, f"Canvas does not support the parameter '{name}'", name, "unsupported_parameter"
         )
-    if body.model != state.model_name:
+    check_model(state, body.model)
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    """404 unless `model` (None: not given) is the served model."""
+    if model is not None and model != state.model_name:
         raise APIError(
             404,
-            f"The model {_shown(body.model)} does not exist; this server serves "
-            f"'{state.model_name}'",
+            f"The model {_shown(model)} does not exist; this server serves '{state.model_name}'",
             "model",
             "model_not_found",
         )
@@ -129,34 +136,47 @@ def _check_served(state: ServerState, body: CommonParams) -> None:
 async def _serve(
     state: ServerState,
     body: CommonParams,
-    encode: Callable[[], list[int]],
+    encode: Callable[[], list[list[int]]],
     max_tokens: int | None,
     renderer: Renderer,
     request: Request,
+    parser: Callable[[], OutputParser] | None = None,
 ) -> Response:
     """Check the cheap things first (503 draining, 400/404 parameters and model), tokenise off
-    the event loop (`encode`: prompt or chat template), check the context (400), admit the
-    request (429 when full, before any response starts), then run it."""
+    the event loop (`encode`: the prompts, or the chat template), check each prompt's context
+    (400), admit the request's choices (429 when full, before any response starts), then run
+    it."""
     if state.draining:
         raise draining_error()
     _check_served(state, body)
     with param_errors(renderer):
         sampling = body.sampling_params(max_tokens)
     prompt_ids = await _tokenize(encode, renderer)
-    with param_errors(renderer):
-        params = state.validator.validate(prompt_ids, sampling)
-    ticket = state.admission.admit(body.n, state.engine.stats.num_inflight)
+    num_requests = len(prompt_ids) * body.n
+    if num_requests > state.admission.capacity:
+        raise APIError(
+            400,
+            f"{len(prompt_ids)} prompts × n={body.n} are {num_requests} generations, more than "
+            f"the {state.admission.capacity} this server runs at once; split the request",
+            "prompt" if len(prompt_ids) > 1 else "n",
+        )
+    prompts = []
+    for i, ids in enumerate(prompt_ids):
+        with _prompt_errors(renderer, i if len(prompt_ids) > 1 else None):
+            prompts.append(Prompt(ids, state.validator.validate(ids, sampling)))
+    ticket = state.admission.admit(num_requests, state.engine.stats.num_inflight)
     if ticket is None:
         raise queue_full_error()
     logger.info(
-        "request %s: %d prompt tokens, n=%d, stream=%s",
+        "request %s: %d prompt tokens in %d prompts, n=%d, stream=%s",
         renderer.response_id,
+        sum(len(ids) for ids in prompt_ids),
         len(prompt_ids),
         body.n,
         body.stream,
     )
     want_drafts = body.stream and body.stream_drafts
-    run = RequestRun(state, renderer, prompt_ids, params, body.n, body.stop_strings, want_drafts)
+    run = RequestRun(state, renderer, prompts, body.n, body.stop_strings, want_drafts, parser)
     if body.stream:
         return SSEResponse(run, ticket)  # releases the ticket when the stream ends
     try:
@@ -165,7 +185,20 @@ async def _serve(
         ticket.release()
 
 
-async def _tokenize(encode: Callable[[], list[int]], renderer: Renderer) -> list[int]:
+@contextlib.contextmanager
+def _prompt_errors(renderer: Renderer, index: int | None) -> Iterator[None]:
+    """A ParamError about prompt `index` of a batch names it (prompt.3)."""
+    try:
+        yield
+    except ParamError as exc:
+        error = to_api_error(exc, renderer.response_id, renderer.prompt_param)
+        if index is not None and error.param in ("prompt", "messages"):
+            error.param = f"prompt.{index}"
+            error.message = f"prompt {index}: {error.message}"
+        raise error from None
+
+
+async def _tokenize(encode: Callable[[], list[list[int]]], renderer: Renderer) -> list[list[int]]:
     """Run the tokenizer or chat template in a worker thread: a long prompt must not stall
     the event loop (health probes, other streams)."""
     try:

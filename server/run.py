@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from engine.params import ResolvedParams
 from engine.types import FinishReason, RequestStats
 from server.errors import ClientGone, to_api_error
+from server.parsers import MARKUP, OutputParser, Parsed, join_tool_calls
 from server.render import ChoiceResult, Renderer
 from server.state import ServerState, Ticket
 from server.stream import DONE, ChoiceEvent, OutputCollector, sse
@@ -28,19 +29,60 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.25
 
 
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt of a request and the parameters its choices run with."""
+
+    ids: list[int]
+    params: ResolvedParams
+
+
 @dataclass(slots=True)
 class Choice:
-    """One choice of a request as it is produced."""
+    """One choice of a request as it is produced: its text, and what the chat output parser
+    (if any) made of it."""
 
     index: int
+    prompt: Prompt
+    seed_offset: int  # choice i of a prompt samples with seed + i
     text: TextStream
-    finish_reason: FinishReason | None = None
+    parser: OutputParser | None = None
+    parsed: Parsed = field(default_factory=Parsed)
+    finish_reason: str | None = None
     stats: RequestStats | None = None
     last_output_time: float = field(default_factory=time.monotonic)
 
+    def parse(self, delta: str) -> Parsed:
+        """What `delta` (and, once the choice has finished, the rest) adds to the answer."""
+        if self.parser is None:
+            return Parsed(content=delta)
+        parsed = self.parser.feed(delta)
+        if self.finish_reason is not None:
+            parsed.merge(self.parser.finish())
+            called = self.parsed.tool_calls or parsed.tool_calls
+            if self.parser.calls_finish and called and self.finish_reason == FinishReason.STOP:
+                self.finish_reason = "tool_calls"
+        self.parsed.merge(parsed)
+        return parsed
+
+    def num_reasoning_tokens(self) -> int:
+        if self.parser is None:
+            return 0
+        spans = self.parser.reasoning_spans
+        covering = self.text.tokens_covering
+        return sum(covering(end) - covering(start) for start, end in spans)
+
     def result(self) -> ChoiceResult:
+        parsed = self.parsed if self.parser is not None else Parsed(content=self.text.text)
         return ChoiceResult(
-            self.index, self.text.text, self.text.num_tokens, self.finish_reason, self.stats
+            self.index,
+            parsed.content,
+            self.text.num_tokens,
+            self.finish_reason,
+            self.stats,
+            parsed.reasoning if self.parser is not None and parsed.reasoning else None,
+            join_tool_calls(parsed.tool_calls),
+            self.num_reasoning_tokens(),
         )
 
 
@@ -51,36 +93,57 @@ class RequestRun:
         self,
         state: ServerState,
         renderer: Renderer,
-        prompt_ids: list[int],
-        params: ResolvedParams,
+        prompts: list[Prompt],
         num_choices: int,
         stop: list[str],
         want_drafts: bool,
+        parser: Callable[[], OutputParser] | None = None,
     ) -> None:
-        self.state, self.renderer = state, renderer
-        self.prompt_ids, self.params, self.want_drafts = prompt_ids, params, want_drafts
+        """`num_choices` choices per prompt (choice index = prompt index * num_choices + i);
+        `parser`: a factory of each choice's chat output parser (None: plain text)."""
+        self.state, self.renderer, self.want_drafts = state, renderer, want_drafts
+        self.prompts = prompts
         tokenizer = state.tokenizer
         self.decode: Callable[[list[int]], str] = tokenizer.decode if tokenizer else _no_text
-        self.choices = [Choice(i, TextStream(self.decode, stop)) for i in range(num_choices)]
+        text_decode: Callable[[list[int]], str] = self.decode
+        if tokenizer is not None and parser is not None:
+            text_decode = tokenizer.markup_decoder(MARKUP)  # the parser must see the markup
+        self.choices = [
+            Choice(
+                p * num_choices + i,
+                prompt,
+                i,
+                TextStream(text_decode, stop),
+                parser() if parser else None,
+            )
+            for p, prompt in enumerate(prompts)
+            for i in range(num_choices)
+        ]
         self._token_text: dict[int, str] = {}  # token id -> its text alone (draft cells)
 
     @property
     def response_id(self) -> str:
         return self.renderer.response_id
 
-    def _choice_params(self, index: int) -> ResolvedParams:
-        """Choice i samples with seed + i, so n > 1 gives n different, reproducible answers."""
-        seed = self.params.seed
-        if seed is None or index == 0:
-            return self.params
-        return replace(self.params, seed=(seed + index) % 2**63)
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.ids) for p in self.prompts)
+
+    @staticmethod
+    def _choice_params(choice: Choice) -> ResolvedParams:
+        """Choice i of a prompt samples with seed + i, so n > 1 gives n different,
+        reproducible answers."""
+        params, seed = choice.prompt.params, choice.prompt.params.seed
+        if seed is None or choice.seed_offset == 0:
+            return params
+        return replace(params, seed=(seed + choice.seed_offset) % 2**63)
 
     async def _run_choice(self, choice: Choice, sink: OutputCollector | None) -> None:
         """Drive one engine request to its end; put what the client should see into `sink`."""
         stream = self.state.engine.generate(
             f"{self.response_id}-{choice.index}",
-            self.prompt_ids,
-            self._choice_params(choice.index),
+            choice.prompt.ids,
+            self._choice_params(choice),
             self.want_drafts,
         )
         try:
@@ -91,13 +154,14 @@ class RequestRun:
                 elif out.finish_reason is not None:
                     choice.finish_reason = FinishReason(out.finish_reason)
                     choice.stats = out.stats
+                parsed = choice.parse(delta)
                 if out.new_token_ids:
                     now = time.monotonic()
                     self.state.metrics.itl.observe(now - choice.last_output_time)
                     choice.last_output_time = now
-                if sink is not None and (delta or out.draft is not None or choice.finish_reason):
+                if sink is not None and (parsed or out.draft is not None or choice.finish_reason):
                     event = ChoiceEvent(
-                        choice.index, delta, out.draft, choice.finish_reason, choice.stats
+                        choice.index, parsed, out.draft, choice.finish_reason, choice.stats
                     )
                     sink.put(event)
                 if choice.finish_reason is not None:
@@ -111,18 +175,16 @@ class RequestRun:
 
     def _record(self, choice: Choice) -> None:
         metrics = self.state.metrics
+        finish = choice.finish_reason
+        reason = FinishReason(finish) if finish not in (None, "tool_calls") else FinishReason.STOP
         if choice.stats is not None:
-            reason = choice.finish_reason or FinishReason.STOP
             metrics.on_finish(choice.stats, reason.value, choice.text.num_tokens)
             if choice.stats.first_token_time is not None:
                 metrics.ttft.observe(choice.stats.first_token_time - choice.stats.arrival_time)
-        elif choice.finish_reason is FinishReason.STOP:  # a stop string ended it
+        elif finish is not None and reason is FinishReason.STOP:  # a stop string ended it
             metrics.success(FinishReason.STOP.value)
-            metrics.prompt_tokens.inc(len(self.prompt_ids))
+            metrics.prompt_tokens.inc(len(choice.prompt.ids))
             metrics.generation_tokens.inc(choice.text.num_tokens)
-
-    def _num_completion(self) -> int:
-        return sum(c.text.num_tokens for c in self.choices)
 
     async def _watch(self, request: Request, tasks: list[asyncio.Task[None]]) -> bool:
         """Cancel the choices when the client goes away (frees their pages); returns whether
@@ -154,7 +216,7 @@ class RequestRun:
             watcher.cancel()
             await _cancel_all(tasks)
         results = [c.result() for c in self.choices]
-        return self.renderer.response(results, len(self.prompt_ids))
+        return self.renderer.response(results, self.num_prompt_tokens)
 
     async def _feed(self, choice: Choice, sink: OutputCollector) -> None:
         try:
@@ -187,7 +249,8 @@ class RequestRun:
                     cells = self._cells(ids) if ids is not None else None
                     yield sse(render.chunk(event, draft, cells))
             if render.include_usage:
-                yield sse(render.usage_chunk(len(self.prompt_ids), self._num_completion()))
+                results = [c.result() for c in self.choices]
+                yield sse(render.usage_chunk(self.num_prompt_tokens, results))
         except Exception as exc:
             logger.warning("request %s failed mid-stream: %s", self.response_id, exc)
             yield sse(to_api_error(exc, self.response_id, render.prompt_param).body())

@@ -2,35 +2,37 @@
 
 The engine side of a request (one task per choice) `put`s events into the collector and never
 waits; the client side takes whatever is pending. When the client reads slowly, a choice's
-pending events merge — text appends, the newest draft replaces older ones — so a request holds
-at most one pending event per choice however many drafts it streams.
+pending events merge — text, reasoning and tool calls append, the newest draft replaces older
+ones — so a request holds at most one pending event per choice however many drafts it streams.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from engine.types import FinishReason, RequestStats
+from engine.types import RequestStats
+from server.parsers import Parsed
 
 DONE = "data: [DONE]\n\n"
 
 
 @dataclass(slots=True)
 class ChoiceEvent:
-    """What a choice has produced since the client last read: new text, the newest draft of
-    the unfinished canvas (token ids, decoded only if it is sent), and how it ended."""
+    """What a choice has produced since the client last read: new text (content, reasoning,
+    tool calls), the newest draft of the unfinished canvas (token ids, decoded only if it is
+    sent), and how it ended ("tool_calls" when its tool calls ended it)."""
 
     index: int
-    delta: str = ""
+    delta: Parsed = field(default_factory=Parsed)
     draft_ids: list[int] | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: str | None = None
     stats: RequestStats | None = None
 
     def merge(self, later: ChoiceEvent) -> None:
-        self.delta += later.delta
+        self.delta.merge(later.delta)
         self.draft_ids = later.draft_ids  # a commit without a draft makes older drafts stale
         self.finish_reason = later.finish_reason
         self.stats = later.stats

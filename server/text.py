@@ -35,7 +35,7 @@ class TextStream:
         if cut is not None:
             text = text[:cut]
             self.stopped = True
-            self.num_tokens_at_stop = self._tokens_covering(cut)
+            self.num_tokens_at_stop = self.tokens_covering(cut)
         self.text = text
         end = len(text) if final or self.stopped else len(text) - self._partial_stop(text)
         delta = text[self.emitted : end]
@@ -65,7 +65,7 @@ class TextStream:
                     break
         return longest
 
-    def _tokens_covering(self, num_chars: int) -> int:
+    def tokens_covering(self, num_chars: int) -> int:
         """The fewest tokens whose text reaches `num_chars` characters (usage accounting)."""
         lo, hi = 0, len(self.token_ids)
         while lo < hi:

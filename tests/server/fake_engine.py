@@ -9,8 +9,9 @@ iterator early aborts the request. What it answers is deterministic and configur
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.params import DecodingDefaults, ParamError, ResolvedParams
 from engine.request import first_cut
@@ -43,18 +44,38 @@ DEFAULTS = DecodingDefaults(max_new_tokens=8, eos_token_ids=(EOS,))
 
 
 class ByteTokenizer:
-    """Token i < 256 is byte i; the chat template is 'role: content\\n' per message."""
+    """Token i < 256 is byte i; the chat template is 'role: content\\n' per message, the tools
+    (when given) as a first 'tools: [names]' line and the thinking switch as 'think: on|off'.
+    Markup is plain text here, so `markup_decoder` is `decode`."""
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
+    template_knows_tools = True
+    template_knows_thinking = True
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())  # bytes have no special tokens to add
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def markup_decoder(self, keep: Collection[str]) -> Callable[[list[int]], str]:
+        return self.decode
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         if messages and messages[-1]["role"] == "assistant":
             raise ValueError("the conversation must end with a user message")
-        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages))
+        lines = [f"tools: {[t['function']['name'] for t in tools]}\n"] if tools else []
+        if template_kwargs and "enable_thinking" in template_kwargs:
+            lines.append(f"think: {'on' if template_kwargs['enable_thinking'] else 'off'}\n")
+        for m in messages:
+            calls = [c["function"] for c in m.get("tool_calls") or []]
+            lines.append(f"{m['role']}: {m['content'] or ''}{calls or ''}\n")
+        return self.encode("".join(lines))
 
 
 def letters(seed: int | None, count: int = 64) -> list[int]:

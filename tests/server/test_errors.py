@@ -28,7 +28,7 @@ def error_of(r, status: int) -> dict:
         ({"n": 99}, "n", "n: must be in [1, 8]"),
         ({"seed": -1}, "seed", "seed"),
         ({"user": "u" * 257}, "user", "at most 256"),
-        ({"tools": [{"type": "function"}]}, "tools", "does not support the parameter 'tools'"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function", "Missing required parameter"),
         ({"logprobs": True}, "logprobs", "logprobs"),
         ({"top_p": 0.5}, "top_p", "top_p"),
         ({"bogus_field": 1}, "bogus_field", "Unrecognized request argument supplied"),
@@ -75,9 +75,9 @@ def test_prompt_token_outside_the_vocabulary_is_400(fake):
 
 @pytest.mark.parametrize(
     ("prompt", "fragment"),
-    [([], "must not be empty"), (["a", "b"], "batched prompts are not supported")],
+    [([], "must not be empty"), (["a"] * 65, "at most 64 prompts per request")],
 )
-def test_empty_and_batched_prompts_are_400(fake, prompt, fragment):
+def test_empty_and_oversized_batches_of_prompts_are_400(fake, prompt, fragment):
     err = error_of(fake.post("/completions", prompt=prompt), 400)
     assert err["param"] == "prompt" and fragment in err["message"]
 

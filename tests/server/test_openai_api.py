@@ -143,7 +143,14 @@ def test_stream_drafts_ride_in_an_extra_field(client):
         ({"temperature": 5}, "temperature", "temperature"),
         ({"max_tokens": 0}, "max_tokens", "max_tokens"),
         ({"n": 99}, "n", "n"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice.function.name",
+            "names no function",
+        ),
         ({"logprobs": True}, "logprobs", "logprobs"),
         ({"response_format": {"type": "json_object"}}, "response_format", "response_format"),
         ({"logit_bias": {"5": 1}}, "logit_bias", "logit_bias"),

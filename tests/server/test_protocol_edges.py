@@ -18,8 +18,6 @@ CHAT = [{"role": "user", "content": "hi"}]
     "neutral",
     [
         {"response_format": {"type": "text"}},
-        {"tools": []},
-        {"tool_choice": "none"},
         {"logit_bias": {}},
         {"logprobs": False, "top_p": 1, "presence_penalty": 0},
     ],
@@ -31,7 +29,7 @@ def test_neutral_values_of_unsupported_parameters_are_accepted(fake, neutral):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"})],
+    [("functions", [{"name": "f"}]), ("response_format", {"type": "json_object"})],
 )
 def test_other_values_of_unsupported_parameters_are_rejected_by_name(fake, field, value):
     error = fake.post("/chat/completions", messages=CHAT, **{field: value}).json()["error"]
@@ -74,7 +72,7 @@ def test_a_nan_temperature_is_not_finite(fake):
 def test_the_openapi_schema_lists_only_the_neutral_values_of_unsupported_parameters(fake):
     schema = fake.client.get("/openapi.json").json()["components"]["schemas"]
     chat = schema["ChatCompletionRequest"]["properties"]
-    assert chat["tools"]["enum"] == [None, []]
+    assert chat["functions"]["enum"] == [None, []]
     assert chat["response_format"]["enum"] == [None, {"type": "text"}]
     assert chat["max_tokens"]["anyOf"][0]["type"] == "integer"
 

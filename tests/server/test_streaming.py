@@ -13,8 +13,9 @@ from engine.params import SamplingParams
 from engine.types import FinishReason
 from engine.validation import RequestValidator
 from server.errors import ClientGone
+from server.parsers import Parsed
 from server.render import CompletionRenderer
-from server.run import RequestRun
+from server.run import Prompt, RequestRun
 from server.state import ServerState
 from server.stream import ChoiceEvent, OutputCollector
 from tests.server.fake_engine import DEFAULTS, LIMITS, ByteTokenizer, FakeEngine
@@ -54,7 +55,12 @@ def test_the_usage_chunk_comes_last_and_earlier_chunks_carry_null_usage(fake):
     )
     *content, usage, done = chunks
     assert done == "[DONE]" and usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": 9, "completion_tokens": 6, "total_tokens": 15}
+    assert usage["usage"] == {
+        "prompt_tokens": 9,
+        "completion_tokens": 6,
+        "total_tokens": 15,
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
     assert all(c["usage"] is None for c in content)
 
 
@@ -109,7 +115,7 @@ def make_run(engine: FakeEngine, num_choices: int, max_tokens: int = 40) -> Requ
         1, SamplingParams(max_tokens=max_tokens, seed=0)
     )
     renderer = CompletionRenderer("x", "fake", include_usage=False)
-    return RequestRun(state, renderer, [1], params, num_choices, [], want_drafts=False)
+    return RequestRun(state, renderer, [Prompt([1], params)], num_choices, [], want_drafts=False)
 
 
 def test_closing_a_stream_aborts_every_choice():
@@ -142,26 +148,26 @@ def test_a_slow_reader_gets_one_coalesced_event_per_choice():
         sink = OutputCollector(2)
         for step in range(1000):  # drafts of a reader that never keeps up: memory stays flat
             sink.put(ChoiceEvent(0, draft_ids=[step]))
-        sink.put(ChoiceEvent(1, "xy"))
-        sink.put(ChoiceEvent(0, "ab", draft_ids=None))
-        sink.put(ChoiceEvent(0, "cd", draft_ids=[7]))
-        sink.put(ChoiceEvent(1, "z", finish_reason=FinishReason.LENGTH))
+        sink.put(ChoiceEvent(1, Parsed("xy")))
+        sink.put(ChoiceEvent(0, Parsed("ab"), draft_ids=None))
+        sink.put(ChoiceEvent(0, Parsed("cd"), draft_ids=[7]))
+        sink.put(ChoiceEvent(1, Parsed("z"), finish_reason=FinishReason.LENGTH))
         return await sink.get()
 
     first, second = asyncio.run(main()) or []
-    assert (first.index, first.delta, first.draft_ids, first.finish_reason) == (
+    assert (first.index, first.delta.content, first.draft_ids, first.finish_reason) == (
         0,
         "abcd",
         [7],
         None,
     )
-    assert (second.delta, second.finish_reason) == ("xyz", FinishReason.LENGTH)
+    assert (second.delta.content, second.finish_reason) == ("xyz", FinishReason.LENGTH)
 
 
 def test_the_collector_hands_out_pending_events_before_a_failure_then_ends():
     async def main() -> list:
         sink = OutputCollector(1)
-        sink.put(ChoiceEvent(0, "ab"))
+        sink.put(ChoiceEvent(0, Parsed("ab")))
         sink.fail(RuntimeError("boom"))
         sink.close()
         got: list = [await sink.get()]
@@ -173,4 +179,4 @@ def test_the_collector_hands_out_pending_events_before_a_failure_then_ends():
         return got
 
     events, end = asyncio.run(main())
-    assert [e.delta for e in events] == ["ab"] and end is None
+    assert [e.delta.content for e in events] == ["ab"] and end is None

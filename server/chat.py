@@ -1,0 +1,249 @@
+"""A chat request's inputs to the chat template (messages, tools, the thinking switch) and the
+parser of its output, checked with errors that name the parameter.
+
+Content given as parts is joined to one text (text parts, separated by a newline, as vLLM joins
+them); parts of other kinds (images, audio, files) are refused: Canvas serves text only.
+Assistant tool calls in the history reach the template with their arguments parsed (templates
+write them out in the model's own syntax); a tool message gets the name of the call it answers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.params import ParamError
+from server.parsers import (
+    Gemma4Parser,
+    NamedCallParser,
+    OutputParser,
+    RequiredCallsParser,
+)
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ContentPart,
+    NamedToolChoice,
+    ToolCallItem,
+    check_text,
+)
+
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+MEDIA_PARTS = {
+    "image_url": "image",
+    "image": "image",
+    "input_image": "image",
+    "input_audio": "audio",
+    "audio": "audio",
+    "video": "video",
+    "video_url": "video",
+    "file": "file",
+    "input_file": "file",
+}
+
+
+class ChatTemplateInfo(Protocol):
+    """What a tokenizer says about its chat template."""
+
+    @property
+    def template_knows_tools(self) -> bool: ...
+
+    @property
+    def template_knows_thinking(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ChatInputs:
+    """What the chat template is given."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    template_kwargs: dict[str, Any]
+
+
+def chat_inputs(request: ChatCompletionRequest, template: ChatTemplateInfo) -> ChatInputs:
+    """The template inputs of `request`; ParamError naming the parameter when a message, a
+    tool or a template switch is invalid or the checkpoint's template cannot honour it."""
+    messages = template_messages(request.messages)
+    tools = template_tools(request, template)
+    thinking = thinking_switch(request)
+    if thinking is not None and not template.template_knows_thinking:
+        param = (
+            "reasoning_effort"
+            if request.chat_template_kwargs is None
+            else ("chat_template_kwargs.enable_thinking")
+        )
+        raise ParamError(param, "this checkpoint's chat template has no thinking switch")
+    forced = isinstance(request.tool_choice, NamedToolChoice) or request.tool_choice == "required"
+    if thinking and forced:
+        raise ParamError(
+            "tool_choice",
+            "a forced tool choice constrains the whole output to the call's JSON, so it cannot "
+            "be combined with thinking (enable_thinking / reasoning_effort)",
+        )
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    return ChatInputs(messages, tools, kwargs)
+
+
+def output_parser(request: ChatCompletionRequest) -> Callable[[], OutputParser]:
+    """A factory of the parser of each choice's output."""
+    choice = request.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        return lambda: NamedCallParser(name)
+    if choice == "required":
+        return RequiredCallsParser
+    parse_tools = bool(request.tools) and choice != "none"
+    max_calls = 1 if request.parallel_tool_calls is False else None
+    return lambda: Gemma4Parser(parse_tools, max_calls)
+
+
+def thinking_switch(request: ChatCompletionRequest) -> bool | None:
+    """The template's `enable_thinking`: from `chat_template_kwargs`, or from
+    `reasoning_effort` ("none": off, any other effort: on); None when neither asks."""
+    kwargs = request.chat_template_kwargs or {}
+    for key in kwargs:
+        if key != "enable_thinking":
+            raise ParamError(
+                f"chat_template_kwargs.{key}",
+                "is not a template switch Canvas passes (only 'enable_thinking')",
+            )
+    explicit = kwargs.get("enable_thinking")
+    if explicit is not None and not isinstance(explicit, bool):
+        raise ParamError("chat_template_kwargs.enable_thinking", "must be a boolean")
+    effort = request.reasoning_effort
+    implied = None if effort is None else effort != "none"
+    if explicit is not None and implied is not None and explicit != implied:
+        raise ParamError(
+            "reasoning_effort",
+            f"'{effort}' contradicts chat_template_kwargs.enable_thinking={explicit}",
+        )
+    return explicit if explicit is not None else implied
+
+
+def template_tools(
+    request: ChatCompletionRequest, template: ChatTemplateInfo
+) -> list[dict[str, Any]] | None:
+    """The request's tools for the template, checked; None when it has none."""
+    if request.tool_choice not in (None, "none") and not request.tools:
+        raise ParamError("tool_choice", "needs tools: there is no function to call")
+    if not request.tools:
+        return None
+    if not template.template_knows_tools:
+        raise ParamError(
+            "tools",
+            "this checkpoint's chat template does not render tools, so the model could not "
+            "see them; send the request without tools",
+        )
+    seen: set[str] = set()
+    for i, tool in enumerate(request.tools):
+        name = tool.function.name
+        if not FUNCTION_NAME.fullmatch(name):
+            raise ParamError(
+                f"tools.{i}.function.name",
+                "must be 1 to 64 letters, digits, underscores or dashes",
+            )
+        if name in seen:
+            raise ParamError(f"tools.{i}.function.name", f"'{name}' is defined twice")
+        seen.add(name)
+        check_parameters(f"tools.{i}.function.parameters", tool.function.parameters)
+    return [tool.model_dump(exclude_none=True) for tool in request.tools]
+
+
+def check_parameters(param: str, schema: dict[str, Any] | None) -> None:
+    """A function's `parameters` must be a JSON schema of an object."""
+    if schema is None:
+        return
+    if schema.get("type", "object") != "object":
+        raise ParamError(f"{param}.type", "must be 'object': a function's arguments are an object")
+    properties = schema.get("properties", {})
+    if not isinstance(properties, dict) or not all(
+        isinstance(v, dict) for v in properties.values()
+    ):
+        raise ParamError(f"{param}.properties", "must map each argument name to a JSON schema")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ParamError(f"{param}.required", "must be a list of argument names")
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation for the template, checked."""
+    if not messages:
+        raise ParamError("messages", "must contain at least one message")
+    call_names: dict[str, str] = {}  # tool call id -> function name, from the history
+    return [_message(f"messages.{i}", m, call_names) for i, m in enumerate(messages)]
+
+
+def _message(param: str, m: ChatMessage, call_names: dict[str, str]) -> dict[str, Any]:
+    role = "system" if m.role == "developer" else m.role
+    text = content_text(f"{param}.content", m.content)
+    if role != "assistant":
+        for name in ("tool_calls", "reasoning_content"):
+            if getattr(m, name) is not None:
+                raise ParamError(f"{param}.{name}", "only assistant messages carry it")
+    if role != "tool" and m.tool_call_id is not None:
+        raise ParamError(f"{param}.tool_call_id", "only tool messages carry it")
+    if text is None and not (role == "assistant" and m.tool_calls):
+        raise ParamError(f"{param}.content", "is required (a string or a list of text parts)")
+    message: dict[str, Any] = {"role": role, "content": text}
+    if role == "assistant":
+        if m.tool_calls:
+            message["tool_calls"] = [
+                _history_call(f"{param}.tool_calls.{j}", call, call_names)
+                for j, call in enumerate(m.tool_calls)
+            ]
+        if m.reasoning_content is not None:
+            message["reasoning_content"] = m.reasoning_content
+    if role == "tool":
+        if m.tool_call_id is None:
+            raise ParamError(f"{param}.tool_call_id", "is required in a tool message")
+        if m.tool_call_id not in call_names:
+            raise ParamError(
+                f"{param}.tool_call_id", "matches no tool call of an earlier assistant message"
+            )
+        message.update(tool_call_id=m.tool_call_id, name=call_names[m.tool_call_id])
+    return message
+
+
+def _history_call(param: str, call: ToolCallItem, call_names: dict[str, str]) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ParamError(f"{param}.function.arguments", "must be a JSON object (as a string)")
+    call_names[call.id] = call.function.name
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def content_text(param: str, content: str | list[ContentPart] | None) -> str | None:
+    """A message's text: the string, or its text parts joined by newlines."""
+    if content is None:
+        return None
+    if isinstance(content, str):
+        check_text(param, content)
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{param}.{j}"
+        if part.type in MEDIA_PARTS:
+            raise ParamError(
+                f"{where}.type",
+                f"{MEDIA_PARTS[part.type]} input is not supported: Canvas serves text only, "
+                "so only text content parts are supported",
+            )
+        if part.type != "text":
+            raise ParamError(
+                f"{where}.type", f"unknown part type {part.type!r}; only 'text' is supported"
+            )
+        if not isinstance(part.text, str):
+            raise ParamError(f"{where}.text", "must be a string")
+        for extra in part.model_extra or {}:
+            raise ParamError(f"{where}.{extra}", "is not a field of a text part")
+        check_text(f"{where}.text", part.text)
+        texts.append(part.text)
+    return "\n".join(texts)
