@@ -156,6 +156,11 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def prepare(self, params: ResolvedParams) -> None:
+        """Compile a request's grammar in a worker thread (cached; ParamError if invalid)."""
+        if params.json_schema is not None:
+            await asyncio.to_thread(self.engine.build_constraint, params)
+
     def fail_all_inflight(self, error: Exception) -> int:
         """Fail every request in flight with `error` and abort it; returns how many (call on
         the event loop, which owns the output queues: each generate() raises at once)."""

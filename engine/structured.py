@@ -17,11 +17,13 @@ How a request is constrained (`Constraint`):
   step's logits at that position replaces the draft's, and so on to the end of the canvas. A
   committed canvas is therefore always a valid continuation of the grammar state.
 - Termination: a document must be closed within the token budget. A copy of the matcher is run
-  ahead with the closing policy (`_closing_choice`: end, `}`, `]`, `"`, `,`, `0`, else the smallest
-  allowed token) to estimate how many tokens closing takes; once the remaining budget comes near
-  that estimate, a token is committed only if closing still fits after it, else the closing
-  policy's token is, so the document ends in the budget whenever it can. When it cannot (a budget smaller than the shortest document), the request
-  ends with finish_reason "length", never with an unfinished document claimed complete.
+  ahead with the closing policy (`_closing_choice`: an end token, `}`, `]`, `,`, `0`, `"`;
+  inside a string its closing quote; else the smallest allowed token) to estimate how many
+  tokens closing takes; once the remaining budget comes near that estimate, a token is
+  committed only if closing still fits after it, else the closing policy's token is, so the
+  document ends in the budget whenever it can. When it cannot (a budget smaller than the
+  shortest document), the request ends with finish_reason "length", never with an unfinished
+  document claimed complete.
 """
 
 from __future__ import annotations
@@ -219,6 +221,8 @@ class Constraint:
         the budget says so), consumed; -1 when the grammar refuses (a bug)."""
         if self.matcher.is_stopped():  # the document is complete: only an end token is left
             return min(self.eos)
+        if not self.matcher.validate_tokens([sampled]):  # the mask was not applied: a bug
+            return -1
         token = self.choose(sampled, remaining)
         return token if token >= 0 and self.consume([token]) else -1
 
@@ -247,8 +251,8 @@ class Constraint:
                 break  # nothing allowed: leave the rest; the request ends by its budget
             out[i] = token
             i += 1
-        if 0 < i < end and out[i - 1] not in self.eos and self.matcher.is_stopped() and self.eos:
-            out[i] = min(self.eos)  # the grammar ended without an end token: end here
+        if i < end and self.matcher.is_stopped() and self.eos:
+            out[i] = min(self.eos)  # the document is complete (maybe in an earlier canvas): end
         return out
 
 

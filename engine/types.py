@@ -179,6 +179,11 @@ class EngineClient(Protocol):
         want_drafts: bool = False,
     ) -> AsyncGenerator[StepOutput, None]: ...
 
+    async def prepare(self, params: ResolvedParams) -> None:
+        """Compile what a request needs before it is queued (its JSON schema's grammar, off
+        the step loop and cached); ParamError naming `response_format` for a bad schema."""
+        ...
+
     def abort(self, request_id: str) -> None: ...
 
     def fail_all_inflight(self, error: Exception) -> int:

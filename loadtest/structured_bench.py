@@ -71,7 +71,9 @@ def _valid(out: RequestOutput) -> bool:
     return out.finish_reason == "stop"
 
 
-def measure(llm: LLM, mode: DecodeMode, requests: int, max_tokens: int, steps: int) -> dict[str, Any]:
+def measure(
+    llm: LLM, mode: DecodeMode, requests: int, max_tokens: int, steps: int
+) -> dict[str, Any]:
     def params(i: int, schema: bool) -> SamplingParams:
         return SamplingParams(
             mode=mode,
@@ -119,8 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     ]
     print(f"# structured outputs: {args.requests} requests (half constrained), {args.model.name}")
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
-    print("| mode | step ms free | step ms mixed | grammar ms/step | grammar share | tok/s free "
-          "| tok/s mixed | valid |")
+    print(
+        "| mode | step ms free | step ms mixed | grammar ms/step | grammar share | tok/s free "
+        "| tok/s mixed | valid |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(

@@ -84,6 +84,13 @@ def chat_inputs(request: ChatCompletionRequest, template: ChatTemplateInfo) -> C
             "a forced tool choice constrains the whole output to the call's JSON, so it cannot "
             "be combined with thinking (enable_thinking / reasoning_effort)",
         )
+    fmt = request.response_format
+    if thinking and fmt is not None and fmt.type != "text":
+        raise ParamError(
+            "response_format",
+            "a JSON response format constrains the whole output, so it cannot be combined with "
+            "thinking (enable_thinking / reasoning_effort)",
+        )
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     return ChatInputs(messages, tools, kwargs)
 

@@ -89,6 +89,7 @@ class OutputParser(Protocol):
     a choice that made tool calls ends with finish_reason "tool_calls"."""
 
     calls_finish: bool
+    markup: bool  # fed the model's markup tokens as text (else plain decoded text)
 
     def feed(self, text: str) -> Parsed: ...
 
@@ -133,6 +134,7 @@ class Gemma4Parser:
     past `max_calls` (1 when the request set parallel_tool_calls false) are dropped."""
 
     calls_finish = True  # a choice that called tools ends with finish_reason "tool_calls"
+    markup = True
 
     def __init__(self, tools: bool, max_calls: int | None = None) -> None:
         self.tools = tools
@@ -343,6 +345,7 @@ class NamedCallParser:
     engine to the function's parameters) is the arguments of one call, streamed as it comes."""
 
     calls_finish = False  # OpenAI ends a forced named call with finish_reason "stop"
+    markup = False  # the output is the arguments' JSON alone
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -368,6 +371,7 @@ class RequiredCallsParser:
     not such an array (cut off by max_tokens) is returned as content."""
 
     calls_finish = True
+    markup = False  # the output is the calls' JSON alone
 
     def __init__(self) -> None:
         self.text = ""

@@ -20,10 +20,7 @@ from engine.validation import check_n, check_stop, check_user
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (False,),
     "suffix": (None,),
     "best_of": (1,),
@@ -75,6 +72,34 @@ class StreamOptions(BaseModel):
     include_usage: Bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")  # {}: any JSON
+    strict: Bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or a JSON schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must satisfy (a JSON text), or None for text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.json_schema is None:
+            raise ParamError(
+                "response_format.json_schema", 'is required when type is "json_schema"'
+            )
+        return json.dumps(self.json_schema.schema_)
+
+
 class CommonParams(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -99,14 +124,12 @@ class CommonParams(BaseModel):
     confidence_threshold: Float | None = None
     mode: Literal["diffusion", "ar"] | None = None  # None: the checkpoint's default mode
     stream_drafts: Bool = False
+    response_format: ResponseFormat | None = None
     # Unsupported OpenAI parameters are accepted by the schema and rejected by name in
     # `unsupported()` unless neutral, so the message can name the parameter.
     functions: Any = _neutral("functions")
     function_call: Any = _neutral("function_call")
-    response_format: Any = _neutral("response_format")
     logit_bias: Any = _neutral("logit_bias")
-    logprobs: Any = _neutral("logprobs")
-    top_logprobs: Any = _neutral("top_logprobs")
     echo: Any = _neutral("echo")
     suffix: Any = _neutral("suffix")
     best_of: Any = _neutral("best_of")
@@ -157,7 +180,12 @@ class CommonParams(BaseModel):
             confidence_threshold=self.confidence_threshold,
             temperature=self.temperature,
             json_schema=structured_schema(self),
+            logprobs=self.logprob_count(),
         )
+
+    def logprob_count(self) -> int | None:
+        """None: no log-probabilities; k: the chosen token's and the top k alternatives'."""
+        raise NotImplementedError
 
     @property
     def include_usage(self) -> bool:
@@ -167,8 +195,18 @@ class CommonParams(BaseModel):
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
 
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions
+MAX_CHAT_LOGPROBS = 20
+
+
 class CompletionRequest(CommonParams):
     prompt: str | list[str] | list[Int] | list[list[Int]]
+    logprobs: Int | None = None  # the number of top alternatives per token
+
+    def logprob_count(self) -> int | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise ParamError("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}]")
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request (a string, a list of token ids, or a batch of either);
@@ -255,6 +293,18 @@ class ChatCompletionRequest(CommonParams):
     parallel_tool_calls: Bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: {"enable_thinking": bool}
+    logprobs: Bool | None = None
+    top_logprobs: Int | None = None
+
+    def logprob_count(self) -> int | None:
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_CHAT_LOGPROBS:
+            raise ParamError("top_logprobs", f"must be in [0, {MAX_CHAT_LOGPROBS}]")
+        if not self.logprobs:
+            if top:
+                raise ParamError("top_logprobs", "needs logprobs: true")
+            return None
+        return top or 0
 
     @property
     def token_limit(self) -> int | None:
@@ -269,11 +319,22 @@ class ChatCompletionRequest(CommonParams):
 def structured_schema(request: CommonParams) -> str | None:
     """The JSON schema the engine constrains this request's output to (a JSON text), or None.
 
-    The one place a request's `SamplingParams.json_schema` is decided: forced tool choice
-    here; `response_format` belongs here too."""
-    if isinstance(request, ChatCompletionRequest):
-        return forced_tool_schema(request)
-    return None
+    The one place a request's `SamplingParams.json_schema` is decided: a forced tool choice
+    or `response_format` (not both)."""
+    fmt = request.response_format.schema_text() if request.response_format else None
+    forced = forced_tool_schema(request) if isinstance(request, ChatCompletionRequest) else None
+    if fmt is not None and forced is not None:
+        raise ParamError(
+            "response_format", "cannot be combined with a forced tool_choice (both set the output)"
+        )
+    return fmt or forced
+
+
+def schema_param(request: CommonParams) -> str:
+    """The parameter a bad schema is blamed on."""
+    if request.response_format is not None and request.response_format.type != "text":
+        return "response_format"
+    return "tools"
 
 
 def arguments_schema(function: FunctionDef) -> dict[str, Any]:

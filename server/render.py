@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from engine.types import RequestStats
+from server.logprobs import ShownLogprob, chat_logprobs, completion_logprobs
 from server.parsers import Parsed, ToolCallDelta
 from server.stream import ChoiceEvent
 
@@ -26,6 +27,7 @@ class ChoiceResult:
     reasoning: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     num_reasoning_tokens: int = 0
+    logprobs: list[ShownLogprob] | None = None  # when the request asked for them
 
 
 def canvas_stats(stats: RequestStats | None) -> dict[str, Any] | None:
@@ -65,7 +67,7 @@ class Renderer:
             {
                 "index": c.index,
                 "finish_reason": c.finish_reason,
-                "logprobs": None,
+                "logprobs": self._logprobs(c.logprobs),
                 **self._content(c),
                 "canvas_stats": canvas_stats(c.stats),
             }
@@ -84,7 +86,7 @@ class Renderer:
         item: dict[str, Any] = {
             "index": event.index,
             "finish_reason": event.finish_reason,
-            "logprobs": None,
+            "logprobs": self._logprobs(event.logprobs),
             **self._delta(event.delta),
         }
         if draft is not None:
@@ -114,6 +116,9 @@ class Renderer:
     def _content(self, choice: ChoiceResult) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _logprobs(self, shown: list[ShownLogprob] | None) -> dict[str, Any] | None:
+        raise NotImplementedError
+
     def _delta(self, delta: Parsed) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -126,6 +131,9 @@ class CompletionRenderer(Renderer):
 
     def _content(self, choice: ChoiceResult) -> dict[str, Any]:
         return {"text": choice.text}
+
+    def _logprobs(self, shown: list[ShownLogprob] | None) -> dict[str, Any] | None:
+        return None if shown is None else completion_logprobs(shown)
 
     def _delta(self, delta: Parsed) -> dict[str, Any]:
         return {"text": delta.content}
@@ -147,6 +155,9 @@ class ChatRenderer(Renderer):
             self._chunk([{"index": i, "finish_reason": None, "logprobs": None, "delta": role}])
             for i in range(num_choices)
         ]
+
+    def _logprobs(self, shown: list[ShownLogprob] | None) -> dict[str, Any] | None:
+        return None if shown is None else chat_logprobs(shown)
 
     def _content(self, choice: ChoiceResult) -> dict[str, Any]:
         content = None if choice.tool_calls and not choice.text else choice.text

@@ -12,11 +12,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.params import ParamError
+from engine.params import ParamError, ResolvedParams
 from server.chat import chat_inputs, output_parser
 from server.errors import APIError, draining_error, queue_full_error, to_api_error
 from server.parsers import OutputParser
-from server.protocol import ChatCompletionRequest, CommonParams, CompletionRequest
+from server.protocol import (
+    ChatCompletionRequest,
+    CommonParams,
+    CompletionRequest,
+    schema_param,
+)
 from server.render import ChatRenderer, CompletionRenderer, Renderer
 from server.run import Prompt, RequestRun, SSEResponse
 from server.state import ServerState
@@ -164,6 +169,7 @@ async def _serve(
     for i, ids in enumerate(prompt_ids):
         with _prompt_errors(renderer, i if len(prompt_ids) > 1 else None):
             prompts.append(Prompt(ids, state.validator.validate(ids, sampling)))
+    await _prepare(state, body, prompts[0].params, renderer)
     ticket = state.admission.admit(num_requests, state.engine.stats.num_inflight)
     if ticket is None:
         raise queue_full_error()
@@ -183,6 +189,19 @@ async def _serve(
         return JSONResponse(await run.complete(request))
     finally:
         ticket.release()
+
+
+async def _prepare(
+    state: ServerState, body: CommonParams, params: ResolvedParams, renderer: Renderer
+) -> None:
+    """Compile the request's JSON schema (cached, off the event loop and the step loop), so a
+    bad one is a 400 naming the parameter that carried it, before any stream starts."""
+    try:
+        await state.engine.prepare(params)
+    except ParamError as exc:
+        error = to_api_error(exc, renderer.response_id, renderer.prompt_param)
+        error.param = schema_param(body)
+        raise error from None
 
 
 @contextlib.contextmanager

@@ -17,8 +17,9 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.params import ResolvedParams
-from engine.types import FinishReason, RequestStats
+from engine.types import FinishReason, RequestStats, TokenLogprob
 from server.errors import ClientGone, to_api_error
+from server.logprobs import ShownLogprob, TokenTexts
 from server.parsers import MARKUP, OutputParser, Parsed, join_tool_calls
 from server.render import ChoiceResult, Renderer
 from server.state import ServerState, Ticket
@@ -51,6 +52,22 @@ class Choice:
     finish_reason: str | None = None
     stats: RequestStats | None = None
     last_output_time: float = field(default_factory=time.monotonic)
+    texts: TokenTexts | None = None  # set when the request asked for log-probabilities
+    received: list[TokenLogprob] = field(default_factory=list)
+    shown: list[ShownLogprob] = field(default_factory=list)
+
+    def take_logprobs(self, entries: list[TokenLogprob] | None) -> list[ShownLogprob] | None:
+        """The log-probabilities to show for what this output committed (up to a stop
+        string's cut); None when the request did not ask for them."""
+        if self.texts is None:
+            return None
+        self.received += entries or []
+        upto = min(self.text.num_tokens, len(self.received))
+        start = len(self.shown)
+        final = self.finish_reason is not None and upto == self.text.num_tokens
+        new = self.texts.show(self.text.token_ids, start, self.received[start:upto], final)
+        self.shown += new
+        return new
 
     def parse(self, delta: str) -> Parsed:
         """What `delta` (and, once the choice has finished, the rest) adds to the answer."""
@@ -83,6 +100,7 @@ class Choice:
             parsed.reasoning if self.parser is not None and parsed.reasoning else None,
             join_tool_calls(parsed.tool_calls),
             self.num_reasoning_tokens(),
+            self.shown if self.texts is not None else None,
         )
 
 
@@ -105,8 +123,9 @@ class RequestRun:
         self.prompts = prompts
         tokenizer = state.tokenizer
         self.decode: Callable[[list[int]], str] = tokenizer.decode if tokenizer else _no_text
+        parsers = [parser() if parser else None for _ in range(len(prompts) * num_choices)]
         text_decode: Callable[[list[int]], str] = self.decode
-        if tokenizer is not None and parser is not None:
+        if tokenizer is not None and parsers[0] is not None and parsers[0].markup:
             text_decode = tokenizer.markup_decoder(MARKUP)  # the parser must see the markup
         self.choices = [
             Choice(
@@ -114,11 +133,14 @@ class RequestRun:
                 prompt,
                 i,
                 TextStream(text_decode, stop),
-                parser() if parser else None,
+                parsers[p * num_choices + i],
             )
             for p, prompt in enumerate(prompts)
             for i in range(num_choices)
         ]
+        for choice in self.choices:
+            if choice.prompt.params.logprobs is not None:
+                choice.texts = TokenTexts(self.decode)
         self._token_text: dict[int, str] = {}  # token id -> its text alone (draft cells)
 
     @property
@@ -155,14 +177,17 @@ class RequestRun:
                     choice.finish_reason = FinishReason(out.finish_reason)
                     choice.stats = out.stats
                 parsed = choice.parse(delta)
+                logprobs = choice.take_logprobs(out.logprobs)
                 if out.new_token_ids:
                     now = time.monotonic()
                     self.state.metrics.itl.observe(now - choice.last_output_time)
                     choice.last_output_time = now
-                if sink is not None and (parsed or out.draft is not None or choice.finish_reason):
+                news = parsed or out.draft is not None or choice.finish_reason or logprobs
+                if sink is not None and news:
                     event = ChoiceEvent(
                         choice.index, parsed, out.draft, choice.finish_reason, choice.stats
                     )
+                    event.logprobs = logprobs
                     sink.put(event)
                 if choice.finish_reason is not None:
                     break

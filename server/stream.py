@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.types import RequestStats
+from server.logprobs import ShownLogprob
 from server.parsers import Parsed
 
 DONE = "data: [DONE]\n\n"
@@ -30,9 +31,12 @@ class ChoiceEvent:
     draft_ids: list[int] | None = None
     finish_reason: str | None = None
     stats: RequestStats | None = None
+    logprobs: list[ShownLogprob] | None = None  # of the tokens this event commits
 
     def merge(self, later: ChoiceEvent) -> None:
         self.delta.merge(later.delta)
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
         self.draft_ids = later.draft_ids  # a commit without a draft makes older drafts stale
         self.finish_reason = later.finish_reason
         self.stats = later.stats

@@ -44,7 +44,11 @@ def exact_llm(tiny_checkpoint: Callable[[str], Path]) -> LLM:
 
 def _params(mode: DecodeMode, seed: int, **kw: object) -> SamplingParams:
     return SamplingParams(
-        mode=mode, seed=seed, max_denoising_steps=STEPS, temperature=1.0, **kw  # type: ignore[arg-type]
+        mode=mode,
+        seed=seed,
+        max_denoising_steps=STEPS,
+        temperature=1.0,
+        **kw,  # type: ignore[arg-type]
     )
 
 
@@ -56,7 +60,8 @@ def _check_valid(outs: list, schema: dict) -> None:  # type: ignore[type-arg]
 
 @pytest.mark.parametrize("mode", MODES)
 def test_json_schema_outputs_validate_over_20_seeds(llm: LLM, mode: DecodeMode) -> None:
-    params = [_params(mode, seed, max_tokens=120, json_schema=json.dumps(SCHEMA)) for seed in range(20)]
+    schema = json.dumps(SCHEMA)
+    params = [_params(mode, seed, max_tokens=120, json_schema=schema) for seed in range(20)]
     outs = llm.generate(["Describe a pet as JSON."] * 20, params)
     _check_valid(outs, SCHEMA)
     assert len({o.text for o in outs}) > 1  # the seeds differ: the model chose, not a template
@@ -65,14 +70,16 @@ def test_json_schema_outputs_validate_over_20_seeds(llm: LLM, mode: DecodeMode) 
 @pytest.mark.parametrize("mode", MODES)
 def test_json_object_outputs_parse(llm: LLM, mode: DecodeMode) -> None:
     schema = {"type": "object"}
-    params = [_params(mode, seed, max_tokens=64, json_schema=json.dumps(schema)) for seed in range(8)]
+    text = json.dumps(schema)
+    params = [_params(mode, seed, max_tokens=64, json_schema=text) for seed in range(8)]
     outs = llm.generate(["Answer in JSON."] * 8, params)
     _check_valid(outs, schema)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_exact_numerics_are_constrained_too(exact_llm: LLM, mode: DecodeMode) -> None:
-    params = [_params(mode, seed, max_tokens=100, json_schema=json.dumps(SCHEMA)) for seed in range(3)]
+    schema = json.dumps(SCHEMA)
+    params = [_params(mode, seed, max_tokens=100, json_schema=schema) for seed in range(3)]
     _check_valid(exact_llm.generate(["pet"] * 3, params), SCHEMA)
 
 

@@ -9,6 +9,7 @@ iterator early aborts the request. What it answers is deterministic and configur
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from engine.types import (
     StepListener,
     StepOutput,
     StepStats,
+    TokenLogprob,
 )
 
 EOS = 256  # the byte tokenizer's end of sequence; decodes to nothing
@@ -144,6 +146,16 @@ class FakeEngine:
         self.failed_all.append(error)
         return 0
 
+    async def prepare(self, params: ResolvedParams) -> None:
+        """Like the engine: a schema that is not a JSON object is refused."""
+        if params.json_schema is not None:
+            try:
+                ok = isinstance(json.loads(params.json_schema), dict)
+            except json.JSONDecodeError:
+                ok = False
+            if not ok:
+                raise ParamError("response_format", "invalid JSON schema")
+
     def step(self, step: StepStats) -> None:
         """Run the step listeners as the engine thread does after a step."""
         for listener in self.on_step:
@@ -202,10 +214,20 @@ class FakeEngine:
                     first_token_time=arrival + 1.0,
                     finish_time=arrival + 2.0,
                 )
-            yield await self._pace(StepOutput(request_id, cut, reason, stats=stats))
+            logprobs = _logprobs(cut, params.logprobs) if params.logprobs is not None else None
+            yield await self._pace(
+                StepOutput(request_id, cut, reason, stats=stats, logprobs=logprobs)
+            )
             if reason is not None:
                 return
 
     async def _pace(self, out: StepOutput) -> StepOutput:
         await asyncio.sleep(self.delay)
         return out
+
+
+def _logprobs(tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Made-up but well-formed log-probabilities: the token ranks first, then its neighbours."""
+    return [
+        TokenLogprob(t, -0.5, tuple(((t + k) % 256, -0.5 - k) for k in range(top))) for t in tokens
+    ]
