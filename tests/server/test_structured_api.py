@@ -167,11 +167,11 @@ def _valid(text: str, schema: dict) -> None:  # type: ignore[type-arg]
 
 @pytest.mark.parametrize("extra", MODES)
 @pytest.mark.parametrize("stream", [False, True])
-def test_json_schema_answers_validate_over_10_seeds(client, extra, stream):
+def test_json_schema_answers_validate_over_20_seeds(client, extra, stream):
     common = {"model": "tiny", "messages": CHAT, "n": 5, "max_tokens": 100, "temperature": 1.0}
     texts: dict[int, str] = {}
     finish: dict[int, str] = {}
-    for seed in (0, 5):
+    for seed in (0, 5, 10, 15):
         r = client.chat.completions.create(
             response_format=JSON_SCHEMA, seed=seed, stream=stream, extra_body=extra, **common
         )
@@ -181,7 +181,7 @@ def test_json_schema_answers_validate_over_10_seeds(client, extra, stream):
                 piece = c.delta.content if stream else c.message.content
                 texts[key] = texts.get(key, "") + (piece or "")
                 finish[key] = c.finish_reason or finish.get(key, "")
-    assert len(texts) == 10 and set(finish.values()) == {"stop"}
+    assert len(texts) == 20 and set(finish.values()) == {"stop"}
     for text in texts.values():
         _valid(text, SCHEMA)
 
