@@ -25,6 +25,7 @@ import jsonschema
 
 from engine.llm import LLM, RequestOutput
 from engine.params import DecodeMode, SamplingParams
+from engine.structured import Constraint
 
 SCHEMA = {
     "type": "object",
@@ -63,6 +64,32 @@ def _run(llm: LLM, params: list[SamplingParams]) -> tuple[list[RequestOutput], d
     return outs, totals
 
 
+class RepairCounter:
+    """Counts how many committed canvas positions the grammar's repair changed (diffusion):
+    how far the model's own drafts are from valid documents."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+        self.changed = 0
+        self._original = Constraint.repair
+
+    def __enter__(self) -> RepairCounter:
+        counter, original = self, self._original
+
+        def repair(self: Constraint, draft: list[int], logits: Any, budget: int) -> list[int]:
+            out = original(self, draft, logits, budget)
+            end = min(len(draft), budget)
+            counter.checked += end
+            counter.changed += sum(a != b for a, b in zip(draft[:end], out[:end], strict=True))
+            return out
+
+        Constraint.repair = repair  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Constraint.repair = self._original  # type: ignore[method-assign]
+
+
 def _valid(out: RequestOutput) -> bool:
     try:
         jsonschema.validate(json.loads(out.text), SCHEMA)
@@ -86,7 +113,8 @@ def measure(
 
     llm.generate([PROMPT], [params(0, True)])  # warm-up (and the tokenizer's grammar build)
     _, free = _run(llm, [params(i, False) for i in range(requests)])
-    outs, mixed = _run(llm, [params(i, i % 2 == 0) for i in range(requests)])
+    with RepairCounter() as repairs:
+        outs, mixed = _run(llm, [params(i, i % 2 == 0) for i in range(requests)])
     constrained = [o for i, o in enumerate(outs) if i % 2 == 0]
     return {
         "mode": mode.value,
@@ -99,6 +127,7 @@ def measure(
         "tok_s_free": free["tokens"] / free["wall_seconds"],
         "tok_s_mixed": mixed["tokens"] / mixed["wall_seconds"],
         "valid": f"{sum(map(_valid, constrained))}/{len(constrained)}",
+        "repaired": repairs.changed / repairs.checked if repairs.checked else None,
     }
 
 
@@ -123,14 +152,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     print(
         "| mode | step ms free | step ms mixed | grammar ms/step | grammar share | tok/s free "
-        "| tok/s mixed | valid |"
+        "| tok/s mixed | valid | positions repaired |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        repaired = "–" if r["repaired"] is None else f"{100 * r['repaired']:.1f}%"
         print(
             f"| {r['mode']} | {r['step_ms_free']:.1f} | {r['step_ms_mixed']:.1f} | "
             f"{r['grammar_ms_per_step']:.1f} | {100 * r['grammar_share']:.1f}% | "
-            f"{r['tok_s_free']:.1f} | {r['tok_s_mixed']:.1f} | {r['valid']} |"
+            f"{r['tok_s_free']:.1f} | {r['tok_s_mixed']:.1f} | {r['valid']} | {repaired} |"
         )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=2))
