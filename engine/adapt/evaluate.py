@@ -53,6 +53,7 @@ class EvalConfig:
     seed: int = 0
     device: str = "auto"  # cuda when available, else cpu
     dtype: str = "auto"
+    adapter: str | bool = True  # a decoder adapter directory; True: the model's own; False: none
 
     def __post_init__(self) -> None:
         if not self.modes:
@@ -156,14 +157,16 @@ def evaluate_mode(
 
 def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     """Run every mode; returns the report as a JSON-ready dict ({"modes": {mode: result}})."""
-    llm = LLM.from_pretrained(cfg.model_dir, dtype=cfg.dtype, device=cfg.device)
+    llm = LLM.from_pretrained(
+        cfg.model_dir, dtype=cfg.dtype, device=cfg.device, adapter=cfg.adapter
+    )
     if llm.tokenizer is None:
         raise ValueError(
             f"--model {cfg.model_dir}: canvas eval needs a checkpoint with a tokenizer"
         )
     source = llm.model
     if cfg.source_dir is not None:
-        source = load_model(cfg.source_dir, dtype=cfg.dtype, device=cfg.device)
+        source = load_model(cfg.source_dir, dtype=cfg.dtype, device=cfg.device, adapter=False)
         if source.cfg.vocab_size != llm.model.cfg.vocab_size:
             raise ValueError(
                 f"--source {cfg.source_dir}: vocab size {source.cfg.vocab_size} differs from the "
