@@ -76,6 +76,7 @@ class TrainConfig:
     adapter: bool = False  # train a decoder adapter only (engine.adapt.train_adapter)
     adapter_rank: int = 8
     adapter_shift: bool = True
+    max_seconds: float = 0.0  # --adapter: stop (and save) once training ran this long; 0 = off
     resume: bool = False
     device: str = "auto"  # cuda when available, else cpu
     dtype: str = "float32"
@@ -93,8 +94,12 @@ class TrainConfig:
             raise ValueError("--save-every and --grad-clip must be >= 0 and --lr > 0")
         if not 0.0 <= self.self_cond_prob <= 1.0:
             raise ValueError("--self-cond-prob must be in [0, 1]")
-        if self.distill_prompts < 0 or self.adapter_rank < 1:
-            raise ValueError("--distill-prompts must be >= 0 and --adapter-rank >= 1")
+        if self.distill_prompts < 0 or self.adapter_rank < 1 or self.max_seconds < 0:
+            raise ValueError(
+                "--distill-prompts and --max-seconds must be >= 0 and --adapter-rank >= 1"
+            )
+        if self.max_seconds and not self.adapter:
+            raise ValueError("--max-seconds is for --adapter runs")
         if self.ar_loss_weight < 0 or self.distill_temperature < 0:
             raise ValueError("--ar-loss-weight and --distill-temperature must be >= 0")
 

@@ -217,6 +217,7 @@ def train_adapter(cfg: TrainConfig) -> Path:
     temps = TemperatureRange(defaults.t_min, defaults.t_max)
     prefixes = EncoderPrefixes(model, sampler)
     bar = tqdm(total=cfg.steps, initial=step, desc="canvas train", disable=not cfg.progress)
+    deadline = time.monotonic() + cfg.max_seconds if cfg.max_seconds else None
     with log.open("a") as log_file:
         while step < cfg.steps:
             step += 1
@@ -228,8 +229,12 @@ def train_adapter(cfg: TrainConfig) -> Path:
             log_file.flush()
             bar.update(1)
             bar.set_postfix(loss=f"{metrics.loss:.3f}")
-            if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            late = deadline is not None and time.monotonic() >= deadline
+            if late or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 save_adapter_checkpoint(cfg, step, model, optimizer, generator)
+            if late:
+                logger.warning("--max-seconds reached: stopping at step %d", step)
+                break
     bar.close()
     out = save_adapter(model.eval(), cfg.out_dir / ADAPTER_OUT)
     logger.info("Wrote %s", out)

@@ -189,8 +189,11 @@ def adapter_parameters(model: DiffusionLM) -> list[nn.Parameter]:
     ]
 
 
-def save_adapter(model: DiffusionLM, directory: str | Path) -> Path:
-    """Write the attached adapter into `directory` (created); returns it."""
+def save_adapter(
+    model: DiffusionLM, directory: str | Path, dtype: torch.dtype | None = None
+) -> Path:
+    """Write the attached adapter into `directory` (created), in `dtype` (default: the
+    model's; float16 halves a shipped adapter); returns it."""
     adapter = model.adapter
     if not isinstance(adapter, DecoderAdapter):
         raise ValueError("the model has no decoder adapter attached")
@@ -198,7 +201,7 @@ def save_adapter(model: DiffusionLM, directory: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     lora, sc = adapter_state(model)
     for tensors, file in ((lora, LORA_FILE), (sc, SELF_CONDITIONING_FILE)):
-        cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        cpu = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in tensors.items()}
         save_file(cpu, str(out / file), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps(asdict(adapter.config), indent=2) + "\n")
     return out
