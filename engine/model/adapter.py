@@ -21,7 +21,9 @@ subdirectory gets it attached automatically.
 
 from __future__ import annotations
 
+import filecmp
 import json
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -132,7 +134,7 @@ def _lora_owners(model: DiffusionLM) -> list[tuple[str, nn.Module, tuple[str, ..
     """(module name, module, projection names) of every projection the adapter adapts: the
     attention and MLP blocks of the layers (never the self-conditioning block, which the
     adapter holds whole)."""
-    owners = []
+    owners: list[tuple[str, nn.Module, tuple[str, ...]]] = []
     for name, module in model.layers.named_modules(prefix="layers"):
         if isinstance(module, SelfConditioning):
             continue
@@ -243,3 +245,25 @@ def load_adapter(model: DiffusionLM, directory: str | Path) -> DecoderAdapter:
                 # Fresh memory (not the file's mapping, not the checkpoint's weights).
                 model.get_parameter(name).data = tensor.to(device=device, dtype=dtype).clone()
     return adapter
+
+
+ADAPTER_FILES = (CONFIG_FILE, LORA_FILE, SELF_CONDITIONING_FILE)
+
+
+def install_adapter(source: Path, model_dir: Path) -> bool:
+    """Make `source`'s adapter `model_dir`'s own (`model_dir/adapter/`, attached by default),
+    replacing a different one whole; returns whether anything was copied."""
+    target = model_dir / ADAPTER_SUBDIR
+    if all(
+        (target / f).is_file() and filecmp.cmp(source / f, target / f, shallow=False)
+        for f in ADAPTER_FILES
+    ):
+        return False
+    partial = model_dir / (ADAPTER_SUBDIR + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for f in ADAPTER_FILES:
+        shutil.copy(source / f, partial / f)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)  # a model dir never holds half an adapter
+    return True

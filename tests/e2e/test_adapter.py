@@ -157,7 +157,9 @@ def run_adapter_train(model: Path, out: Path, data: Path, *args: str) -> int:
 @pytest.fixture
 def easy_text(tmp_path: Path) -> Path:
     path = tmp_path / "easy.jsonl"
-    lines = [{"prompt_ids": [3, 4, 5 + i % 3], "completion_ids": [40, 41, 42, 43] * 6} for i in range(8)]
+    lines = [
+        {"prompt_ids": [3, 4, 5 + i % 3], "completion_ids": [40, 41, 42, 43] * 6} for i in range(8)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path
 
