@@ -252,7 +252,10 @@ ADAPTER_FILES = (CONFIG_FILE, LORA_FILE, SELF_CONDITIONING_FILE)
 
 def install_adapter(source: Path, model_dir: Path) -> bool:
     """Make `source`'s adapter `model_dir`'s own (`model_dir/adapter/`, attached by default),
-    replacing a different one whole; returns whether anything was copied."""
+    replacing a different one whole; returns whether anything was copied (nothing when
+    `source` holds no adapter)."""
+    if not (source / CONFIG_FILE).is_file():
+        return False
     target = model_dir / ADAPTER_SUBDIR
     if all(
         (target / f).is_file() and filecmp.cmp(source / f, target / f, shallow=False)

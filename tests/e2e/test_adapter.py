@@ -193,3 +193,34 @@ def test_adapter_training_resumes_exactly(tiny_checkpoint, easy_text, tmp_path):
     for name in (LORA_FILE, SELF_CONDITIONING_FILE):
         a, b = straight / "adapter" / name, resumed / "adapter" / name
         assert a.read_bytes() == b.read_bytes()
+
+
+def test_install_adapter_copies_once_and_replaces_a_different_one(adapter_dir, tmp_path):
+    from engine.model.adapter import install_adapter
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    assert install_adapter(adapter_dir, model_dir)
+    assert not install_adapter(adapter_dir, model_dir)  # already the same files
+    (model_dir / ADAPTER_SUBDIR / LORA_FILE).write_bytes(b"stale")
+    assert install_adapter(adapter_dir, model_dir)
+    installed = (model_dir / ADAPTER_SUBDIR / LORA_FILE).read_bytes()
+    assert installed == (adapter_dir / LORA_FILE).read_bytes()
+
+
+def test_the_default_mode_is_diffusion_only_when_as_accurate_and_faster(tmp_path):
+    from engine.adapt.evaluate import choose_default_mode, set_default_mode
+
+    def report(acc: float, tps: float) -> dict:
+        ar = {"accuracy": 0.7, "tokens_per_second": 100.0}
+        return {"modes": {"ar": ar, "diffusion": {"accuracy": acc, "tokens_per_second": tps}}}
+
+    assert choose_default_mode(report(0.7, 150.0)) == "diffusion"
+    assert choose_default_mode(report(0.6, 150.0)) == "ar"  # faster but less accurate
+    assert choose_default_mode(report(0.8, 90.0)) == "ar"  # as accurate but slower
+    with pytest.raises(ValueError, match="--modes diffusion,ar"):
+        choose_default_mode({"modes": {"ar": {}}})
+    (tmp_path / "generation_config.json").write_text('{"t_min": 0.4}')
+    set_default_mode(tmp_path, "diffusion")
+    config = json.loads((tmp_path / "generation_config.json").read_text())
+    assert config == {"t_min": 0.4, "canvas_default_mode": "diffusion"}
