@@ -10,8 +10,9 @@ bit for bit what they are without it:
 - the self-conditioning block's weights (DECODE-only by construction), replacing the
   checkpoint's freshly initialised ones;
 - `shift`: canvas position i > 0 reads its logits off the final hidden state of position i - 1,
-  as the source did in AR mode (Dream's shift: the AR prior is kept, not unlearned); position 0
-  keeps its own.
+  as the source did in AR mode (Dream's shift: the AR prior is kept, not unlearned), and
+  position 0 off the last position's (a rotation by one: the last state has no AR role inside
+  the canvas, and no two positions share a state, so none repeats its neighbour's token).
 
 On disk (a directory): `adapter_config.json`, `adapter.safetensors` (LoRA and position
 embeddings) and `adapter_self_conditioning.safetensors`, each at most a few MiB for the default
@@ -110,8 +111,8 @@ class DecoderAdapter(nn.Module):
         )
 
     def shift(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Final hidden states [N, H] with each canvas's positions 1.. taking their left
-        neighbour's state (position 0 keeps its own)."""
+        """Final hidden states [N, H] with each canvas's states rotated right by one: position
+        i takes position i - 1's, position 0 the last position's."""
         any_decode, all_decode, segments = decode_rows(batch)
         if not self.config.shift or not any_decode:
             return hidden
@@ -119,7 +120,7 @@ class DecoderAdapter(nn.Module):
         index = None if all_decode else batch.decode_index(hidden.device)
         canvas = hidden if index is None else hidden[index]
         rows = canvas.view(len(segments), self.config.canvas_length, -1)
-        shifted = torch.cat([rows[:, :1], rows[:, :-1]], dim=1).view(canvas.shape)
+        shifted = torch.cat([rows[:, -1:], rows[:, :-1]], dim=1).view(canvas.shape)
         return shifted if index is None else hidden.index_copy(0, index, shifted)
 
     def _check(self, segments: list[int]) -> None:

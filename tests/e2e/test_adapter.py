@@ -224,3 +224,13 @@ def test_the_default_mode_is_diffusion_only_when_as_accurate_and_faster(tmp_path
     set_default_mode(tmp_path, "diffusion")
     config = json.loads((tmp_path / "generation_config.json").read_text())
     assert config == {"t_min": 0.4, "canvas_default_mode": "diffusion"}
+
+
+def test_generated_distillation_prompts_are_varied_and_never_the_eval_questions():
+    from engine.adapt.prompts import eval_questions, generated_prompts
+
+    prompts = generated_prompts(400, seed=0)
+    assert len(prompts) == len(set(prompts)) == 400
+    assert not set(generated_prompts(10_000)) & eval_questions()
+    assert generated_prompts(50, seed=0) == prompts[:50]
+    assert len({p.split()[0] for p in prompts}) >= 8  # many kinds of request, not one template
