@@ -234,3 +234,17 @@ def test_generated_distillation_prompts_are_varied_and_never_the_eval_questions(
     assert not set(generated_prompts(10_000)) & eval_questions()
     assert generated_prompts(50, seed=0) == prompts[:50]
     assert len({p.split()[0] for p in prompts}) >= 8  # many kinds of request, not one template
+
+
+def test_shift_rotates_each_canvas_by_one_and_leaves_encode_rows_alone():
+    from engine.model.adapter import DecoderAdapter
+
+    adapter = DecoderAdapter(AdapterConfig(canvas_length=3), hidden_size=2)
+    batch = train_batch(Mode.DECODE, [5, 5], [3, 3], 0)
+    batch.rows.insert(1, train_batch(Mode.ENCODE, [0], [2], 0).rows[0])
+    batch.__post_init__()
+    hidden = torch.arange(16.0).view(8, 2)  # rows: canvas 0..2, encode 3..4, canvas 5..7
+    out = adapter.shift(hidden, batch)
+    assert out[:, 0].tolist() == [4.0, 0.0, 2.0, 6.0, 8.0, 14.0, 10.0, 12.0]
+    plain = DecoderAdapter(AdapterConfig(canvas_length=3, shift=False), hidden_size=2)
+    assert torch.equal(plain.shift(hidden, batch), hidden)
