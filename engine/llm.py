@@ -69,11 +69,15 @@ class LLM:
         config: EngineConfig | None = None,
         exact: bool = False,
         kernels: str = "auto",
+        adapter: str | Path | bool = True,
     ) -> LLM:
         """Load a checkpoint. `exact`: reference-exact numerics (token-identical to the
         transformers reference at batch size 1 on CPU, batch invariant) instead of the fast
-        batched default; `kernels`: "auto" | "triton" | "twins"."""
-        model = load_model(model_dir, dtype=dtype, device=device, exact=exact, kernels=kernels)
+        batched default; `kernels`: "auto" | "triton" | "twins"; `adapter`: a decoder adapter
+        directory, True for the checkpoint's own (if any), False for none."""
+        model = load_model(
+            model_dir, dtype=dtype, device=device, exact=exact, kernels=kernels, adapter=adapter
+        )
         tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
         defaults = DecodingDefaults.from_checkpoint(model_dir, model.cfg.eos_token_ids)
         return cls(model, tokenizer, defaults, config)

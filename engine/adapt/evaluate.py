@@ -53,6 +53,7 @@ class EvalConfig:
     seed: int = 0
     device: str = "auto"  # cuda when available, else cpu
     dtype: str = "auto"
+    adapter: str | bool = True  # a decoder adapter directory; True: the model's own; False: none
 
     def __post_init__(self) -> None:
         if not self.modes:
@@ -156,14 +157,16 @@ def evaluate_mode(
 
 def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     """Run every mode; returns the report as a JSON-ready dict ({"modes": {mode: result}})."""
-    llm = LLM.from_pretrained(cfg.model_dir, dtype=cfg.dtype, device=cfg.device)
+    llm = LLM.from_pretrained(
+        cfg.model_dir, dtype=cfg.dtype, device=cfg.device, adapter=cfg.adapter
+    )
     if llm.tokenizer is None:
         raise ValueError(
             f"--model {cfg.model_dir}: canvas eval needs a checkpoint with a tokenizer"
         )
     source = llm.model
     if cfg.source_dir is not None:
-        source = load_model(cfg.source_dir, dtype=cfg.dtype, device=cfg.device)
+        source = load_model(cfg.source_dir, dtype=cfg.dtype, device=cfg.device, adapter=False)
         if source.cfg.vocab_size != llm.model.cfg.vocab_size:
             raise ValueError(
                 f"--source {cfg.source_dir}: vocab size {source.cfg.vocab_size} differs from the "
@@ -179,6 +182,27 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         "seed": cfg.seed,
         "modes": results,
     }
+
+
+def choose_default_mode(report: dict[str, Any]) -> str:
+    """The default decoding mode a report argues for: diffusion when it is at least as accurate
+    as AR and produces more tokens per second (on the machine the report was measured on),
+    else AR. Needs both modes in the report."""
+    modes = report["modes"]
+    if not {"ar", "diffusion"} <= set(modes):
+        raise ValueError("--set-default-mode needs --modes diffusion,ar")
+    ar, diffusion = modes["ar"], modes["diffusion"]
+    as_good = diffusion["accuracy"] >= ar["accuracy"]
+    faster = diffusion["tokens_per_second"] > ar["tokens_per_second"]
+    return "diffusion" if as_good and faster else "ar"
+
+
+def set_default_mode(model_dir: Path, mode: str) -> None:
+    """Write `mode` as the checkpoint's default (generation_config.json canvas_default_mode)."""
+    path = model_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    config["canvas_default_mode"] = mode
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 COLUMNS = (

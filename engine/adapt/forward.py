@@ -70,6 +70,19 @@ class TrainKVCache:
             parts.append(out[0].transpose(0, 1))
         return torch.cat(parts)
 
+    def layers_of(self, seq: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Sequence `seq`'s cached (K, V) on every layer, [Hkv, T, D] each, in layer order."""
+        num_layers = 1 + max(layer for layer, s in self._kv if s == seq)
+        return [self._kv[(layer, seq)] for layer in range(num_layers)]
+
+    def set_prefix(
+        self, seq: int, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int
+    ) -> None:
+        """Make the first `length` positions of `layers` (as `layers_of` returns them)
+        sequence `seq`'s cached prefix: a DECODE row of `seq` starting at `length` reads it."""
+        for layer, (k, v) in enumerate(layers):
+            self._kv[(layer, seq)] = (k[:, :length], v[:, :length])
+
     def _write(self, layer: int, seq: int, row: Row, k: torch.Tensor, v: torch.Tensor) -> None:
         key = (layer, seq)
         if key in self._kv:

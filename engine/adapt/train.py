@@ -72,6 +72,11 @@ class TrainConfig:
     ar_loss_weight: float = 1.0
     distill_max_tokens: int = 256
     distill_temperature: float = 0.0  # 0 = greedy
+    distill_prompts: int = 0  # generated prompts distilled besides the shipped ones
+    adapter: bool = False  # train a decoder adapter only (engine.adapt.train_adapter)
+    adapter_rank: int = 8
+    adapter_shift: bool = True
+    max_seconds: float = 0.0  # --adapter: stop (and save) once training ran this long; 0 = off
     resume: bool = False
     device: str = "auto"  # cuda when available, else cpu
     dtype: str = "float32"
@@ -89,6 +94,12 @@ class TrainConfig:
             raise ValueError("--save-every and --grad-clip must be >= 0 and --lr > 0")
         if not 0.0 <= self.self_cond_prob <= 1.0:
             raise ValueError("--self-cond-prob must be in [0, 1]")
+        if self.distill_prompts < 0 or self.adapter_rank < 1 or self.max_seconds < 0:
+            raise ValueError(
+                "--distill-prompts and --max-seconds must be >= 0 and --adapter-rank >= 1"
+            )
+        if self.max_seconds and not self.adapter:
+            raise ValueError("--max-seconds is for --adapter runs")
         if self.ar_loss_weight < 0 or self.distill_temperature < 0:
             raise ValueError("--ar-loss-weight and --distill-temperature must be >= 0")
 
@@ -302,9 +313,21 @@ def load_sequences(
         return load_data_file(cfg.data, tokenizer, spec)
     cached = cfg.out_dir / DISTILL_FILE
     if not cached.is_file():
+        from engine.adapt.prompts import generated_prompts
+        from kernels import resolve_kernels
+
+        # Generated in fast numerics (batched: several times quicker than exact), then back.
+        trained = model.kernels
+        model.bind_kernels(
+            resolve_kernels(model.embed_tokens.weight.device.type, trained.backend, False)
+        )
         llm = LLM(model, tokenizer, defaults)
-        records = self_distill(llm, cfg.distill_max_tokens, cfg.distill_temperature, cfg.seed)
+        extra = generated_prompts(cfg.distill_prompts, cfg.seed)
+        records = self_distill(
+            llm, cfg.distill_max_tokens, cfg.distill_temperature, cfg.seed, extra_prompts=extra
+        )
         del llm  # frees the engine's KV pools before training
+        model.bind_kernels(trained)
         cached.write_text("".join(json.dumps(r) + "\n" for r in records))
     return load_data_file(cached, tokenizer, spec)
 
@@ -335,7 +358,12 @@ def _start(cfg: TrainConfig) -> Path | None:
 
 
 def train(cfg: TrainConfig) -> Path:
-    """Run the training described by `cfg`; returns OUT/final."""
+    """Run the training described by `cfg`; returns OUT/final (OUT/adapter with
+    `cfg.adapter`)."""
+    if cfg.adapter:
+        from engine.adapt.train_adapter import train_adapter
+
+        return train_adapter(cfg)
     resume_from = _start(cfg)
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -347,6 +375,7 @@ def train(cfg: TrainConfig) -> Path:
         device=cfg.device,
         exact=True,
         kernels="twins",
+        adapter=False,  # the whole model trains; an attached adapter would be saved into it
     )
     defaults = DecodingDefaults.from_checkpoint(cfg.model_dir, model.cfg.eos_token_ids)
     spec = _data_spec(cfg, model, defaults)

@@ -170,15 +170,22 @@ def read_prompts(path: Path = DISTILL_PROMPTS) -> list[str]:
 
 
 def self_distill(
-    llm: LLM, max_tokens: int, temperature: float, seed: int, path: Path = DISTILL_PROMPTS
+    llm: LLM,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+    path: Path = DISTILL_PROMPTS,
+    extra_prompts: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """The model's own AR completions of the shipped chat prompts, as {"prompt_ids",
-    "completion_ids", "finished"} records (`llm` is an `engine.LLM` with a tokenizer)."""
+    """The model's own AR completions of the shipped chat prompts (and `extra_prompts`), as
+    {"prompt_ids", "completion_ids", "finished"} records (`llm`: an `engine.LLM` with a
+    tokenizer)."""
     from engine.params import DecodeMode, SamplingParams
 
     if llm.tokenizer is None:
         raise ValueError("--self-distill needs a checkpoint with a tokenizer")
-    prompts = [encode_prompt(llm.tokenizer, text) for text in read_prompts(path)]
+    texts = read_prompts(path) + list(extra_prompts or [])
+    prompts = [encode_prompt(llm.tokenizer, text) for text in texts]
     params = [
         SamplingParams(
             max_tokens=max_tokens, mode=DecodeMode.AR, seed=seed + i, temperature=temperature
@@ -222,6 +229,10 @@ class ExampleSampler:
         canvas += (spec.eos_id,) * (spec.canvas_length - len(canvas))
         return Example(context, canvas, num_known)
 
-    def sample(self, batch_size: int, generator: torch.Generator) -> list[Example]:
+    def draw(self, batch_size: int, generator: torch.Generator) -> list[int]:
+        """Indices into `pairs` of one batch (`sample` builds their examples)."""
         picks = torch.randint(0, len(self.pairs), (batch_size,), generator=generator)
-        return [self.example(int(i)) for i in picks]
+        return [int(i) for i in picks]
+
+    def sample(self, batch_size: int, generator: torch.Generator) -> list[Example]:
+        return [self.example(i) for i in self.draw(batch_size, generator)]

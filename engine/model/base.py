@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from engine.model.config import LayerSpec, LayerType, ModelConfig, TextConfig
 from engine.model.kv_cache import ForwardBatch, KVCache, Mode
 from engine.model.layers import UNBOUND, Attention, RMSNorm, SelfConditioning, rope_inv_freq
 from kernels import KernelSet
+
+if TYPE_CHECKING:
+    from engine.model.adapter import DecoderAdapter
 
 
 class Embedding(nn.Module):
@@ -52,6 +55,7 @@ class DiffusionLM(nn.Module):
         self.layers = nn.ModuleList([self.make_layer(cfg, spec) for spec in cfg.layers])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_conditioning = SelfConditioning(cfg)
+        self.adapter: DecoderAdapter | None = None  # see engine.model.adapter (DECODE rows only)
         self.kernels = UNBOUND
         self.init_rope()
 
@@ -144,7 +148,8 @@ class DiffusionLM(nn.Module):
         rope = self._rope(batch.positions(ids.device)[None], x.dtype)
         for i, (layer, spec) in enumerate(zip(self.layers, self.cfg.layers, strict=True)):
             x = layer(x, rope[spec.layer_type], i, batch, cache)
-        return self.norm(x)[0]
+        hidden = self.norm(x)[0]
+        return hidden if self.adapter is None else self.adapter.shift(hidden, batch)
 
     def _embed_rows(
         self, ids: torch.Tensor, soft_embeds: SoftEmbeds, batch: ForwardBatch
@@ -170,6 +175,8 @@ class DiffusionLM(nn.Module):
                 ]
             ).to(embeds.dtype)
         segments = [row.num_tokens for row in batch.rows if row.mode is Mode.DECODE]
+        if self.adapter is not None:
+            canvas = self.adapter.embed(canvas, segments)
         conditioned = self.self_conditioning.condition(canvas[None], soft[None], segments)[0]
         if all(is_decode):
             return conditioned

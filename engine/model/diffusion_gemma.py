@@ -94,7 +94,7 @@ class Layer(nn.Module):
         residual = x
         seg = batch.segments
         dense = self.post_feedforward_layernorm_1(
-            self.mlp(self.pre_feedforward_layernorm(x), seg),
+            self.mlp(self.pre_feedforward_layernorm(x), seg, batch),
         )
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = ops.route_experts(

@@ -69,6 +69,7 @@ class Attention(nn.Module):
             else None
         )
         self.o_proj = nn.Linear(num_heads * spec.head_dim, hidden, bias=False)
+        self.lora: nn.ModuleDict | None = None  # a decoder adapter's deltas (DECODE rows only)
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else spec.head_dim**-0.5
         self.qkv_norm = cfg.qk_norm  # Gemma: weighted q/k norms and an unweighted v norm
         if self.qkv_norm:
@@ -86,14 +87,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x: [1, N, H] packed tokens of all rows. Returns [1, N, H]."""
         ks = self.kernels
-        seg = batch.segments
         shape = (1, x.shape[1], -1, self.spec.head_dim)
         cos, sin = rope
-        q = ks.linear(x, self.q_proj.weight, seg).view(shape)
-        k = ks.linear(x, self.k_proj.weight, seg).view(shape)
+        q = self._project("q_proj", x, batch).view(shape)
+        k = self._project("k_proj", x, batch).view(shape)
         v = k  # full layers of DiffusionGemma have no v_proj: V is the raw k_proj output
         if self.v_proj is not None:
-            v = ks.linear(x, self.v_proj.weight, seg).view(shape)
+            v = self._project("v_proj", x, batch).view(shape)
         if self.qkv_norm:
             q = self.q_norm(q)
             v = self.v_norm(v)
@@ -102,7 +102,11 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)[0]  # [N, Hkv, D]
         window = batch.sliding_window if self.spec.is_sliding else 0
         out = cache.attend(ks, layer, q, k, v[0], batch, window, self.scale)  # [N, Hq, D]
-        return ks.linear(out.reshape(1, x.shape[1], -1), self.o_proj.weight, seg)
+        return self._project("o_proj", out.reshape(1, x.shape[1], -1), batch)
+
+    def _project(self, name: str, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        y = self.kernels.linear(x, getattr(self, name).weight, batch.segments)
+        return y if self.lora is None else self.lora[name](x, y, batch)
 
     def bind(self, kernels: KernelSet) -> None:
         """Bind a kernel set; Triton's attention needs a power-of-two head_dim >= 16, so other
@@ -129,13 +133,23 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.lora: nn.ModuleDict | None = None  # a decoder adapter's deltas (DECODE rows only)
 
-    def forward(self, x: torch.Tensor, segments: list[int]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, segments: list[int], batch: ForwardBatch | None = None
+    ) -> torch.Tensor:
+        """`batch` (the forward's rows) is needed only when an adapter is attached."""
         linear = self.kernels.linear
-        gate = self.act(linear(x, self.gate_proj.weight, segments))
-        return linear(
-            gate * linear(x, self.up_proj.weight, segments), self.down_proj.weight, segments
-        )
+        if self.lora is None or batch is None:
+            gate = self.act(linear(x, self.gate_proj.weight, segments))
+            return linear(
+                gate * linear(x, self.up_proj.weight, segments), self.down_proj.weight, segments
+            )
+        lora = self.lora
+        gate = self.act(lora["gate_proj"](x, linear(x, self.gate_proj.weight, segments), batch))
+        up = lora["up_proj"](x, linear(x, self.up_proj.weight, segments), batch)
+        hidden = gate * up
+        return lora["down_proj"](hidden, linear(hidden, self.down_proj.weight, segments), batch)
 
 
 class SelfConditioning(GatedMLP):

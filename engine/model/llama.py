@@ -31,7 +31,7 @@ class LlamaLayer(nn.Module):
         cache: KVCache,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, layer, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x), batch.segments)
+        return x + self.mlp(self.post_attention_layernorm(x), batch.segments, batch)
 
 
 class LlamaDiffusion(DiffusionLM):

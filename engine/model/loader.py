@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from engine.model.adapter import ADAPTER_SUBDIR, CONFIG_FILE, load_adapter
 from engine.model.base import DiffusionLM
 from engine.model.config import CheckpointError, ModelConfig, parse_model_config
 from engine.model.diffusion_gemma import DiffusionGemma
@@ -140,10 +141,13 @@ def load_model(
     device: str | torch.device = "cpu",
     exact: bool = False,
     kernels: str = "auto",
+    adapter: str | Path | bool = True,
 ) -> DiffusionLM:
     """Build the Canvas model from a checkpoint directory, with its kernel set bound: `exact`
     numerics or fast ones, on the `kernels` backend ("auto" | "triton" | "twins"), on `device`
-    ("auto": cuda when available)."""
+    ("auto": cuda when available). `adapter`: a decoder adapter directory to attach
+    (`engine.model.adapter`); True: the checkpoint's own `adapter/` when it has one; False:
+    none."""
     model_dir = Path(model_dir)
     device = resolve_device(str(device))
     config = load_model_config(model_dir)
@@ -171,7 +175,24 @@ def load_model(
     model.load_state_dict(state, assign=True, strict=True)
     model.init_rope(device)  # non-persistent buffers were created on the meta device
     model.bind_kernels(resolve_kernels(torch.device(device).type, kernels, exact))
+    adapter_dir = resolve_adapter(model_dir, adapter)
+    if adapter_dir is not None:
+        load_adapter(model, adapter_dir)
+        logger.info("Attached the decoder adapter from %s", adapter_dir)
     return model.eval().requires_grad_(False)
+
+
+def resolve_adapter(model_dir: Path, adapter: str | Path | bool) -> Path | None:
+    """The adapter directory `load_model` attaches (see its `adapter` argument)."""
+    if adapter is False:
+        return None
+    if adapter is True:
+        own = model_dir / ADAPTER_SUBDIR
+        return own if (own / CONFIG_FILE).is_file() else None
+    path = Path(adapter)
+    if not path.is_dir():
+        raise CheckpointError(f"--adapter {path}: not a directory")
+    return path
 
 
 def _nbytes(tensors: _Tensors, key: str) -> int:
