@@ -193,7 +193,10 @@ class AsyncEngine:
             self._counters.num_steps += 1
             self._counters.last_step_time = time.monotonic()
             for listener in self.on_step:
-                listener(result.stats, result.outputs)
+                try:
+                    listener(result.stats, result.outputs)
+                except Exception:  # an observer's fault (metrics) never stops the step loop
+                    logger.exception("a step listener failed")
             for out in result.outputs:
                 # A request that failed alone ends with an engine error; the others go on.
                 failure = EngineFailure(RuntimeError(out.error)) if out.error else None

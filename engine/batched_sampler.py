@@ -15,6 +15,7 @@ what else is in the batch, and a seed gives the same output alone or in any batc
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -80,9 +81,29 @@ class SlotState:
         self.temperature = zeros(num_slots, dtype=torch.float32)  # AR
 
 
+@dataclass(slots=True)
+class RowStates:
+    """The denoising state of one step's DENOISE rows, gathered from their slots (a value: the
+    slots are written only by `BatchedSampler.write`, after the step succeeded)."""
+
+    slots: torch.Tensor  # [R]
+    canvas_no: torch.Tensor  # [R]
+    canvas: torch.Tensor  # [R, L]
+    draft: torch.Tensor  # [R, L]
+    soft: torch.Tensor  # [R, L, H]
+    run: torch.Tensor  # [R]
+    steps_left: torch.Tensor  # [R]
+    num_steps: torch.Tensor  # [R]
+
+
+_ROW_FIELDS = ("canvas_no", "canvas", "draft", "soft", "run", "steps_left", "num_steps")
+
+
 class BatchedSampler:
-    """Vectorised sampling for fast numerics (see the module docstring). Slots are handed out
-    by the engine (`assign`) and freed with the request (`release`)."""
+    """Vectorised sampling for fast numerics (see the module docstring). Slots are owned by the
+    scheduler (one per running request); `bind` writes a newly admitted request's parameters
+    into its slot, `canvas_inputs` and `denoise` compute without writing, and `write` stores a
+    successful step's new state."""
 
     def __init__(
         self,
@@ -99,16 +120,14 @@ class BatchedSampler:
         self.canvas_length = canvas_length
         self.device = embedding.device
         self.state = SlotState(num_slots, canvas_length, hidden, embedding.dtype, self.device)
-        self.free = list(range(num_slots - 1, -1, -1))
 
     # -- slots --------------------------------------------------------------------------------
 
-    def assign(self, params: ResolvedParams) -> int:
-        """A slot for a newly running request, with its parameters written once."""
-        slot = self.free.pop()
+    def bind(self, slot: int, seed: int, params: ResolvedParams) -> None:
+        """Write a newly running request's parameters into its slot (idempotent)."""
         s = self.state
         values = {
-            s.seed: params.seed if params.seed is not None else new_seed(),
+            s.seed: seed,
             s.max_steps: params.max_denoising_steps,
             s.stability: params.stability_threshold,
             s.t_min: params.t_min,
@@ -120,19 +139,23 @@ class BatchedSampler:
         }
         for tensor, value in values.items():
             tensor[slot] = value
-        return slot
 
-    def release(self, slot: int) -> None:
-        self.free.append(slot)
+    def write(self, rows: RowStates, keep: torch.Tensor | None = None) -> None:
+        """Store the new state of the rows (those flagged in `keep` [R] bool) in their slots."""
+        s = self.state
+        slots = rows.slots if keep is None else rows.slots[keep]
+        for name in _ROW_FIELDS:
+            value = getattr(rows, name)
+            getattr(s, name)[slots] = value if keep is None else value[keep]
 
     # -- inputs -------------------------------------------------------------------------------
 
     def canvas_inputs(
         self, slots: torch.Tensor, starting: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Canvas ids [R * L] and self-conditioning input [R * L, H] of the DENOISE rows in
-        `slots` [R]; rows flagged in `starting` [R] (bool) begin a new canvas: uniform random
-        tokens, no self-conditioning signal, a fresh step count."""
+    ) -> tuple[torch.Tensor, torch.Tensor, RowStates]:
+        """Canvas ids [R * L], self-conditioning input [R * L, H] and the row states of the
+        DENOISE rows in `slots` [R]; rows flagged in `starting` [R] (bool) begin a new canvas:
+        uniform random tokens, no self-conditioning signal, a fresh step count."""
         s = self.state
         canvas_no = s.canvas_no[slots] + starting.long()  # [R]
         zero = torch.zeros_like(canvas_no)
@@ -141,30 +164,35 @@ class BatchedSampler:
         )
         fresh = uniform_tokens(u, self.vocab_size)  # [R, L]
         start = starting[:, None]
-        canvas = torch.where(start, fresh, s.canvas[slots])
-        soft = torch.where(start[:, :, None], 0.0, s.soft[slots])  # [R, L, H]
-        s.canvas_no[slots] = canvas_no
-        s.canvas[slots] = canvas
-        s.steps_left[slots] = torch.where(starting, s.max_steps[slots], s.steps_left[slots])
-        s.num_steps[slots] = torch.where(starting, 0, s.num_steps[slots])
-        s.run[slots] = torch.where(starting, 0, s.run[slots])
-        s.draft[slots] = torch.where(start, -1, s.draft[slots])
-        return canvas.view(-1), soft.view(-1, soft.shape[-1])
+        rows = RowStates(
+            slots=slots,
+            canvas_no=canvas_no,
+            canvas=torch.where(start, fresh, s.canvas[slots]),
+            draft=torch.where(start, -1, s.draft[slots]),
+            soft=torch.where(start[:, :, None], 0.0, s.soft[slots]),  # [R, L, H]
+            run=torch.where(starting, 0, s.run[slots]),
+            steps_left=torch.where(starting, s.max_steps[slots], s.steps_left[slots]),
+            num_steps=torch.where(starting, 0, s.num_steps[slots]),
+        )
+        return rows.canvas.view(-1), rows.soft.view(-1, rows.soft.shape[-1]), rows
 
     # -- the update ---------------------------------------------------------------------------
 
-    def denoise(self, logits: torch.Tensor, slots: torch.Tensor) -> list[torch.Tensor]:
-        """One denoising step of the canvases in `slots` [R] from their raw decoder logits
-        [R * L, V] fp32. Updates the slots' state (canvas, draft, stability run, steps, soft
-        embeddings) and returns device tensors for the host: finished [R], steps [R],
-        drafts [R * L], failed [R] (non-finite logits: the row's request must fail alone)."""
+    def denoise(
+        self, logits: torch.Tensor, rows: RowStates
+    ) -> tuple[RowStates, list[torch.Tensor]]:
+        """One denoising step of `rows` from their raw decoder logits [R * L, V] fp32. Returns
+        the rows' new state (canvas, draft, stability run, steps, soft embeddings; not yet
+        written) and device tensors for the host: finished [R], steps [R], drafts [R * L],
+        failed [R] (non-finite logits: the row's request must fail alone)."""
         s, ks = self.state, self.kernels
+        slots = rows.slots
         num_rows, length = slots.shape[0], self.canvas_length
-        steps_left, num_steps = s.steps_left[slots], s.num_steps[slots]
+        steps_left, num_steps = rows.steps_left, rows.num_steps
         t_min = s.t_min[slots]
         temperature = t_min + (s.t_max[slots] - t_min) * (steps_left / s.max_steps[slots])
         per_position = temperature.repeat_interleave(length)  # [R * L]
-        seeds, canvas_no = s.seed[slots, None], s.canvas_no[slots]
+        seeds, canvas_no = s.seed[slots, None], rows.canvas_no
         u = philox_uniform(seeds, counters(canvas_no, num_steps, SAMPLE_STREAM, length))
         result, soft = ks.sample_and_embed(
             logits, per_position, u.view(-1), self.embedding, self.embed_scale
@@ -174,18 +202,22 @@ class BatchedSampler:
         u_noise = philox_uniform(seeds, counters(canvas_no, num_steps + 1, NOISE_STREAM, length))
         noise = uniform_tokens(u_noise, self.vocab_size)
         draft = result.argmax.view(num_rows, length)
-        stable_run = torch.where((draft == s.draft[slots]).all(-1), s.run[slots] + 1, 0)
+        stable_run = torch.where((draft == rows.draft).all(-1), rows.run + 1, 0)
         steps_left, num_steps = steps_left - 1, num_steps + 1
         confident = entropy.mean(-1) < s.confidence[slots]
         finished = ((stable_run >= s.stability[slots]) & confident) | (steps_left <= 0)
-        s.canvas[slots] = torch.where(accept, result.sample.view(num_rows, length), noise)
-        s.draft[slots] = draft
-        s.run[slots] = stable_run
-        s.steps_left[slots] = steps_left
-        s.num_steps[slots] = num_steps
-        s.soft[slots] = soft.view(num_rows, length, -1)
+        new = RowStates(
+            slots=slots,
+            canvas_no=canvas_no,
+            canvas=torch.where(accept, result.sample.view(num_rows, length), noise),
+            draft=draft,
+            soft=soft.view(num_rows, length, -1),
+            run=stable_run,
+            steps_left=steps_left,
+            num_steps=num_steps,
+        )
         failed = ~torch.isfinite(result.lse.view(num_rows, length)).all(-1)
-        return [finished.long(), num_steps, draft.view(-1), failed.long()]
+        return new, [finished.long(), num_steps, draft.view(-1), failed.long()]
 
     def sample_ar(
         self, logits: torch.Tensor, slots: torch.Tensor, token_index: torch.Tensor

@@ -1,6 +1,14 @@
 """The engine core: requests in, one step at a time, outputs out (synchronous).
 
-    step():  plan = scheduler.schedule() → out = runner.execute(inputs) → sample → publish
+    step():  plan = scheduler.schedule()  →  effects = execute(plan)  →  scheduler.update(effects)
+
+The step is a pipeline of values with one writer. `schedule` plans rows and admits requests
+(their KV pages and sampler slot, acquired together); `execute` is pure — inputs, forward,
+sampling, grammar and log-probabilities, and each row kind's verdict (`engine.rows`) come back
+as values, and only the sampler state of rows that succeeded is stored, last; `update` alone
+writes request state and ends requests (`engine.scheduler`). So a step that fails has changed
+nothing, and fault isolation re-runs its rows one at a time: a row that fails again fails only
+its own request.
 
 `LLM` (offline) drives it in a loop; `AsyncEngine` drives it from its own thread. The sampler
 follows the model's numerics (`engine.sampling`): batched with counter-based random streams
@@ -11,37 +19,39 @@ on its prompt, parameters and seed only.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from engine.batched_sampler import new_seed
 from engine.kv_pages import KVPages, PageGeometry
 from engine.model import DiffusionLM, PagedKVCache
-from engine.model.base import SoftEmbeds
 from engine.model.config import LayerType
 from engine.params import DecodingDefaults, ParamError, ResolvedParams
-from engine.postprocess import after_sampling, before_sampling
+from engine.postprocess import ar_results, before_sampling, denoise_results
 from engine.request import RequestState
-from engine.rows import ROW_KINDS, RowResult
-from engine.runner import ModelRunner, RunOutput, StepInputs
-from engine.sampling import Sampled, make_sampling
-from engine.scheduler import ScheduledRow, Scheduler, SchedulerConfig
+from engine.rows import ROW_KINDS
+from engine.runner import ModelRunner, StepInputs
+from engine.sampling import make_sampling
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured import Constraint, GrammarCompiler, grammar_compiler
 from engine.tokenizer import Tokenizer
 from engine.types import (
     EngineLimits,
-    FinishReason,
-    RequestStats,
-    StepOutput,
+    RowEffect,
+    RowResult,
+    ScheduledRow,
+    StepPlan,
     StepResult,
     StepStats,
-    TokenLogprob,
 )
 from engine.validation import RequestValidator, context_needed
 
 logger = logging.getLogger(__name__)
+
+# Read once, at start-up: the tests (tests/conftest.py) check every engine's accounting.
+CHECK_INVARIANTS = os.environ.get("CANVAS_CHECK_INVARIANTS", "") == "1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +59,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     page_size: int = 16
     kv_cache_tokens: int = 131_072  # positions of full-attention KV across all sequences
+    # Verify the scheduler's accounting after every step (`Scheduler.check`): the tests
+    # (CANVAS_CHECK_INVARIANTS=1) and `canvas serve --check-invariants` turn it on; it costs
+    # O(pages) per step.
+    check_invariants: bool = CHECK_INVARIANTS
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
@@ -92,8 +106,6 @@ class Engine:
         self.sampling = make_sampling(model, sched.max_num_seqs)
         self.limits = self._limits()
         self.validator = RequestValidator(defaults, self.limits)
-        self.requests: dict[str, RequestState] = {}
-        self._stats = StepStats()  # the step in progress
         # Structured outputs: the grammar compiler is built from the tokenizer on first use.
         self._tokenizer = tokenizer
         self._grammar: GrammarCompiler | None = None
@@ -136,6 +148,11 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
 
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """Every request the engine knows (waiting or running), by id (read-only view)."""
+        return self.scheduler.requests
+
     def add_request(
         self,
         request_id: str,
@@ -157,19 +174,19 @@ class Engine:
             params,
             context=context_needed(len(prompt_ids), params, self.canvas_length),
             canvas_length=self.canvas_length,
+            seed=params.seed if params.seed is not None else new_seed(),
             want_drafts=want_drafts,
             constraint=constraint or self.build_constraint(params),
         )
         self.scheduler.add(req)
-        self.requests[request_id] = req
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request and free its pages. Returns whether it was known."""
-        self.scheduler.finish(request_id)
-        req = self.requests.pop(request_id, None)
-        if req is not None:
-            self.sampling.release(req)
-        return req is not None
+        """End a request (waiting or running) and release what it holds. Returns whether it
+        was known."""
+        ended = self.scheduler.end(request_id) is not None
+        if self.config.check_invariants:
+            self.scheduler.check()
+        return ended
 
     @property
     def numerics(self) -> str:
@@ -183,166 +200,87 @@ class Engine:
     def step(self) -> StepResult:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        self._stats = StepStats(num_rows=len(plan.rows), num_tokens=plan.num_tokens)
+        stats = StepStats(num_rows=len(plan.rows), num_tokens=plan.num_tokens)
+        effects = self._execute(plan, stats)
+        outputs = [*plan.ended, *self.scheduler.update(plan, effects)]
+        now = time.monotonic()
+        stats.canvas_latencies = [
+            now - row.req.canvas_started
+            for row, effect in zip(plan.rows, effects, strict=True)
+            if effect.canvas_steps is not None and effect.error is None
+        ]
+        stats.num_committed = sum(len(o.new_token_ids) for o in outputs)
+        stats.step_seconds = time.perf_counter() - start
+        if self.config.check_invariants:
+            self.scheduler.check()
+        return StepResult(outputs, stats)
+
+    def _execute(self, plan: StepPlan, stats: StepStats) -> list[RowEffect]:
+        """Each row's effect, computed without writing request state. A failure re-runs the
+        rows one at a time (safe: nothing was written); a row that fails again gets an error
+        effect, which ends only its own request."""
         if not plan.rows:
-            return StepResult([], self._stats)
+            return []
         try:
-            outputs = self._run(list(plan.rows))
+            return self._run(list(plan.rows), stats)
         except Exception:
             logger.exception("a step of %d rows failed; running them one at a time", len(plan.rows))
-            outputs = self._run_isolated(list(plan.rows))
-        self._stats.num_committed = sum(len(o.new_token_ids) for o in outputs)
-        self._stats.step_seconds = time.perf_counter() - start
-        return StepResult(outputs, self._stats)
-
-    def _run(self, rows: list[ScheduledRow]) -> list[StepOutput]:
-        """Forward and sample `rows`; nothing has advanced if this raises. Then each row's
-        after-step (state changes, outputs)."""
-        denoise, encode = self._split(rows)
-        out = self.runner.execute(self._inputs(denoise, encode))
-        self._stats.forward_seconds += out.forward_seconds
-        results = self._sample(denoise, encode, out)
-        outputs: list[StepOutput] = []
-        for row in (*denoise, *encode):
-            result = results.get(id(row), RowResult())
-            if result.failed:
-                outputs.append(self.fail(row.req, "the model produced non-finite logits"))
-            else:
-                outputs += ROW_KINDS[row.kind].after(self, row, result)
-        return outputs
-
-    def _run_isolated(self, rows: list[ScheduledRow]) -> list[StepOutput]:
-        """A step failed and the fault could not be put on one request: each row runs alone,
-        and a row that fails again fails only its own request."""
-        outputs: list[StepOutput] = []
-        for row in rows:
+        effects: list[RowEffect] = []
+        for row in plan.rows:
             try:
-                outputs += self._run([row])
+                effects += self._run([row], stats)
             except Exception as exc:
-                logger.warning("request %s failed alone: %r", row.req.request_id, exc)
-                outputs.append(self.fail(row.req, f"internal engine error ({type(exc).__name__})"))
-        return outputs
+                logger.warning("request %s failed alone: %r", row.seq_id, exc)
+                effects.append(RowEffect(error=f"internal engine error ({type(exc).__name__})"))
+        return effects
 
-    def fail(self, req: RequestState, reason: str) -> StepOutput:
-        """End one request with an error; its pages and sampler state are freed."""
-        self.scheduler.finish(req.request_id)
-        self.requests.pop(req.request_id, None)
-        self.sampling.release(req)
-        return StepOutput(req.request_id, [], FinishReason.ABORT, error=reason)
-
-    def note_canvas_latency(self, seconds: float) -> None:
-        """A canvas was committed this step, `seconds` after it started."""
-        self._stats.canvas_latencies.append(seconds)
-
-    def _split(self, rows: list[ScheduledRow]) -> tuple[list[ScheduledRow], list[ScheduledRow]]:
-        """The DECODE (denoise) and ENCODE rows; newly running requests get their sampler
-        state."""
-        now = time.monotonic()
-        for row in rows:
-            if row.req.first_scheduled_time is None:
-                row.req.first_scheduled_time = now
-                self.sampling.admit(row.req)
+    def _run(self, rows: list[ScheduledRow], stats: StepStats) -> list[RowEffect]:
+        """Inputs → forward → sample → post-process → effects of `rows`, in order. Writes
+        nothing but, once all of that has succeeded, the sampler state of the rows whose
+        results are not errors."""
+        self.sampling.bind([row.req for row in rows if row.admitted])
         denoise = [row for row in rows if ROW_KINDS[row.kind].decode]
-        return denoise, [row for row in rows if not ROW_KINDS[row.kind].decode]
-
-    def _inputs(self, denoise: list[ScheduledRow], encode: list[ScheduledRow]) -> StepInputs:
-        canvas_ids: torch.Tensor | None = None
-        soft: SoftEmbeds = []
-        if denoise:
-            now = time.monotonic()
-            for row in denoise:
-                if not row.req.in_canvas:
-                    row.req.canvas_started = now
-            canvas_ids, soft = self.sampling.canvas_inputs([row.req for row in denoise])
-        pages = [row.req.pages for row in denoise]
-        assert all(p is not None for p in pages)
-        return StepInputs(
-            denoise_starts=[row.start for row in denoise],
-            denoise_pages=pages,  # type: ignore[arg-type]
-            canvas_ids=canvas_ids,
-            soft_embeds=soft,
-            encode=[ROW_KINDS[row.kind].encode_input(row) for row in encode],
-        )
-
-    def _sample(
-        self, denoise: list[ScheduledRow], encode: list[ScheduledRow], out: RunOutput
-    ) -> dict[int, RowResult]:
+        encode = [row for row in rows if not ROW_KINDS[row.kind].decode]
         sampling = [row for row in encode if ROW_KINDS[row.kind].wants_token(row)]
         denoise_reqs, ar_reqs = [row.req for row in denoise], [row.req for row in sampling]
-        start = time.perf_counter()
-        raw_ar = before_sampling(ar_reqs, out.last_logits)
+        canvas = None
+        if denoise:
+            canvas = self.sampling.canvas_inputs(denoise_reqs, [r.starts_canvas for r in denoise])
+        out = self.runner.execute(
+            StepInputs(
+                denoise_starts=[row.start for row in denoise],
+                denoise_pages=[row.req.pages for row in denoise],  # type: ignore[misc]
+                canvas_ids=canvas.ids if canvas is not None else None,
+                soft_embeds=canvas.soft if canvas is not None else [],
+                encode=[ROW_KINDS[row.kind].encode_input(row) for row in encode],
+            )
+        )
+        stats.forward_seconds += out.forward_seconds
+        begin = time.perf_counter()
+        raw = before_sampling(ar_reqs, out.last_logits)
         masked = time.perf_counter()
-        sampled = self.sampling.sample(out.denoise_logits, denoise_reqs, out.last_logits, ar_reqs)
-        after = time.perf_counter()
-        logprobs = after_sampling(denoise_reqs, ar_reqs, sampled, out.denoise_logits, raw_ar)
+        sampled = self.sampling.sample(
+            canvas, out.denoise_logits, denoise_reqs, out.last_logits, ar_reqs
+        )
+        drawn = time.perf_counter()
+        results = dict(
+            zip(
+                map(id, denoise),
+                denoise_results(denoise_reqs, sampled, out.denoise_logits),
+                strict=True,
+            )
+        )
+        results.update(zip(map(id, sampling), ar_results(ar_reqs, sampled, raw), strict=True))
+        effects = [_effect(row, results.get(id(row), RowResult())) for row in rows]
         end = time.perf_counter()
-        self._stats.sample_seconds += end - start
-        self._stats.grammar_seconds += (masked - start) + (end - after)
-        return _row_results(denoise, sampling, sampled, logprobs)
-
-    def emit_token(
-        self, req: RequestState, token: int, logprob: list[TokenLogprob] | None = None
-    ) -> StepOutput:
-        """An AR token: the request ends at EOS or at its token budget."""
-        reason = None
-        if token in req.params.eos_token_ids:
-            reason = FinishReason.STOP
-        elif len(req.output_ids) + 1 >= req.params.max_tokens:
-            reason = FinishReason.LENGTH
-        return self.emit(req, [token], reason, logprob)
-
-    def emit(
-        self,
-        req: RequestState,
-        tokens: list[int],
-        reason: FinishReason | None,
-        logprobs: list[TokenLogprob] | None = None,
-    ) -> StepOutput:
-        """Append committed tokens; with a finish reason, the request ends here."""
-        now = time.monotonic()
-        if tokens and req.first_token_time is None:
-            req.first_token_time = now
-        req.output_ids += tokens
-        if reason is None:
-            return StepOutput(req.request_id, tokens, logprobs=logprobs)
-        self.scheduler.finish(req.request_id)
-        del self.requests[req.request_id]
-        self.sampling.release(req)
-        stats = RequestStats(
-            num_prompt_tokens=len(req.prompt_ids),
-            num_output_tokens=len(req.output_ids),
-            decoder_passes=req.decoder_passes,
-            encoder_passes=req.encoder_passes,
-            steps_per_canvas=tuple(req.steps_per_canvas),
-            arrival_time=req.arrival_time,
-            first_scheduled_time=req.first_scheduled_time,
-            first_token_time=req.first_token_time,
-            finish_time=now,
-        )
-        return StepOutput(req.request_id, tokens, reason, stats=stats, logprobs=logprobs)
+        stats.sample_seconds += end - begin
+        stats.grammar_seconds += (masked - begin) + (end - drawn)
+        ok = [results[id(row)].error is None for row in denoise]
+        self.sampling.install(sampled, ok, [results[id(row)].error is None for row in sampling])
+        return effects
 
 
-def _row_results(
-    denoise: list[ScheduledRow],
-    sampling: list[ScheduledRow],
-    sampled: Sampled,
-    logprobs: tuple[dict[int, list[TokenLogprob]], dict[int, TokenLogprob]],
-) -> dict[int, RowResult]:
-    """The sampler's results keyed by row (its identity)."""
-    denoise_lp, ar_lp = logprobs
-    results = {
-        id(row): RowResult(
-            finished=sampled.finished[j],
-            num_steps=sampled.num_steps[j],
-            draft=sampled.drafts[j],
-            failed=sampled.failed[j],
-            logprobs=denoise_lp.get(j),
-        )
-        for j, row in enumerate(denoise)
-    }
-    for k, row in enumerate(sampling):
-        lp = [ar_lp[k]] if k in ar_lp else None
-        results[id(row)] = RowResult(
-            token=sampled.ar_tokens[k], failed=sampled.ar_failed[k], logprobs=lp
-        )
-    return results
+def _effect(row: ScheduledRow, result: RowResult) -> RowEffect:
+    if result.error is not None:
+        return RowEffect(error=result.error)
+    return ROW_KINDS[row.kind].effect(row, result)

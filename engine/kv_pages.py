@@ -21,8 +21,8 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class PagePool:
-    """A free list of page ids [0, num_pages)."""
+class IdPool:
+    """A free list of ids [0, num_pages): KV pages, or sampler slots."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 0:
@@ -41,6 +41,10 @@ class PagePool:
 
     def release(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
+
+    def free_ids(self) -> list[int]:
+        """A copy of the free list (for accounting checks)."""
+        return list(self._free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +95,8 @@ class KVPages:
 
     def __init__(self, geometry: PageGeometry, num_full_pages: int, num_sliding_pages: int) -> None:
         self.geometry = geometry
-        self.full = PagePool(num_full_pages if geometry.has_full else 0)
-        self.sliding = PagePool(num_sliding_pages if geometry.has_sliding else 0)
+        self.full = IdPool(num_full_pages if geometry.has_full else 0)
+        self.sliding = IdPool(num_sliding_pages if geometry.has_sliding else 0)
 
     def fits_ever(self, context: int) -> bool:
         """Whether an empty cache could hold a sequence of `context` positions."""

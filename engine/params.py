@@ -41,7 +41,21 @@ def _check(ok: bool, param: str, message: str) -> None:
 # The lowest sampling temperature: logits / T must stay far from fp32 overflow (a request with
 # T = 1e-45 once turned into NaN and failed every request of its batch).
 MIN_TEMPERATURE = 1e-3
-FLOAT_FIELDS = ("entropy_bound", "t_min", "t_max", "confidence_threshold", "temperature")
+# The sampler keeps these in float32 (the batched sampler's slots, the reference's schedule):
+# each must be finite there, and the bounds keep every value the schedule derives from them
+# (temperature scaling by up to MAX_TEMPERATURE, t_max - t_min) finite too. They are far above
+# anything useful: the schedule's temperatures are ~1, and a whole canvas's entropy is at most
+# canvas_length * ln(vocabulary) (< 4,000 at 256 x 262,144).
+MAX_SCHEDULE_TEMPERATURE = 1e4
+MAX_ENTROPY = 1e9
+FLOAT_BOUNDS = {
+    "entropy_bound": MAX_ENTROPY,
+    "t_min": MAX_SCHEDULE_TEMPERATURE,
+    "t_max": MAX_SCHEDULE_TEMPERATURE,
+    "confidence_threshold": MAX_ENTROPY,
+}
+MAX_DENOISING_STEPS = 1024
+MAX_STABILITY_THRESHOLD = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +84,11 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        for name in FLOAT_FIELDS:
+        for name in (*FLOAT_BOUNDS, "temperature"):  # temperature's range is checked below
             value = getattr(self, name)
             _check(value is None or math.isfinite(value), name, "must be a finite number")
+            bound = FLOAT_BOUNDS.get(name, math.inf)
+            _check(value is None or value <= bound, name, f"must be <= {bound:g}")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(
             self.mode is None or isinstance(self.mode, DecodeMode),
@@ -81,9 +97,10 @@ class SamplingParams:
         )
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
         _check(
-            self.max_denoising_steps is None or 1 <= self.max_denoising_steps <= 1024,
+            self.max_denoising_steps is None
+            or 1 <= self.max_denoising_steps <= MAX_DENOISING_STEPS,
             "max_denoising_steps",
-            "must be in [1, 1024]",
+            f"must be in [1, {MAX_DENOISING_STEPS}]",
         )
         _check(self.entropy_bound is None or self.entropy_bound > 0, "entropy_bound", "must be > 0")
         _check(self.t_min is None or self.t_min >= 0, "t_min", "must be >= 0")
@@ -93,9 +110,10 @@ class SamplingParams:
             f"must be >= {MIN_TEMPERATURE:g} (lower temperatures overflow the softmax)",
         )
         _check(
-            self.stability_threshold is None or 0 <= self.stability_threshold <= 64,
+            self.stability_threshold is None
+            or 0 <= self.stability_threshold <= MAX_STABILITY_THRESHOLD,
             "stability_threshold",
-            "must be in [0, 64]",
+            f"must be in [0, {MAX_STABILITY_THRESHOLD}]",
         )
         _check(
             self.confidence_threshold is None or self.confidence_threshold >= 0,

@@ -1,7 +1,9 @@
 """Between sampling and committing: the grammar of structured-output requests and the
-log-probabilities of the tokens that are committed (`engine.structured`, `engine.logprobs`).
+log-probabilities of the tokens that are committed (`engine.structured`, `engine.logprobs`),
+turned into one `RowResult` per row.
 
-Only requests that asked for either pay anything; the step's other rows are untouched.
+Pure: a grammar advances on a fork of the request's constraint, carried in the result; the
+request takes it in the scheduler's update. Only requests that asked for either pay anything.
 """
 
 from __future__ import annotations
@@ -11,13 +13,17 @@ import torch
 from engine.logprobs import token_logprobs
 from engine.request import RequestState
 from engine.sampling import Sampled
-from engine.types import TokenLogprob
+from engine.types import RowResult
+
+NON_FINITE = "the model produced non-finite logits"
+GRAMMAR_REFUSED = "the grammar refused every token (internal engine error)"
 
 
 @torch.inference_mode()
 def before_sampling(ar: list[RequestState], logits: torch.Tensor | None) -> dict[int, torch.Tensor]:
-    """Mask the next-token logits [R_ar, V] of constrained AR requests in place; returns the
-    raw logits of the rows whose log-probabilities are wanted (taken before the mask)."""
+    """Mask the next-token logits [R_ar, V] (this step's own tensor) of constrained AR requests
+    in place; returns the raw logits of the rows whose log-probabilities are wanted (taken
+    before the mask)."""
     raw: dict[int, torch.Tensor] = {}
     if logits is None:
         return raw
@@ -30,40 +36,61 @@ def before_sampling(ar: list[RequestState], logits: torch.Tensor | None) -> dict
 
 
 @torch.inference_mode()
-def after_sampling(
-    denoise: list[RequestState],
-    ar: list[RequestState],
-    sampled: Sampled,
-    denoise_logits: torch.Tensor | None,
-    raw_ar: dict[int, torch.Tensor],
-) -> tuple[dict[int, list[TokenLogprob]], dict[int, TokenLogprob]]:
-    """Advance the grammars (AR tokens consumed; converged canvases repaired in
-    `sampled.drafts`) and compute the wanted log-probabilities: per DENOISE row index, one per
-    draft position up to the budget; per AR row index, the sampled token's."""
+def ar_results(
+    ar: list[RequestState], sampled: Sampled, raw: dict[int, torch.Tensor]
+) -> list[RowResult]:
+    """Per AR-sampled row: the token to commit (the grammar's choice for constrained
+    requests), its log-probability when asked, or the row's error."""
+    results = []
     for k, req in enumerate(ar):
-        if req.constraint is not None and not sampled.ar_failed[k]:
-            token = req.constraint.commit_ar(sampled.ar_tokens[k], req.remaining)
-            sampled.ar_tokens[k] = token
-            sampled.ar_failed[k] = token < 0  # the grammar refused its own choice: fail alone
-    ar_logprobs = {
-        k: token_logprobs(raw_ar[k][None], [sampled.ar_tokens[k]], _top(ar[k]))[0] for k in raw_ar
-    }
-    denoise_logprobs: dict[int, list[TokenLogprob]] = {}
-    for j, req in enumerate(denoise):
-        draft = sampled.drafts[j]
-        if not sampled.finished[j] or sampled.failed[j] or draft is None:
+        if sampled.ar_failed[k]:
+            results.append(RowResult(error=NON_FINITE))
             continue
-        if req.constraint is None and req.params.logprobs is None:
-            continue
-        assert denoise_logits is not None
-        length = len(draft)
-        logits = denoise_logits[j * length : (j + 1) * length]
+        token, constraint = sampled.ar_tokens[k], None
         if req.constraint is not None:
-            draft = sampled.drafts[j] = req.constraint.repair(draft, logits, req.remaining)
-        if req.params.logprobs is not None:
-            kept = draft[: min(length, req.remaining)]
-            denoise_logprobs[j] = token_logprobs(logits, kept, _top(req))
-    return denoise_logprobs, ar_logprobs
+            constraint = req.constraint.fork()
+            token = constraint.commit_ar(token, req.remaining)
+            if token < 0:
+                results.append(RowResult(error=GRAMMAR_REFUSED))
+                continue
+        logprobs = [token_logprobs(raw[k][None], [token], _top(req))[0]] if k in raw else None
+        results.append(RowResult(token=token, logprobs=logprobs, constraint=constraint))
+    return results
+
+
+@torch.inference_mode()
+def denoise_results(
+    denoise: list[RequestState], sampled: Sampled, logits: torch.Tensor | None
+) -> list[RowResult]:
+    """Per DENOISE row: the canvas's progress; a converged draft repaired by the grammar of a
+    constrained request, and its log-probabilities (one per position up to the budget) when
+    asked."""
+    results = []
+    for j, req in enumerate(denoise):
+        if sampled.failed[j]:
+            results.append(RowResult(error=NON_FINITE))
+            continue
+        draft, constraint, logprobs = sampled.drafts[j], None, None
+        wanted = req.constraint is not None or req.params.logprobs is not None
+        if sampled.finished[j] and draft is not None and wanted:
+            assert logits is not None
+            length = len(draft)
+            rows = logits[j * length : (j + 1) * length]
+            if req.constraint is not None:
+                constraint = req.constraint.fork()
+                draft = constraint.repair(draft, rows, req.remaining)
+            if req.params.logprobs is not None:
+                logprobs = token_logprobs(rows, draft[: min(length, req.remaining)], _top(req))
+        results.append(
+            RowResult(
+                finished=sampled.finished[j],
+                num_steps=sampled.num_steps[j],
+                draft=draft,
+                logprobs=logprobs,
+                constraint=constraint,
+            )
+        )
+    return results
 
 
 def _top(req: RequestState) -> int:

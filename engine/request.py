@@ -1,7 +1,7 @@
 """The one state object of a request (torch-free): what it asked for, where the scheduler has
-it, what it has produced, and an opaque slot for its sampler's state. The scheduler, the engine,
-the row kinds and the samplers all read and write this object; nothing is kept in a second dict
-by the same id."""
+it, what it holds and what it has produced. Everyone may read it; only the scheduler writes it
+(`engine.scheduler`: add, admission, the step's update, end), so a step that fails before its
+update has changed nothing. Nothing is kept in a second dict by the same id."""
 
 from __future__ import annotations
 
@@ -34,12 +34,16 @@ class RequestState:
     params: ResolvedParams
     context: int  # positions reserved: prompt + token budget rounded up to whole canvases
     canvas_length: int
+    seed: int = 0  # the request's seed, or one drawn for it when it gave none
     want_drafts: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     # scheduling
     state: SeqState = SeqState.WAITING
     num_computed: int = 0  # positions whose KV is written
+    # What it holds while running: KV pages and a sampler slot (acquired at admission and
+    # released at its end, together, by the scheduler).
     pages: PageTables | None = None
+    slot: int | None = None
     # progress
     output_ids: list[int] = field(default_factory=list)
     draft_to_commit: list[int] | None = None
@@ -50,9 +54,6 @@ class RequestState:
     encoder_passes: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    # The sampler's own state: a slot of the batched sampler (fast numerics) or a private
-    # generator and canvas (exact numerics); see `engine.sampling`.
-    sampler_state: object | None = None
     constraint: Constraint | None = None  # the request's grammar state (structured output)
 
     @property

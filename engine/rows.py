@@ -1,6 +1,8 @@
 """The row-kind table: each kind of row (prefill, denoise, commit, AR) says in one place what it
-feeds the forward pass and what happens after its step. A new kind (e.g. a verify row) is one
-new entry here and one scheduler state, not edits across the engine.
+feeds the forward pass and what its step means for its request. Entries are pure: they read the
+row and its result and return values (`EncodeInput`, `RowEffect`); the scheduler's update alone
+applies an effect. A new kind (e.g. a verify row) is one new entry here and one scheduler
+state, not edits across the engine.
 
 DENOISE rows are the only DECODE rows: their canvas ids and self-conditioning inputs come from
 the sampler for all of them at once; every other kind is an ENCODE row that feeds tokens.
@@ -8,31 +10,13 @@ the sampler for all of them at once; every other kind is an ENCODE row that feed
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from engine.kv_pages import PageTables
 from engine.params import DecodeMode
 from engine.request import first_cut
 from engine.runner import EncodeInput
-from engine.scheduler import RowKind, ScheduledRow
-from engine.types import StepOutput, TokenLogprob
-
-if TYPE_CHECKING:
-    from engine.engine import Engine
-
-
-@dataclass(frozen=True, slots=True)
-class RowResult:
-    """What the sampler produced for one row."""
-
-    token: int | None = None  # ENCODE rows that sample the next token (AR)
-    finished: bool = False  # DENOISE: the canvas converged or hit the step cap
-    num_steps: int = 0  # DENOISE: steps taken by the canvas so far
-    draft: list[int] | None = None  # DENOISE: the argmax canvas (finished or asked for)
-    failed: bool = False  # the row's logits were not finite: its request fails alone
-    logprobs: list[TokenLogprob] | None = None  # per token (AR) or per draft position
+from engine.types import FinishReason, RowEffect, RowKind, RowResult, ScheduledRow
 
 
 class RowSpec(Protocol):
@@ -44,8 +28,8 @@ class RowSpec(Protocol):
     def wants_token(self, row: ScheduledRow) -> bool:
         """The row's last position is sampled for the next token."""
 
-    def after(self, engine: Engine, row: ScheduledRow, result: RowResult) -> list[StepOutput]:
-        """Book-keeping and outputs once the row's step ran."""
+    def effect(self, row: ScheduledRow, result: RowResult) -> RowEffect:
+        """What the row's step means for its request (a value; nothing is written)."""
 
 
 def _pages(row: ScheduledRow) -> PageTables:
@@ -59,12 +43,16 @@ class _EncodeRow:
     def wants_token(self, row: ScheduledRow) -> bool:
         return False
 
-    def after(self, engine: Engine, row: ScheduledRow, result: RowResult) -> list[StepOutput]:
-        row.req.encoder_passes += 1
-        engine.scheduler.on_row_done(row)
+    def effect(self, row: ScheduledRow, result: RowResult) -> RowEffect:
         if result.token is None:
-            return []
-        return [engine.emit_token(row.req, result.token, result.logprobs)]
+            return RowEffect(constraint=result.constraint)
+        req, token = row.req, result.token
+        reason = None
+        if token in req.params.eos_token_ids:
+            reason = FinishReason.STOP
+        elif len(req.output_ids) + 1 >= req.params.max_tokens:
+            reason = FinishReason.LENGTH
+        return RowEffect([token], result.logprobs, reason, constraint=result.constraint)
 
 
 class PrefillRow(_EncodeRow):
@@ -109,24 +97,22 @@ class DenoiseRow:
     def wants_token(self, row: ScheduledRow) -> bool:
         return False
 
-    def after(self, engine: Engine, row: ScheduledRow, result: RowResult) -> list[StepOutput]:
+    def effect(self, row: ScheduledRow, result: RowResult) -> RowEffect:
         req = row.req
-        req.decoder_passes += 1
         if not result.finished:
-            engine.scheduler.on_row_done(row)
-            if req.want_drafts and result.draft is not None:
-                return [StepOutput(req.request_id, [], draft=result.draft)]
-            return []
+            draft = result.draft if req.want_drafts else None
+            return RowEffect(draft=draft, constraint=result.constraint)
         assert result.draft is not None
-        req.steps_per_canvas.append(result.num_steps)
-        engine.note_canvas_latency(time.monotonic() - req.canvas_started)
-        req.in_canvas = False
         tokens, reason = first_cut(result.draft, req.remaining, req.params.eos_token_ids)
-        if reason is None:
-            req.draft_to_commit = result.draft
-            engine.scheduler.on_row_done(row, canvas_finished=True)
         logprobs = result.logprobs[: len(tokens)] if result.logprobs is not None else None
-        return [engine.emit(req, tokens, reason, logprobs)]
+        return RowEffect(
+            tokens,
+            logprobs,
+            reason,
+            canvas_steps=result.num_steps,
+            commit=result.draft if reason is None else None,
+            constraint=result.constraint,
+        )
 
 
 ROW_KINDS: dict[RowKind, RowSpec] = {

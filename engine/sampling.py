@@ -9,12 +9,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
-from engine.batched_sampler import BatchedSampler, to_host
+from engine.batched_sampler import BatchedSampler, RowStates, to_host
 from engine.model import DiffusionLM
 from engine.model.base import SoftEmbeds
 from engine.request import RequestState
@@ -23,7 +23,8 @@ from engine.sampler import CanvasState, denoise_update, start_canvas
 
 @dataclass(slots=True)
 class Sampled:
-    """Host-side results of one step's sampling, in the order of the rows given."""
+    """Host-side results of one step's sampling, in the order of the rows given, and the rows'
+    new sampler state (`staged`, for `Sampling.install`; nothing is written before that)."""
 
     finished: list[bool]  # per DENOISE row: the canvas converged or hit the step cap
     num_steps: list[int]  # per DENOISE row: steps taken by its canvas so far
@@ -31,25 +32,37 @@ class Sampled:
     ar_tokens: list[int]  # per AR-sampled row: the next token
     failed: list[bool] = field(default_factory=list)  # per DENOISE row: non-finite logits
     ar_failed: list[bool] = field(default_factory=list)  # per AR-sampled row
+    staged: object = None
 
     def __post_init__(self) -> None:
         self.failed = self.failed or [False] * len(self.finished)
         self.ar_failed = self.ar_failed or [False] * len(self.ar_tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class CanvasBatch:
+    """The DENOISE rows' inputs: canvas ids [R * L], self-conditioning inputs, and their
+    sampler state at this step (for `Sampling.sample`)."""
+
+    ids: torch.Tensor
+    soft: SoftEmbeds
+    state: object
+
+
 class Sampling(Protocol):
-    def admit(self, req: RequestState) -> None:
-        """The request starts running: set up its sampler state."""
+    """A step's sampling is pure: `bind`, `canvas_inputs` and `sample` write nothing a re-run
+    could see twice; only `install` stores the new state, once the step has succeeded. Slots
+    are the scheduler's (`RequestState.slot`)."""
 
-    def release(self, req: RequestState) -> None:
-        """The request finished or was aborted: free its sampler state."""
+    def bind(self, reqs: list[RequestState]) -> None:
+        """Set up the slots of newly running requests from their parameters (idempotent)."""
 
-    def canvas_inputs(self, reqs: list[RequestState]) -> tuple[torch.Tensor, SoftEmbeds]:
-        """Canvas ids [R * L] and self-conditioning inputs of DENOISE rows; a request that is
-        not in a canvas starts one."""
+    def canvas_inputs(self, reqs: list[RequestState], starting: list[bool]) -> CanvasBatch:
+        """The inputs of DENOISE rows; rows flagged in `starting` begin a new canvas."""
 
     def sample(
         self,
+        canvas: CanvasBatch | None,
         denoise_logits: torch.Tensor | None,
         denoise: list[RequestState],
         ar_logits: torch.Tensor | None,
@@ -57,6 +70,15 @@ class Sampling(Protocol):
     ) -> Sampled:
         """One denoising update of `denoise` (logits [R * L, V] fp32) and the next token of
         `ar` (logits [R_ar, V] fp32)."""
+
+    def install(self, sampled: Sampled, keep: list[bool], keep_ar: list[bool]) -> None:
+        """Store the new state of the DENOISE (`keep`) and AR (`keep_ar`) rows whose step
+        succeeded."""
+
+
+def _slot(req: RequestState) -> int:
+    assert req.slot is not None, "the request is not running"
+    return req.slot
 
 
 class BatchedSampling:
@@ -71,42 +93,41 @@ class BatchedSampling:
         )
         self.device = model.embed_tokens.weight.device
 
-    def admit(self, req: RequestState) -> None:
-        req.sampler_state = self.sampler.assign(req.params)  # the request's slot
-
-    def release(self, req: RequestState) -> None:
-        if isinstance(req.sampler_state, int):
-            self.sampler.release(req.sampler_state)
-            req.sampler_state = None
+    def bind(self, reqs: list[RequestState]) -> None:
+        for req in reqs:
+            self.sampler.bind(_slot(req), req.seed, req.params)
 
     def _slots(self, reqs: list[RequestState]) -> torch.Tensor:
-        return torch.tensor([r.sampler_state for r in reqs], dtype=torch.long).to(self.device)
+        return torch.tensor([_slot(r) for r in reqs], dtype=torch.long).to(self.device)
 
-    def canvas_inputs(self, reqs: list[RequestState]) -> tuple[torch.Tensor, SoftEmbeds]:
-        starting = torch.tensor([not r.in_canvas for r in reqs]).to(self.device)
-        for r in reqs:
-            r.in_canvas = True
-        return self.sampler.canvas_inputs(self._slots(reqs), starting)
+    def canvas_inputs(self, reqs: list[RequestState], starting: list[bool]) -> CanvasBatch:
+        flags = torch.tensor(starting, dtype=torch.bool).to(self.device)
+        ids, soft, rows = self.sampler.canvas_inputs(self._slots(reqs), flags)
+        return CanvasBatch(ids, soft, rows)
 
     def sample(
         self,
+        canvas: CanvasBatch | None,
         denoise_logits: torch.Tensor | None,
         denoise: list[RequestState],
         ar_logits: torch.Tensor | None,
         ar: list[RequestState],
     ) -> Sampled:
         parts: list[torch.Tensor] = []
+        staged: RowStates | None = None
         if denoise:
-            assert denoise_logits is not None
-            parts += self.sampler.denoise(denoise_logits, self._slots(denoise))
+            assert denoise_logits is not None and canvas is not None
+            assert isinstance(canvas.state, RowStates)
+            staged, host_parts = self.sampler.denoise(denoise_logits, canvas.state)
+            parts += host_parts
         if ar:
             assert ar_logits is not None
             index = torch.tensor([len(r.output_ids) for r in ar]).to(self.device)
             parts += self.sampler.sample_ar(ar_logits, self._slots(ar), index)
         host = to_host(parts)
-        ar_tokens, ar_failed = (host[-2], host[-1]) if ar else ([], [])
+        ar_tokens, ar_failed = (host[-2], [bool(f) for f in host[-1]]) if ar else ([], [])
         if not denoise:
-            return Sampled([], [], [], ar_tokens, [], [bool(f) for f in ar_failed])
+            return Sampled([], [], [], ar_tokens, [], ar_failed)
         finished, steps, flat, failed = host[0], host[1], host[2], host[3]
         length = self.canvas_length
         drafts: list[list[int] | None] = [
@@ -118,8 +139,15 @@ class BatchedSampling:
             drafts,
             ar_tokens,
             [bool(f) for f in failed],
-            [bool(f) for f in ar_failed],
+            ar_failed,
+            staged,
         )
+
+    def install(self, sampled: Sampled, keep: list[bool], keep_ar: list[bool]) -> None:
+        if not isinstance(sampled.staged, RowStates) or not any(keep):
+            return  # AR draws are stateless (counter = output position)
+        mask = None if all(keep) else torch.tensor(keep, dtype=torch.bool).to(self.device)
+        self.sampler.write(sampled.staged, mask)
 
 
 @dataclass(slots=True)
@@ -129,34 +157,49 @@ class _ReferenceState:
     generator: torch.Generator
     canvas: CanvasState | None = None
 
+    def fork(self) -> _ReferenceState:
+        """A copy to draw from: the generator's state and the canvas's history are copied,
+        so drawing from the fork leaves this state as it was."""
+        generator = torch.Generator(device=self.generator.device)
+        generator.set_state(self.generator.get_state())
+        canvas = self.canvas
+        if canvas is not None:
+            canvas = replace(canvas, generator=generator, history=list(canvas.history))
+        return _ReferenceState(generator, canvas)
 
-def _reference(req: RequestState) -> _ReferenceState:
-    assert isinstance(req.sampler_state, _ReferenceState), "admit() the request first"
-    return req.sampler_state
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """The forks a step drew from, per DENOISE and AR row, for `install`."""
+
+    denoise: list[RequestState]
+    forks: list[_ReferenceState]
+    ar: list[RequestState]
+    ar_forks: list[_ReferenceState]
 
 
 class ReferenceSampling:
-    def __init__(self, model: DiffusionLM) -> None:
+    def __init__(self, model: DiffusionLM, num_slots: int) -> None:
         self.model = model
         self.canvas_length = model.config.canvas_length
         self.device = model.embed_tokens.weight.device
+        self.states: list[_ReferenceState | None] = [None] * num_slots
 
-    def admit(self, req: RequestState) -> None:
-        gen = torch.Generator(device=self.device)
-        if req.params.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(req.params.seed)
-        req.sampler_state = _ReferenceState(gen)
-
-    def release(self, req: RequestState) -> None:
-        req.sampler_state = None
-
-    def canvas_inputs(self, reqs: list[RequestState]) -> tuple[torch.Tensor, SoftEmbeds]:
+    def bind(self, reqs: list[RequestState]) -> None:
         for req in reqs:
-            state = _reference(req)
-            if state.canvas is None:
-                req.in_canvas = True
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(req.seed)
+            self.states[_slot(req)] = _ReferenceState(gen)
+
+    def _fork(self, req: RequestState) -> _ReferenceState:
+        state = self.states[_slot(req)]
+        assert state is not None, "bind() the request first"
+        return state.fork()
+
+    def canvas_inputs(self, reqs: list[RequestState], starting: list[bool]) -> CanvasBatch:
+        forks = [self._fork(req) for req in reqs]
+        for req, state, new in zip(reqs, forks, starting, strict=True):
+            if new:
                 state.canvas = start_canvas(
                     req.params,
                     self.model.cfg.vocab_size,
@@ -164,46 +207,90 @@ class ReferenceSampling:
                     state.generator,
                     self.device,
                 )
-        states = [_reference(r).canvas for r in reqs]
-        ids = torch.cat([s.canvas for s in states if s is not None])
-        return ids, [s.soft_embeds for s in states if s is not None]
+        canvases = [s.canvas for s in forks]
+        assert all(c is not None for c in canvases), "a canvas continues that never started"
+        ids = torch.cat([c.canvas for c in canvases if c is not None])
+        return CanvasBatch(ids, [c.soft_embeds for c in canvases if c is not None], forks)
 
     def sample(
         self,
+        canvas: CanvasBatch | None,
         denoise_logits: torch.Tensor | None,
         denoise: list[RequestState],
         ar_logits: torch.Tensor | None,
         ar: list[RequestState],
     ) -> Sampled:
-        finished, steps, drafts = [], [], []
+        forks: list[_ReferenceState] = list(canvas.state) if canvas is not None else []  # type: ignore[call-overload]
+        finished, steps, drafts, failed = [], [], [], []  # type: ignore[var-annotated]
         if denoise:
             assert denoise_logits is not None
-            states = [_reference(r).canvas for r in denoise]
             logits = denoise_logits.view(len(denoise), self.canvas_length, -1)
-            scaled, probs = denoise_update(logits, states, [r.params for r in denoise])  # type: ignore[arg-type]
-            soft = self.model.soft_embed(scaled, probs)
-            for j, (req, state) in enumerate(zip(denoise, states, strict=True)):
-                assert state is not None and state.argmax is not None
-                state.soft_embeds = soft[j]
-                finished.append(state.finished)
-                steps.append(state.num_steps)
-                drafts.append(state.argmax.tolist() if state.finished or req.want_drafts else None)
-                if state.finished:
-                    _reference(req).canvas = None
-        tokens = [self._ar_token(req, ar_logits[k]) for k, req in enumerate(ar)] if ar else []  # type: ignore[index]
-        return Sampled(finished, steps, drafts, tokens)
+            finished, steps, drafts, failed = self._denoise(logits, denoise, forks)
+        ar_forks = [self._fork(req) for req in ar]
+        ar_failed = (~_finite_rows(ar_logits)).tolist() if ar else []  # type: ignore[arg-type]
+        tokens = [
+            -1 if bad else self._ar_token(req, ar_logits[k], fork.generator)  # type: ignore[index]
+            for k, (req, fork, bad) in enumerate(zip(ar, ar_forks, ar_failed, strict=True))
+        ]
+        staged = _Staged(denoise, forks, ar, ar_forks)
+        return Sampled(finished, steps, drafts, tokens, failed, ar_failed, staged)
+
+    def _denoise(
+        self, logits: torch.Tensor, denoise: list[RequestState], forks: list[_ReferenceState]
+    ) -> tuple[list[bool], list[int], list[list[int] | None], list[bool]]:
+        """One update of the forks' canvases from logits [R, L, V]; a row whose logits are
+        not finite is left out and flagged (it fails alone)."""
+        num_rows = len(denoise)
+        finished, steps = [False] * num_rows, [0] * num_rows
+        drafts: list[list[int] | None] = [None] * num_rows
+        per_position = _finite_rows(logits.reshape(-1, logits.shape[-1])).view(num_rows, -1)
+        failed: list[bool] = (~per_position.all(-1)).tolist()
+        good = [j for j, bad in enumerate(failed) if not bad]
+        if not good:
+            return finished, steps, drafts, failed
+        states = [forks[j].canvas for j in good]
+        rows = logits if len(good) == num_rows else logits[good]
+        scaled, probs = denoise_update(rows, states, [denoise[j].params for j in good])  # type: ignore[arg-type]
+        soft = self.model.soft_embed(scaled, probs)
+        for i, j in enumerate(good):
+            state = states[i]
+            assert state is not None and state.argmax is not None
+            state.soft_embeds = soft[i]
+            finished[j], steps[j] = state.finished, state.num_steps
+            if state.finished or denoise[j].want_drafts:
+                drafts[j] = state.argmax.tolist()
+            if state.finished:
+                forks[j].canvas = None
+        return finished, steps, drafts, failed
+
+    def install(self, sampled: Sampled, keep: list[bool], keep_ar: list[bool]) -> None:
+        staged = sampled.staged
+        assert isinstance(staged, _Staged)
+        for reqs, states, kept in (
+            (staged.denoise, staged.forks, keep),
+            (staged.ar, staged.ar_forks, keep_ar),
+        ):
+            for req, state, ok in zip(reqs, states, kept, strict=True):
+                if ok:
+                    self.states[_slot(req)] = state
 
     @staticmethod
-    def _ar_token(req: RequestState, logits: torch.Tensor) -> int:
+    def _ar_token(req: RequestState, logits: torch.Tensor, generator: torch.Generator) -> int:
         temperature = req.params.temperature
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
-            return int(torch.multinomial(probs, 1, generator=_reference(req).generator))
+            return int(torch.multinomial(probs, 1, generator=generator))
         return int(logits.argmax())
+
+
+def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of [R, N] logits: whether they make a distribution (no NaN or +inf, not all
+    -inf; a grammar's -inf mask is fine) — the fast sampler's test (a finite log-normaliser)."""
+    return torch.isfinite(torch.logsumexp(logits, dim=-1)) & ~torch.isnan(logits).any(-1)
 
 
 def make_sampling(model: DiffusionLM, num_slots: int) -> Sampling:
     """The sampler of the model's bound numerics."""
     if model.kernels.exact:
-        return ReferenceSampling(model)
+        return ReferenceSampling(model, num_slots)
     return BatchedSampling(model, num_slots)

@@ -1,29 +1,43 @@
-"""Step-level continuous batching (pure Python, no torch).
+"""Step-level continuous batching and the one owner of a request's life (pure Python, no torch).
 
 Each step the scheduler picks rows for one forward pass: for every running sequence at most one
 row — a commit pass, a denoising step, an AR token or a prefill chunk — then admits waiting
-sequences while pages and the row/token budgets allow. A sequence whose canvas converged goes on
-to its commit pass at the next step; nothing waits for slower rows.
+sequences while pages, sampler slots and the row/token budgets allow. A sequence whose canvas
+converged goes on to its commit pass at the next step; nothing waits for slower rows.
 
 States: WAITING → PREFILL → (DENOISE → COMMIT → DENOISE …) | AR → FINISHED.
+
+A request's life has four writers, all here: `add` (queued), admission in `schedule` (its KV
+pages and sampler slot, acquired together), `update` (the step's effects, the only place
+progress is written) and `end` (every way out — finish, failure, abort, drain — releases what
+it holds exactly once). `check` verifies the accounting (free + held = capacity, every request
+in exactly one place).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
-from engine.kv_pages import KVPages
+from engine.kv_pages import IdPool, KVPages
 from engine.request import RequestState, SeqState
-from engine.types import QueueFull
+from engine.types import (
+    FinishReason,
+    QueueFull,
+    RequestStats,
+    RowEffect,
+    RowKind,
+    ScheduledRow,
+    StepOutput,
+    StepPlan,
+)
 
+logger = logging.getLogger(__name__)
 
-class RowKind(str, Enum):
-    PREFILL = "prefill"  # encoder over a prompt chunk
-    DENOISE = "denoise"  # decoder over the canvas
-    COMMIT = "commit"  # encoder over the finished canvas
-    AR = "ar"  # encoder over the last sampled token
+__all__ = ["InvariantError", "RowKind", "ScheduledRow", "Scheduler", "SchedulerConfig", "StepPlan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,64 +53,70 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledRow:
-    """One row of a step: a request's kind of pass over `num_tokens` new positions from
-    `start`. It carries the request itself (its pages included), so no one looks it up."""
-
-    req: RequestState
-    kind: RowKind
-    start: int  # position of the first new token
-    num_tokens: int
-
-    @property
-    def seq_id(self) -> str:
-        return self.req.request_id
-
-
-@dataclass(frozen=True, slots=True)
-class StepPlan:
-    rows: tuple[ScheduledRow, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
+class InvariantError(RuntimeError):
+    """The scheduler's accounting is broken (a leak or a double release): a bug."""
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pages: KVPages) -> None:
         self.config = config
         self.pages = pages
+        self.slots = IdPool(config.max_num_seqs)  # sampler slots: one per running request
+        self.requests: dict[str, RequestState] = {}  # every request known: waiting or running
         self.waiting: deque[RequestState] = deque()
         self.running: dict[str, RequestState] = {}  # admission order
 
-    # -- membership ---------------------------------------------------------------------------
+    # -- a request's life ---------------------------------------------------------------------
 
     def add(self, seq: RequestState) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
         if not self.pages.fits_ever(seq.context):
             raise ValueError(f"a context of {seq.context} positions does not fit in the KV cache")
         capacity = self.config.max_num_seqs + self.config.max_queue
-        if len(self.waiting) + len(self.running) >= capacity:
+        if len(self.requests) >= capacity:
             raise QueueFull(
                 f"{len(self.running)} requests running and {len(self.waiting)} waiting "
                 f"(max_num_seqs + max_queue = {capacity})"
             )
         self.waiting.append(seq)
+        self.requests[seq.request_id] = seq
 
-    def finish(self, seq_id: str) -> RequestState | None:
-        """Remove a sequence (finished or aborted) and free its pages."""
-        seq = self.running.pop(seq_id, None)
+    def _admit(self, seq: RequestState, now: float) -> None:
+        """Acquire what a running request holds (KV pages, a sampler slot), together."""
+        pages = self.pages.allocate(seq.context)
+        try:
+            (slot,) = self.slots.allocate(1)
+        except MemoryError:
+            self.pages.release(pages)
+            raise
+        self.waiting.popleft()
+        seq.pages, seq.slot = pages, slot
+        seq.state = SeqState.PREFILL
+        seq.first_scheduled_time = now
+        self.running[seq.request_id] = seq
+
+    def end(self, seq_id: str) -> RequestState | None:
+        """Remove a request (finished, failed or aborted) and release what it holds; None if
+        it is not known (ended already)."""
+        seq = self.requests.pop(seq_id, None)
         if seq is None:
-            for queued in self.waiting:
-                if queued.request_id == seq_id:
-                    self.waiting.remove(queued)
-                    seq = queued
-                    break
-        if seq is not None:
-            if seq.pages is not None:
-                self.pages.release(seq.pages)
-            seq.state = SeqState.FINISHED
+            return None
+        if self.running.pop(seq_id, None) is None:
+            self.waiting.remove(seq)
+        if seq.pages is not None:
+            self.pages.release(seq.pages)
+            seq.pages = None
+        if seq.slot is not None:
+            self.slots.release([seq.slot])
+            seq.slot = None
+        seq.state = SeqState.FINISHED
         return seq
+
+    def fail(self, seq_id: str, error: str) -> StepOutput:
+        """End a request with an error (its own: the others carry on): its last output."""
+        self.end(seq_id)
+        return StepOutput(seq_id, [], FinishReason.ABORT, error=error)
 
     @property
     def num_running(self) -> int:
@@ -107,15 +127,17 @@ class Scheduler:
         return len(self.waiting)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.requests)
 
     # -- planning -----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        now = time.monotonic()
         rows: list[ScheduledRow] = []
+        ended: list[StepOutput] = []
         budget = self.config.max_num_batched_tokens
-        for seq in self.running.values():
-            row = self._row_for(seq, budget if rows else max(budget, 1))
+        for seq in list(self.running.values()):
+            row = self._plan_row(seq, budget if rows else max(budget, 1), ended)
             if row is None:
                 continue
             if rows and row.num_tokens > budget:
@@ -126,40 +148,172 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.pages.can_allocate(seq.context):
                 break  # FCFS: later requests do not overtake the head of the queue
-            self.waiting.popleft()
-            seq.pages = self.pages.allocate(seq.context)
-            seq.state = SeqState.PREFILL
-            self.running[seq.request_id] = seq
-            row = self._row_for(seq, budget)
+            try:
+                self._admit(seq, now)
+            except Exception as exc:  # its own fault: it ends, the queue moves on
+                logger.exception("admitting request %s failed", seq.request_id)
+                ended.append(self._fault(seq, "admission", exc))
+                continue
+            row = self._plan_row(seq, budget, ended, admitted=True)
             if row is not None:
                 rows.append(row)
                 budget -= row.num_tokens
-        return StepPlan(tuple(rows))
+        return StepPlan(tuple(rows), now, tuple(ended))
 
-    def _row_for(self, seq: RequestState, budget: int) -> ScheduledRow | None:
+    def _plan_row(
+        self, seq: RequestState, budget: int, ended: list[StepOutput], admitted: bool = False
+    ) -> ScheduledRow | None:
+        try:
+            return self.row_for(seq, budget, admitted)
+        except Exception as exc:
+            logger.exception("planning request %s failed", seq.request_id)
+            ended.append(self._fault(seq, "scheduling", exc))
+            return None
+
+    def _fault(self, seq: RequestState, stage: str, exc: Exception) -> StepOutput:
+        return self.fail(seq.request_id, f"internal engine error in {stage} ({type(exc).__name__})")
+
+    def row_for(self, seq: RequestState, budget: int, admitted: bool) -> ScheduledRow | None:
         start = seq.num_computed
         if seq.state is SeqState.PREFILL:
             num = min(seq.num_prompt - start, self.config.max_prefill_chunk, budget)
-            return ScheduledRow(seq, RowKind.PREFILL, start, num) if num > 0 else None
+            if num <= 0:
+                return None
+            return ScheduledRow(seq, RowKind.PREFILL, start, num, admitted=admitted)
         if seq.state is SeqState.DENOISE:
-            return ScheduledRow(seq, RowKind.DENOISE, start, seq.canvas_length)
+            length = seq.canvas_length
+            return ScheduledRow(
+                seq, RowKind.DENOISE, start, length, starts_canvas=not seq.in_canvas
+            )
         if seq.state is SeqState.COMMIT:
             return ScheduledRow(seq, RowKind.COMMIT, start, seq.canvas_length)
         if seq.state is SeqState.AR:
             return ScheduledRow(seq, RowKind.AR, start, 1)
         return None
 
-    # -- feedback -----------------------------------------------------------------------------
+    # -- the step's one update ----------------------------------------------------------------
 
-    def on_row_done(self, row: ScheduledRow, canvas_finished: bool = False) -> None:
-        """Advance a sequence after its row ran. `canvas_finished`: a DENOISE row's canvas
-        converged and the request continues (so it needs a commit pass)."""
+    def update(
+        self, plan: StepPlan, effects: Sequence[RowEffect], now: float | None = None
+    ) -> list[StepOutput]:
+        """Apply each row's effect to its request (the only place a step writes request
+        state) and return the step's outputs; a request that finishes or fails ends here."""
+        now = time.monotonic() if now is None else now
+        outputs: list[StepOutput] = []
+        for row, effect in zip(plan.rows, effects, strict=True):
+            seq_id = row.seq_id
+            if seq_id not in self.requests:
+                continue  # ended while the step ran (it cannot be: one thread) — nothing to do
+            try:
+                out = (
+                    self.fail(seq_id, effect.error)
+                    if effect.error
+                    else self._apply(row, effect, plan.time, now)
+                )
+            except Exception as exc:
+                logger.exception("updating request %s failed", seq_id)
+                out = self._fault(row.req, "update", exc)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _apply(
+        self, row: ScheduledRow, effect: RowEffect, started: float, now: float
+    ) -> StepOutput | None:
         seq = row.req
-        if row.kind in (RowKind.PREFILL, RowKind.COMMIT, RowKind.AR):
+        if effect.constraint is not None:
+            seq.constraint = effect.constraint  # type: ignore[assignment]
+        if row.kind is RowKind.DENOISE:
+            seq.decoder_passes += 1
+            if row.starts_canvas:
+                seq.in_canvas, seq.canvas_started = True, started
+            if effect.canvas_steps is not None:
+                seq.steps_per_canvas.append(effect.canvas_steps)
+                seq.in_canvas = False
+                if effect.commit is not None:
+                    seq.draft_to_commit = effect.commit
+                    seq.state = SeqState.COMMIT
+        else:
+            seq.encoder_passes += 1
             seq.num_computed = row.start + row.num_tokens
-        if row.kind is RowKind.PREFILL and seq.num_computed == seq.num_prompt:
-            seq.state = SeqState.AR if seq.is_ar else SeqState.DENOISE
-        elif row.kind is RowKind.COMMIT:
-            seq.state = SeqState.DENOISE
-        elif row.kind is RowKind.DENOISE and canvas_finished:
-            seq.state = SeqState.COMMIT
+            if row.kind is RowKind.PREFILL and seq.num_computed == seq.num_prompt:
+                seq.state = SeqState.AR if seq.is_ar else SeqState.DENOISE
+            elif row.kind is RowKind.COMMIT:
+                seq.state, seq.draft_to_commit = SeqState.DENOISE, None
+        if effect.tokens and seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_ids += effect.tokens
+        if effect.finish_reason is not None:
+            self.end(seq.request_id)
+            stats = request_stats(seq, now)
+            return StepOutput(
+                seq.request_id,
+                effect.tokens,
+                effect.finish_reason,
+                None,
+                stats,
+                None,
+                effect.logprobs,
+            )
+        if effect.tokens or effect.draft is not None:
+            return StepOutput(
+                seq.request_id, effect.tokens, draft=effect.draft, logprobs=effect.logprobs
+            )
+        return None
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise InvariantError unless every request is in exactly one place (waiting or
+        running), only running ones hold pages and a slot, and for pages and slots free + held
+        = capacity with nothing held twice."""
+        waiting = [s.request_id for s in self.waiting]
+        _require(len(set(waiting)) == len(waiting), "a request is queued twice")
+        _require(not set(waiting) & set(self.running), "a request is both waiting and running")
+        known = set(waiting) | set(self.running)
+        _require(
+            known == set(self.requests),
+            f"requests known to one structure only: {sorted(known ^ set(self.requests))}",
+        )
+        _require(
+            all(s.pages is None and s.slot is None for s in self.waiting),
+            "a waiting request holds pages or a slot",
+        )
+        running = list(self.running.values())
+        _require(
+            all(s.pages is not None and s.slot is not None for s in running),
+            "a running request lacks its pages or slot",
+        )
+        _check_pool("sampler slots", self.slots, [[s.slot] for s in running])  # type: ignore[list-item]
+        _check_pool("full pages", self.pages.full, [s.pages.full for s in running])  # type: ignore[union-attr]
+        _check_pool("sliding pages", self.pages.sliding, [s.pages.ring for s in running])  # type: ignore[union-attr]
+
+
+def request_stats(seq: RequestState, now: float) -> RequestStats:
+    return RequestStats(
+        num_prompt_tokens=len(seq.prompt_ids),
+        num_output_tokens=len(seq.output_ids),
+        decoder_passes=seq.decoder_passes,
+        encoder_passes=seq.encoder_passes,
+        steps_per_canvas=tuple(seq.steps_per_canvas),
+        arrival_time=seq.arrival_time,
+        first_scheduled_time=seq.first_scheduled_time,
+        first_token_time=seq.first_token_time,
+        finish_time=now,
+    )
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvariantError(message)
+
+
+def _check_pool(name: str, pool: IdPool, held: list[list[int]]) -> None:
+    ids = [i for group in held for i in group]
+    free = pool.free_ids()
+    _require(len(set(ids)) == len(ids), f"{name}: an id is held twice")
+    _require(not set(ids) & set(free), f"{name}: an id is both held and free")
+    _require(
+        len(ids) + len(free) == pool.num_pages,
+        f"{name}: {len(free)} free + {len(ids)} held != {pool.num_pages}",
+    )

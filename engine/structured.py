@@ -156,6 +156,17 @@ class Constraint:
         self._estimate: int | None = None  # tokens the closing policy needs from here
         self._since_probe = 0
 
+    def fork(self) -> Constraint:
+        """An independent copy (the matcher deep-copied): a step advances a fork, and the
+        request takes it only if the step succeeds."""
+        twin = Constraint.__new__(Constraint)
+        twin.matcher = self.matcher.deep_copy()
+        twin.tokenizer, twin.vocab_size, twin.eos = self.tokenizer, self.vocab_size, self.eos
+        twin.closers, twin.string_closers = self.closers, self.string_closers
+        twin.lex = self.lex.copy()
+        twin._estimate, twin._since_probe = self._estimate, self._since_probe
+        return twin
+
     # -- the mask and the closing policy --
 
     def allowed(self) -> torch.Tensor:

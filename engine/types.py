@@ -11,9 +11,12 @@ import asyncio
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.params import ParamError, ResolvedParams
+
+if TYPE_CHECKING:
+    from engine.request import RequestState
 
 __all__ = [
     "EngineClient",
@@ -23,8 +26,13 @@ __all__ = [
     "ParamError",
     "QueueFull",
     "RequestStats",
+    "RowEffect",
+    "RowKind",
+    "RowResult",
+    "ScheduledRow",
     "StepListener",
     "StepOutput",
+    "StepPlan",
     "StepResult",
     "StepStats",
     "TokenLogprob",
@@ -83,6 +91,79 @@ class StepOutput:
     stats: RequestStats | None = None
     error: str | None = None  # the request failed (finish_reason ABORT); the rest carry on
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
+
+
+# -- the step's values: plan → results → effects (scheduler ↔ engine ↔ row kinds) ---------------
+
+
+class RowKind(str, Enum):
+    PREFILL = "prefill"  # encoder over a prompt chunk
+    DENOISE = "denoise"  # decoder over the canvas
+    COMMIT = "commit"  # encoder over the finished canvas
+    AR = "ar"  # encoder over the last sampled token
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRow:
+    """One row of a step: a request's kind of pass over `num_tokens` new positions from
+    `start`. It carries the request (read-only for everyone but the scheduler's update), so no
+    one looks it up. `admitted`: the request's first row (its sampler slot is new);
+    `starts_canvas`: a DENOISE row that begins a new canvas."""
+
+    req: RequestState
+    kind: RowKind
+    start: int  # position of the first new token
+    num_tokens: int
+    admitted: bool = False
+    starts_canvas: bool = False
+
+    @property
+    def seq_id(self) -> str:
+        return self.req.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What the scheduler planned: the rows of one forward pass, when, and the outputs of the
+    requests it had to end while planning (a fault in their own planning or admission)."""
+
+    rows: tuple[ScheduledRow, ...]
+    time: float = 0.0  # time.monotonic() when planned
+    ended: tuple[StepOutput, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+
+@dataclass(frozen=True, slots=True)
+class RowResult:
+    """What sampling and post-processing produced for one row (a value: nothing was written
+    to its request). `constraint`: the request's grammar state after this row, when it moved."""
+
+    token: int | None = None  # ENCODE rows that sample the next token (AR)
+    finished: bool = False  # DENOISE: the canvas converged or hit the step cap
+    num_steps: int = 0  # DENOISE: steps taken by the canvas so far
+    draft: list[int] | None = None  # DENOISE: the argmax canvas (finished or asked for)
+    error: str | None = None  # the row failed: its request ends with this error, alone
+    logprobs: list[TokenLogprob] | None = None  # per token (AR) or per draft position
+    constraint: object | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RowEffect:
+    """What a row's step means for its request, as a value (the row kind's verdict); the
+    scheduler's update alone applies it. `canvas_steps`: a canvas finished after that many
+    steps; `commit`: its draft, to be written by a commit pass (the request goes on)."""
+
+    tokens: list[int] = field(default_factory=list)  # committed now, never revised
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    draft: list[int] | None = None  # an unfinished canvas's draft, for a client that asked
+    canvas_steps: int | None = None
+    commit: list[int] | None = None
+    constraint: object | None = None
 
 
 @dataclass(slots=True)

@@ -3,8 +3,13 @@ classes, and the reference model loaded from them."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
+
+# Every engine the tests build (and every server they start) checks its scheduler's accounting
+# after each step: a leaked page or sampler slot fails the test that leaked it.
+os.environ.setdefault("CANVAS_CHECK_INVARIANTS", "1")
 
 import pytest
 import torch

@@ -157,21 +157,37 @@ def per_row_step(
     return new_canvas, draft, (stable and confident) or steps_left - 1 == 0
 
 
+def bind_all(sampler, params) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Slots 0.. for `params`, in order (the scheduler hands slots out; here the test does)."""
+    for slot, p in enumerate(params):
+        sampler.bind(slot, p.seed, p)
+    return torch.arange(len(params))
+
+
+def denoise_step(sampler, slots, logits, starting: bool) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """One step as the engine runs it: inputs, the update (pure), then the write."""
+    flags = torch.full((len(slots),), starting, dtype=torch.bool)
+    _, _, rows = sampler.canvas_inputs(slots, flags)
+    new, parts = sampler.denoise(logits, rows)
+    sampler.write(new)
+    return parts
+
+
 def test_batched_sampler_equals_a_per_row_evaluation_on_the_same_random_numbers():
     length, vocab, rows = 8, 50, 5
     sampler = make_sampler(rows, length, vocab, hidden=12)
     params = [
         resolved(100 + r, max_denoising_steps=3, confidence_threshold=1.0) for r in range(rows)
     ]
-    slots = torch.tensor([sampler.assign(p) for p in params])
-    canvas, _ = sampler.canvas_inputs(slots, torch.ones(rows, dtype=torch.bool))
+    slots = bind_all(sampler, params)
+    canvas, _, _ = sampler.canvas_inputs(slots, torch.ones(rows, dtype=torch.bool))
     canvas = canvas.view(rows, length)
     gen = torch.Generator().manual_seed(0)
     drafts = torch.full((rows, length), -1)
     for step in range(3):
         logits = torch.randn(rows * length, vocab, generator=gen) * 4
         logits[: 2 * length] = logits[:length].repeat(2, 1)  # two rows share their logits...
-        finished, steps, draft, failed = sampler.denoise(logits, slots)
+        finished, steps, draft, failed = denoise_step(sampler, slots, logits, step == 0)
         assert not failed.any()
         for r in range(rows):
             want_canvas, want_draft, want_done = per_row_step(
@@ -193,17 +209,15 @@ def test_a_requests_draws_are_the_same_alone_and_in_a_batch_of_16():
     logits = torch.randn(16, length, vocab, generator=gen) * 3
     batch = make_sampler(16, length, vocab, hidden=8)
     params = [resolved(7 + r) for r in range(16)]
-    slots = torch.tensor([batch.assign(p) for p in params])[torch.randperm(16, generator=gen)]
-    order = [params.index(p) for p in params]  # slot i holds params[i] (assigned in order)
-    del order
-    start, _ = batch.canvas_inputs(slots, torch.ones(16, dtype=torch.bool))
-    batch.denoise(logits.view(-1, vocab), slots)
+    slots = bind_all(batch, params)[torch.randperm(16, generator=gen)]
+    start, _, _ = batch.canvas_inputs(slots, torch.ones(16, dtype=torch.bool))
+    denoise_step(batch, slots, logits.view(-1, vocab), True)
     for r in range(16):
         alone = make_sampler(1, length, vocab, hidden=8)
-        slot = torch.tensor([alone.assign(params[int(slots[r])])])
-        first, _ = alone.canvas_inputs(slot, torch.ones(1, dtype=torch.bool))
+        slot = bind_all(alone, [params[int(slots[r])]])
+        first, _, _ = alone.canvas_inputs(slot, torch.ones(1, dtype=torch.bool))
         assert torch.equal(first, start.view(16, length)[r])
-        alone.denoise(logits[r], slot)
+        denoise_step(alone, slot, logits[r], True)
         assert torch.equal(alone.state.canvas[0], batch.state.canvas[slots[r]])
         assert torch.equal(alone.state.soft[0], batch.state.soft[slots[r]])
 

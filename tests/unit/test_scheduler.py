@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_pages import KVPages, PageGeometry, PagePool
+from engine.kv_pages import IdPool, KVPages, PageGeometry
 from engine.params import DecodeMode, DecodingDefaults, SamplingParams
 from engine.request import RequestState, SeqState
-from engine.scheduler import RowKind, Scheduler, SchedulerConfig
-from engine.types import QueueFull
+from engine.scheduler import InvariantError, RowKind, Scheduler, SchedulerConfig
+from engine.types import FinishReason, QueueFull, RowEffect
 
 
 def geometry(**kw) -> PageGeometry:
@@ -26,7 +26,7 @@ def seq(
 
 
 def test_pool_hands_out_and_takes_back_pages():
-    pool = PagePool(4)
+    pool = IdPool(4)
     a = pool.allocate(3)
     assert a == [0, 1, 2] and pool.num_free == 1
     with pytest.raises(MemoryError):
@@ -67,12 +67,16 @@ def test_usage_and_release():
     assert pages.usage() == 0.0
 
 
+def effect(row, converged: set[str]) -> RowEffect:  # type: ignore[no-untyped-def]
+    if row.kind is RowKind.DENOISE and row.seq_id in converged:
+        return RowEffect(canvas_steps=3, commit=[1] * row.num_tokens)
+    return RowEffect()
+
+
 def run_rows(sched: Scheduler, converged: set[str] = frozenset()) -> list:
     plan = sched.schedule()
-    for row in plan.rows:
-        sched.on_row_done(
-            row, canvas_finished=row.kind is RowKind.DENOISE and row.seq_id in converged
-        )
+    sched.update(plan, [effect(row, converged) for row in plan.rows])
+    sched.check()
     return list(plan.rows)
 
 
@@ -113,7 +117,7 @@ def test_admission_waits_for_pages_and_finish_frees_them():
     sched.add(seq("b", context=22))
     run_rows(sched)
     assert sched.num_running == 1 and sched.num_waiting == 1
-    sched.finish("a")
+    sched.end("a")
     assert pages.full.num_free == 8
     run_rows(sched)
     assert sched.num_running == 1 and "b" in sched.running
@@ -146,5 +150,47 @@ def test_queue_limit_and_oversized_requests_are_refused():
 def test_abort_of_a_waiting_request_removes_it():
     sched = Scheduler(SchedulerConfig(), KVPages(geometry(), 100, 100))
     sched.add(seq("a"))
-    assert sched.finish("a").state is SeqState.FINISHED
+    assert sched.end("a").state is SeqState.FINISHED
+    assert sched.end("a") is None  # ending twice releases nothing twice
     assert not sched.has_work()
+    sched.check()
+
+
+def test_admission_takes_pages_and_a_sampler_slot_and_every_way_out_returns_both():
+    pages = KVPages(geometry(), 100, 100)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3), pages)
+    for name in "abcd":
+        sched.add(seq(name, ar=True))
+    rows = run_rows(sched)
+    assert [r.admitted for r in rows] == [True, True, True]
+    assert sorted(sched.running[n].slot for n in "abc") == [0, 1, 2]
+    assert sched.slots.num_free == 0 and sched.num_waiting == 1
+    finished = sched.update(
+        sched.schedule(),
+        [
+            RowEffect(tokens=[7], finish_reason=FinishReason.STOP),
+            RowEffect(error="boom"),
+            RowEffect(),
+        ],
+    )
+    assert [(o.request_id, o.finish_reason, o.error) for o in finished] == [
+        ("a", FinishReason.STOP, None),
+        ("b", FinishReason.ABORT, "boom"),
+    ]
+    sched.check()
+    assert sched.end("c") is not None and sched.end("d") is not None
+    assert sched.slots.num_free == 3 and pages.usage() == 0.0
+    sched.check()
+
+
+def test_the_check_catches_a_leaked_slot_and_a_request_known_twice():
+    sched = Scheduler(SchedulerConfig(), KVPages(geometry(), 100, 100))
+    sched.add(seq("a"))
+    run_rows(sched)
+    sched.running["a"].slot = None  # leaked: neither held nor free
+    with pytest.raises(InvariantError, match="lacks its pages or slot"):
+        sched.check()
+    sched.running["a"].slot = 0
+    sched.waiting.append(sched.running["a"])
+    with pytest.raises(InvariantError, match="both waiting and running"):
+        sched.check()
