@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 BENCH_ARGS  ?=
 
-.PHONY: venv serve test lint bench bench-structured soak clean
+.PHONY: venv serve test lint bench bench-structured soak fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,6 +43,13 @@ bench-structured: $(STAMP)
 # A live server under mixed, partly hostile traffic for 5 minutes, RSS sampled (bench-out/soak).
 soak: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.soak --seconds 300
+
+# Numeric-extreme request bodies against a live server: 0 5xx, 0 in-band errors, nothing held
+# after (FUZZ_SEED repeats a run; the test suite runs 300 of them).
+FUZZ_REQUESTS ?= 100000
+FUZZ_SEED     ?= 0
+fuzz: $(STAMP)
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.fuzz --requests $(FUZZ_REQUESTS) --seed $(FUZZ_SEED)
 
 lint: $(STAMP)
 	$(BIN)/ruff check server engine kernels tests loadtest

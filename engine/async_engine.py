@@ -57,6 +57,7 @@ class _LoopCounters:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    num_slots_used: int = 0
 
 
 class AsyncEngine:
@@ -104,6 +105,7 @@ class AsyncEngine:
             num_waiting=c.num_waiting,
             num_inflight=self._inflight,
             kv_usage=c.kv_usage,
+            num_slots_used=c.num_slots_used,
             num_steps=c.num_steps,
         )
 
@@ -228,6 +230,7 @@ class AsyncEngine:
         c.num_running = sched.num_running
         c.num_waiting = sched.num_waiting
         c.kv_usage = self.engine.pages.usage()
+        c.num_slots_used = sched.slots.num_pages - sched.slots.num_free
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):

@@ -233,6 +233,7 @@ class EngineStats:
     num_inflight: int  # requests between `generate` and their last output
     kv_usage: float  # 0..1
     num_steps: int
+    num_slots_used: int = 0  # sampler slots held (= running requests when nothing leaks)
 
 
 StepListener = Callable[[StepStats, list[StepOutput]], None]

@@ -26,8 +26,15 @@ from typing import Any
 
 import httpx
 
+from loadtest.fuzz import body_for, held_after
+
 REFUSED = [  # (body changes, expected status): every one must be a clean 4xx
     ({"temperature": 1e-45}, 400),
+    ({"entropy_bound": 1e308}, 400),  # once overflowed the float32 sampler state and leaked
+    ({"t_max": 1e300}, 400),
+    ({"t_min": "inf"}, 400),
+    ({"confidence_threshold": "NaN"}, 400),
+    ({"seed": 2**63}, 400),
     ({"max_tokens": 0}, 400),
     ({"t_min": "x"}, 400),
     ({"model": "nope"}, 404),
@@ -43,6 +50,7 @@ class SoakResult:
     server_errors: int = 0
     hangs: int = 0
     left_early: int = 0
+    held_after: dict[str, float] = field(default_factory=dict)  # gauges once all is done
     rss_mib: list[float] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -75,10 +83,12 @@ async def one_request(
         route = "/v1/chat/completions"
         body["messages"] = [{"role": "user", "content": "hello " * rng.randint(1, 20)}]
         body["stream"] = rng.random() < 0.5
-    elif kind < 0.75:
+    elif kind < 0.65:
         body["prompt"] = [5, 6, 7]
         changes, _ = rng.choice(REFUSED)
         body.update(changes)
+    elif kind < 0.75:  # numeric extremes (loadtest.fuzz): 4xx or served, never 5xx
+        route, body = body_for(rng, "tiny")
     elif kind < 0.85:
         body["prompt"] = [5, 6, 7]
         headers = {"x-request-id": "same-id"}  # duplicates on purpose
@@ -117,6 +127,9 @@ async def soak(url: str, seconds: float, workers: int, deadline: float, seed: in
         result.rss_mib.append(rss_mib())
 
     await asyncio.gather(sample(), *(worker(i) for i in range(workers)))
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        await asyncio.sleep(1.0)  # clients that left: their aborts reach the engine
+        result.held_after = await held_after(client, url)
     return result
 
 
@@ -148,10 +161,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"soak {summary['seconds']:.0f} s, {args.workers} workers: {summary['requests']} requests "
         f"{summary['statuses']}, {summary['server_errors']} 5xx, {summary['hangs']} hangs, "
-        f"{summary['left_early']} clients left early; RSS {summary['rss_start_mib']:.0f} → "
+        f"{summary['left_early']} clients left early; held after {summary['held_after']}; "
+        f"RSS {summary['rss_start_mib']:.0f} → "
         f"{summary['rss_end_mib']:.0f} MiB (max {summary['rss_max_mib']:.0f})"
     )
-    return 0 if summary["server_errors"] == 0 and summary["hangs"] == 0 else 1
+    leaked = any(v != 0 for v in result.held_after.values())
+    return 0 if summary["server_errors"] == 0 and summary["hangs"] == 0 and not leaked else 1
 
 
 if __name__ == "__main__":

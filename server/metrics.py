@@ -40,6 +40,9 @@ class Metrics:
         self.kv_usage = gauge(
             "vllm:kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)"
         )
+        self.slots_used = gauge(
+            "canvas:sampler_slots_used", "Sampler slots held (one per running request)"
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
         self._success = Counter(
@@ -118,4 +121,5 @@ class Metrics:
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
         self.kv_usage.set(engine.kv_usage)
+        self.slots_used.set(engine.num_slots_used)
         return generate_latest(self.registry)

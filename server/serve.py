@@ -164,6 +164,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of a start-up error"
     )
+    parser.add_argument(
+        "--check-invariants",
+        action="store_true",
+        default=engine.check_invariants,
+        help="verify the engine's accounting (pages, sampler slots, request sets) after every "
+        "step; a violation fails the step's requests loudly (debugging; env "
+        "CANVAS_CHECK_INVARIANTS=1)",
+    )
 
 
 def check_api_key(key: str | None) -> str | None:
@@ -232,6 +240,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             max_num_batched_tokens=args.max_num_batched_tokens,
         ),
         kv_cache_tokens=args.kv_cache_tokens,
+        check_invariants=args.check_invariants,
     )
     engine = AsyncEngine(Engine(model, defaults, config, tokenizer))
     name = args.served_model_name or model_dir.name
