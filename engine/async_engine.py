@@ -76,6 +76,7 @@ class AsyncEngine:
         # Run on the loop thread after every step that ran rows (metrics).
         self.on_step: list[StepListener] = []
         self._inflight = 0  # touched on the event loop only
+        self._died = False  # the loop thread ended on a fault (set once, by that thread)
 
     # -- lifecycle --
 
@@ -123,9 +124,10 @@ class AsyncEngine:
         want_drafts: bool = False,
     ) -> AsyncGenerator[StepOutput, None]:
         """Run one request (validated by `engine.validation`); yields its outputs until the one
-        with a finish reason. Raises QueueFull when too many are in flight, and what the engine
-        refused (ParamError) or failed with (RuntimeError). Cancelling the iteration (client
-        gone) aborts the request."""
+        with a finish reason, the first one empty once the engine has queued it. Raises
+        QueueFull when too many are in flight, and what the engine refused (ParamError) or
+        failed with (RuntimeError, also once the step loop has died). Cancelling the iteration
+        (client gone) aborts the request."""
         if self._inflight >= self.limits.max_inflight:
             raise QueueFull(f"{self._inflight} requests in flight")
         if request_id in self._queues:  # would take over the running request's outputs
@@ -136,6 +138,8 @@ class AsyncEngine:
             if params.json_schema is not None
             else None
         )
+        if self._died:  # nothing would ever answer it
+            raise RuntimeError("step loop died")
         out_queue: asyncio.Queue[StepOutput | EngineFailure] = asyncio.Queue()
         self._queues[request_id] = out_queue
         self._inflight += 1
@@ -178,6 +182,18 @@ class AsyncEngine:
     # -- the loop thread --
 
     def _run(self) -> None:
+        try:
+            self._step_loop()
+        finally:
+            loop = self._loop
+            if not self._stop.is_set():  # a fault escaped the loop: fail what is in flight
+                self._died = True
+                if loop is not None and not loop.is_closed():
+                    loop.call_soon_threadsafe(
+                        self.fail_all_inflight, RuntimeError("step loop died")
+                    )
+
+    def _step_loop(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
             self._drain_commands(block=not engine.has_work())
@@ -224,6 +240,8 @@ class AsyncEngine:
                 )
             except (ValueError, QueueFull) as exc:  # ParamError is a ValueError
                 self._publish(cmd.request_id, EngineFailure(exc))
+            else:  # accepted: the first output, empty (the server starts a response only now)
+                self._publish(cmd.request_id, StepOutput(cmd.request_id, []))
 
     def _update_stats(self) -> None:
         sched, c = self.engine.scheduler, self._counters

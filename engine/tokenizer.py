@@ -1,22 +1,55 @@
-"""Tokenizer access: the checkpoint's own tokenizer files, loaded offline with transformers."""
+"""Tokenizer access: the checkpoint's own tokenizer files, loaded offline with transformers.
+
+Text from a client is plain text: a special token's spelling in it (`<eos>`, `<|turn>`, a tool
+marker) is encoded as its characters, never as the control token, so only the chat template's
+own markup (and the tokenizer's own BOS) yields control ids. Chat templates render in
+transformers' sandboxed Jinja environment (`ImmutableSandboxedEnvironment`): a template that
+reaches for Python internals fails with a SecurityError instead of running.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
+
+_PROBE = [{"role": "user", "content": "Hello"}]  # renders once at load: is the template usable?
 
 
 class Tokenizer:
     """Encode prompts, apply the chat template, decode ids. The engine itself only sees ids."""
 
     def __init__(self, model_dir: str | Path) -> None:
+        """Raises ValueError naming `model_dir` when its chat template is not valid Jinja or
+        breaks the sandbox's rules on a plain one-message conversation."""
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         template = getattr(self._tok, "chat_template", None)
         self._template: str = template if isinstance(template, str) else ""
         self._markup_decoders: dict[frozenset[str], Callable[[list[int]], str]] = {}
+        # Added tokens (whitespace ones aside) a dict key must not spell: transformers'
+        # sanitizer escapes the values of messages and tools, not their keys.
+        spellings = [t.content for t in self._tok.added_tokens_decoder.values()]
+        longest_first = sorted((s for s in spellings if s.strip()), key=len, reverse=True)
+        self._control = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+        if self._template:
+            self._check_template(model_dir)
+
+    def _check_template(self, model_dir: str | Path) -> None:
+        from jinja2 import TemplateSyntaxError
+        from jinja2.exceptions import SecurityError, TemplateError
+
+        where = f"the chat template of {model_dir}"
+        try:
+            self._tok.apply_chat_template(_PROBE, add_generation_prompt=True, tokenize=False)
+        except TemplateSyntaxError as exc:
+            raise ValueError(f"{where} is not valid Jinja (line {exc.lineno}): {exc}") from None
+        except SecurityError as exc:
+            raise ValueError(f"{where} breaks the template sandbox's rules: {exc}") from None
+        except TemplateError:
+            pass  # it may refuse a lone user message; a request's own conversation decides
 
     @property
     def hf(self) -> Any:
@@ -38,9 +71,17 @@ class Tokenizer:
         """Whether the chat template has the `enable_thinking` switch."""
         return "enable_thinking" in self._template
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The ids of `text`, with the checkpoint's special tokens (BOS) unless told not to."""
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+    def encode(
+        self, text: str, add_special_tokens: bool = True, *, markup: bool = False
+    ) -> list[int]:
+        """The ids of `text`, with the tokenizer's own special tokens (BOS) added unless told
+        not to. `text` is plain text (a special token's spelling in it is its characters)
+        unless `markup`: then the spellings are the tokens, as in a model's own output or
+        training text; never for a client's text."""
+        ids = self._tok.encode(
+            text, add_special_tokens=add_special_tokens, split_special_tokens=not markup
+        )
+        return list(ids)
 
     def apply_chat_template(
         self,
@@ -50,14 +91,18 @@ class Tokenizer:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """The prompt ids of a conversation; `tools` and `template_kwargs` (e.g.
-        enable_thinking) are passed to the template. ValueError when there is no template or
-        the template refuses the conversation (its `raise_exception`, a missing field)."""
+        enable_thinking) are passed to the template. Every string in the messages and tools is
+        plain text: only the template's own markup yields control ids. ValueError when there
+        is no template, a dict key spells a special token, or the template refuses the
+        conversation (its `raise_exception`, a missing field, a sandbox violation)."""
         from jinja2 import TemplateError
+        from jinja2.exceptions import SecurityError
 
         if not self._template:
             raise ValueError(
                 "this checkpoint has no chat template; use the completions API instead"
             )
+        self._check_keys([messages, tools, template_kwargs])
         tool_list: list[Any] | None = list(tools) if tools is not None else None
         try:
             ids = self._tok.apply_chat_template(
@@ -65,13 +110,31 @@ class Tokenizer:
                 tools=tool_list,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
+                sanitize_control_tokens=True,  # the strings it is given are encoded as text
                 **(template_kwargs or {}),
             )
+        except SecurityError as exc:
+            raise ValueError(f"the chat template broke its sandbox's rules: {exc}") from None
         except TemplateError as exc:
             raise ValueError(f"the chat template refused the conversation: {exc}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]  # type: ignore[call-overload,index]
         return list(ids)
+
+    def _check_keys(self, value: Any) -> None:
+        """ValueError when a dict key anywhere in `value` spells a special token (a template
+        writes keys, e.g. of tool-call arguments, and nothing escapes them)."""
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and (found := self._control.search(key)):
+                    raise ValueError(
+                        f"the key {key!r} spells the special token {found.group()!r}; keys in "
+                        "messages and tools cannot contain special tokens"
+                    )
+                self._check_keys(item)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                self._check_keys(item)
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))

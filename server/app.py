@@ -2,10 +2,11 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
 POST /detokenize, GET /health, GET /ready, GET /metrics, GET /version, OpenAPI docs at /docs,
-and the playground page at / and /playground (`server.playground`). With an API key, the /v1
-routes and the tokenizer's need `Authorization: Bearer <key>`; /health, /ready, /metrics, /docs
-and the page stay public. The edge
-of every request (ids, limits, auth, body, last-resort errors) is `server.edge`.
+and the playground page at / and /playground (`server.playground`). With an API key, every
+request needs `Authorization: Bearer <key>` except those routed to the public routes: /health,
+/ready, /metrics, /version, the OpenAPI docs and the page (a path that matches no route needs
+the key too). The edge of every request (ids, limits, auth, body, last-resort errors) is
+`server.edge`.
 
 Importing this module loads no torch: the engine is reached only through its torch-free
 contract (`engine.types`, `engine.params`, `engine.validation`).
@@ -21,7 +22,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.edge import EdgeMiddleware
+from server.edge import EdgeMiddleware, RouteAccess
 from server.errors import (
     APIError,
     ClientGone,
@@ -63,8 +64,9 @@ def create_app(state: ServerState) -> FastAPI:
     state.engine.on_step.append(state.metrics.on_step)
 
     app.include_router(ops_router(state))
+    app.include_router(playground_router())
+    public = tuple(app.routes)  # the OpenAPI docs, health/ready/metrics/version, the page
     app.include_router(v1_router(state))
     app.include_router(tokenize_router(state))
-    app.include_router(playground_router())
-    app.add_middleware(EdgeMiddleware, state=state)
+    app.add_middleware(EdgeMiddleware, state=state, access=RouteAccess(app.routes, public))
     return app

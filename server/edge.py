@@ -1,6 +1,11 @@
 """The edge of every HTTP request, as a plain ASGI middleware: request ids, head limits, the
 API key, the body (read here, within its size and time limits), and the last word on errors.
 
+The API key is required of every request except those the router would send to a public route
+(`RouteAccess`): the decision is the router's own match on the same scope, so no spelling of a
+path (`//v1/...`, `%2F`, `/./`, `..`, case, a trailing slash) and no `Host` or `X-Forwarded-*`
+header reaches a keyed route without the key, and a path that matches no route needs it too.
+
 A plain ASGI middleware rather than Starlette's `BaseHTTPMiddleware`: the route sees the
 server's own `receive`, so `Request.is_disconnected()` notices a client that went away and the
 request is aborted. The body is read here once, bounded as it arrives (a chunked body counts
@@ -14,9 +19,11 @@ import hmac
 import logging
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
@@ -34,9 +41,27 @@ _BAD_REQUEST_ID = APIError(
 _CLOSE = {"connection": "close"}  # the rest of the body is not read: end the connection
 
 
+@dataclass(frozen=True, slots=True)
+class RouteAccess:
+    """Which requests need the API key: every one but those the router dispatches to one of
+    the `public` routes. `routes` is the router's live list, in dispatch order; a route is
+    public by identity, so a route added later needs the key unless it is listed here."""
+
+    routes: list[BaseRoute]
+    public: tuple[BaseRoute, ...]
+
+    def needs_key(self, scope: Scope) -> bool:
+        for route in self.routes:  # as Starlette's router dispatches: the first full match
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                return not any(route is p for p in self.public)
+        return True  # no route (404), a wrong method (405) or a slash redirect: keyed too
+
+
 class EdgeMiddleware:
     """Runs before any route: refuses bad request ids (400), too many or too large header
-    fields (431), a declared body over the limit (413) and a missing API key on /v1 (401);
+    fields (431), a declared body over the limit (413) and a missing API key (401) unless
+    `access` says the request is public;
     reads the body (413 past the limit, 408 when it is late); echoes `x-request-id`; turns an
     unexpected exception into a 500 in the OpenAI envelope naming the request id.
 
@@ -44,9 +69,10 @@ class EdgeMiddleware:
     logged) and `request.state.response_key` (unique, made here: the engine keys requests by
     it)."""
 
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+    def __init__(self, app: ASGIApp, state: ServerState, access: RouteAccess) -> None:
         self.app = app
         self.state = state
+        self.access = access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -103,7 +129,7 @@ class EdgeMiddleware:
         if length.isdigit() and int(length) > limits.max_body_bytes:
             return _too_large(limits.max_body_bytes)
         key = self.state.api_key
-        if key and _needs_key(scope["path"]) and not _authorized(headers, key):
+        if key and self.access.needs_key(scope) and not _authorized(headers, key):
             return APIError(401, "Invalid or missing API key (send Authorization: Bearer <key>)")
         return None
 
@@ -154,8 +180,3 @@ def _authorized(headers: dict[str, str], key: str) -> bool:
     header = headers.get("authorization", "")
     token = header[7:] if header.lower().startswith("bearer ") else ""
     return hmac.compare_digest(token.encode(), key.encode())
-
-
-def _needs_key(path: str) -> bool:
-    """The API routes (/v1 and the tokenizer's) need the key; the operational ones do not."""
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")

@@ -149,8 +149,8 @@ async def _serve(
 ) -> Response:
     """Check the cheap things first (503 draining, 400/404 parameters and model), tokenise off
     the event loop (`encode`: the prompts, or the chat template), check each prompt's context
-    (400), admit the request's choices (429 when full, before any response starts), then run
-    it."""
+    (400), admit the request's choices (429 when full), wait until the engine has accepted
+    them (what it refuses is a status: 429, 400, 500), and only then start the response."""
     if state.draining:
         raise draining_error()
     _check_served(state, body)
@@ -183,11 +183,20 @@ async def _serve(
     )
     want_drafts = body.stream and body.stream_drafts
     run = RequestRun(state, renderer, prompts, body.n, body.stop_strings, want_drafts, parser)
+    try:
+        await run.open()  # the engine accepted every choice: nothing is refused in-band now
+    except Exception as exc:
+        ticket.release()
+        raise to_api_error(exc, renderer.response_id, renderer.prompt_param) from None
+    except BaseException:
+        ticket.release()
+        raise
     if body.stream:
         return SSEResponse(run, ticket)  # releases the ticket when the stream ends
     try:
         return JSONResponse(await run.complete(request))
     finally:
+        await run.close()
         ticket.release()
 
 

@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.params import ResolvedParams
-from engine.types import FinishReason, RequestStats, TokenLogprob
+from engine.types import FinishReason, RequestStats, StepOutput, TokenLogprob
 from server.errors import ClientGone, to_api_error
 from server.logprobs import ShownLogprob, TokenTexts
 from server.parsers import MARKUP, OutputParser, Parsed, join_tool_calls
@@ -142,6 +142,8 @@ class RequestRun:
             if choice.prompt.params.logprobs is not None:
                 choice.texts = TokenTexts(self.decode)
         self._token_text: dict[int, str] = {}  # token id -> its text alone (draft cells)
+        self._streams: list[AsyncGenerator[StepOutput, None]] = []  # by choice, once opened
+        self._firsts: list[StepOutput] = []  # each stream's first output (its acceptance)
 
     @property
     def response_id(self) -> str:
@@ -160,43 +162,76 @@ class RequestRun:
             return params
         return replace(params, seed=(seed + choice.seed_offset) % 2**63)
 
-    async def _run_choice(self, choice: Choice, sink: OutputCollector | None) -> None:
-        """Drive one engine request to its end; put what the client should see into `sink`."""
-        stream = self.state.engine.generate(
-            f"{self.response_id}-{choice.index}",
-            choice.prompt.ids,
-            self._choice_params(choice),
-            self.want_drafts,
-        )
+    async def open(self) -> None:
+        """Submit every choice and wait until the engine has accepted each (a request's first
+        output, empty, comes once the engine thread has queued it). What the engine refuses
+        (QueueFull, ParamError, a fault) raises here, before any response starts, after every
+        choice is closed (aborted). Call `close` when the response ends, however it ends."""
+        self._streams = [
+            self.state.engine.generate(
+                f"{self.response_id}-{c.index}",
+                c.prompt.ids,
+                self._choice_params(c),
+                self.want_drafts,
+            )
+            for c in self.choices
+        ]
         try:
-            async for out in stream:
-                delta = choice.text.add(out.new_token_ids, final=out.finish_reason is not None)
-                if choice.text.stopped:
-                    choice.finish_reason = FinishReason.STOP
-                elif out.finish_reason is not None:
-                    choice.finish_reason = FinishReason(out.finish_reason)
-                    choice.stats = out.stats
-                parsed = choice.parse(delta)
-                logprobs = choice.take_logprobs(out.logprobs)
-                if out.new_token_ids:
-                    now = time.monotonic()
-                    self.state.metrics.itl.observe(now - choice.last_output_time)
-                    choice.last_output_time = now
-                news = parsed or out.draft is not None or choice.finish_reason or logprobs
-                if sink is not None and news:
-                    event = ChoiceEvent(
-                        choice.index, parsed, out.draft, choice.finish_reason, choice.stats
-                    )
-                    event.logprobs = logprobs
-                    sink.put(event)
+            firsts = await asyncio.gather(
+                *(anext(s) for s in self._streams), return_exceptions=True
+            )
+        except BaseException:
+            await self.close()
+            raise
+        for first in firsts:
+            if isinstance(first, BaseException):
+                await self.close()
+                raise first
+        self._firsts = [f for f in firsts if isinstance(f, StepOutput)]
+
+    async def close(self) -> None:
+        """Close every choice's engine stream (idempotent): one still running is aborted."""
+        with anyio.CancelScope(shield=True):
+            for stream in self._streams:
+                await stream.aclose()
+
+    async def _run_choice(self, choice: Choice, sink: OutputCollector | None) -> None:
+        """Drive one opened engine request to its end; put what the client should see into
+        `sink`."""
+        stream = self._streams[choice.index]
+        out: StepOutput | None = self._firsts[choice.index]
+        try:
+            while out is not None:
+                self._take(choice, out, sink)
                 if choice.finish_reason is not None:
                     break
+                out = await anext(stream, None)
         except asyncio.CancelledError:  # the client went away mid-answer
             self.state.metrics.success(FinishReason.ABORT.value)
             raise
         finally:
             await stream.aclose()  # aborts the engine request if it is still running
         self._record(choice)
+
+    def _take(self, choice: Choice, out: StepOutput, sink: OutputCollector | None) -> None:
+        """Fold one engine output into `choice`; put what the client should see into `sink`."""
+        delta = choice.text.add(out.new_token_ids, final=out.finish_reason is not None)
+        if choice.text.stopped:
+            choice.finish_reason = FinishReason.STOP
+        elif out.finish_reason is not None:
+            choice.finish_reason = FinishReason(out.finish_reason)
+            choice.stats = out.stats
+        parsed = choice.parse(delta)
+        logprobs = choice.take_logprobs(out.logprobs)
+        if out.new_token_ids:
+            now = time.monotonic()
+            self.state.metrics.itl.observe(now - choice.last_output_time)
+            choice.last_output_time = now
+        news = parsed or out.draft is not None or choice.finish_reason or logprobs
+        if sink is not None and news:
+            event = ChoiceEvent(choice.index, parsed, out.draft, choice.finish_reason, choice.stats)
+            event.logprobs = logprobs
+            sink.put(event)
 
     def _record(self, choice: Choice) -> None:
         metrics = self.state.metrics
@@ -285,11 +320,12 @@ class RequestRun:
 
 
 class SSEResponse(StreamingResponse):
-    """A run's SSE stream. Its admission ticket is released when the response ends however it
-    ends (finished, client gone, or the stream never started), after the run's engine requests
-    have ended."""
+    """An opened run's SSE stream. Its admission ticket is released when the response ends
+    however it ends (finished, client gone, or the stream never started), after the run's
+    engine requests have ended."""
 
     def __init__(self, run: RequestRun, ticket: Ticket) -> None:
+        self._run = run
         self._events = run.sse()
         self._ticket = ticket
         super().__init__(self._events, media_type="text/event-stream")
@@ -300,6 +336,7 @@ class SSEResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._events.aclose()  # a stream left mid-way cancels its choices
+            await self._run.close()  # the stream never started: its engine requests end here
             self._ticket.release()
 
 

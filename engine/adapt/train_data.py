@@ -128,10 +128,10 @@ def _jsonl_sequence(
     if tokenizer is None:
         raise ValueError(f"{where}: text records need a checkpoint with a tokenizer")
     if "prompt" in record and "completion" in record:
-        completion = strip_bos(tokenizer.encode(record["completion"]), spec.bos_id)
+        completion = strip_bos(tokenizer.encode(record["completion"], markup=True), spec.bos_id)
         return chat_sequence(encode_prompt(tokenizer, record["prompt"]), completion, spec)
     if "text" in record:
-        return document_sequence(tokenizer.encode(record["text"]), spec)
+        return document_sequence(tokenizer.encode(record["text"], markup=True), spec)
     raise ValueError(
         f'{where}: expected {{"prompt", "completion"}}, {{"text"}} or '
         f'{{"prompt_ids", "completion_ids"}}, got keys {sorted(record)}'
@@ -145,7 +145,8 @@ def load_data_file(path: Path, tokenizer: Tokenizer | None, spec: DataSpec) -> l
     if path.suffix == ".txt":
         if tokenizer is None:
             raise ValueError(f"--data {path}: a .txt file needs a checkpoint with a tokenizer")
-        return text_windows(strip_bos(tokenizer.encode(path.read_text()), spec.bos_id), spec)
+        text = tokenizer.encode(path.read_text(), markup=True)
+        return text_windows(strip_bos(text, spec.bos_id), spec)
     if path.suffix != ".jsonl":
         raise ValueError(f"--data {path}: expected a .txt or .jsonl file")
     sequences = []

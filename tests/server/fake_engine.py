@@ -1,9 +1,10 @@
 """A fake engine and a byte tokenizer, so server tests run in milliseconds without torch.
 
 `FakeEngine` implements `engine.types.EngineClient` the way the async engine behaves: a
-request's tokens come out one canvas at a time (with drafts before each canvas when asked for),
-cut at the first EOS (kept, finish "stop") or at `max_tokens` (finish "length"); closing the
-iterator early aborts the request. What it answers is deterministic and configurable.
+request's first output is its acceptance (empty); then its tokens come out one canvas at a time
+(with drafts before each canvas when asked for), cut at the first EOS (kept, finish "stop") or
+at `max_tokens` (finish "length"); closing the iterator early aborts the request. What it
+answers is deterministic and configurable.
 """
 
 from __future__ import annotations
@@ -98,15 +99,17 @@ class Submitted:
 class FakeEngine:
     """Configure by attribute: `answer` (token ids every request produces; None: `letters` of
     the request's seed), `drafts_per_canvas`, `fail_after` (outputs before a RuntimeError),
-    `refuse` (a ParamError generate raises), `queue_full` (the engine reports itself full and
-    refuses every request), `delay` (seconds per output). Like the async engine, it counts a
-    request in flight from its generator's first step and refuses one past `max_inflight`."""
+    `refuse` (what generate raises instead of accepting the request: a ParamError, or a
+    QueueFull as the engine thread's add path raises it), `queue_full` (the engine reports
+    itself full and refuses every request), `delay` (seconds per output). Like the async
+    engine, it counts a request in flight from its generator's first step and refuses one past
+    `max_inflight`."""
 
     limits: EngineLimits = LIMITS
     answer: list[int] | None = None
     drafts_per_canvas: int = 0
     fail_after: int | None = None
-    refuse: ParamError | None = None
+    refuse: Exception | None = None
     queue_full: bool = False
     delay: float = 0.0
     alive: bool = False
@@ -176,6 +179,7 @@ class FakeEngine:
         self.num_inflight += 1
         finished = False
         try:
+            yield StepOutput(request_id, [])  # accepted
             async for out in self._outputs(request_id, prompt_ids, params, want_drafts):
                 finished = out.finish_reason is not None
                 yield out

@@ -166,9 +166,13 @@ class RecordedServer:
     engine: FakeEngine
     tokenizer: Tokenizer
 
+    def model_ids(self, text: str) -> list[int]:
+        """What a model writes: its markup spelled in `text` as the special tokens."""
+        return self.tokenizer.encode(text, add_special_tokens=False, markup=True)
+
     def answer(self, text: str) -> None:
         eos = 1  # the tiny tokenizer's <eos>
-        self.engine.answer = self.tokenizer.encode(text) + [eos]
+        self.engine.answer = self.model_ids(text) + [eos]
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +194,7 @@ def recorded(tiny_checkpoint) -> Iterator[RecordedServer]:
 
 
 def test_the_recorded_markup_is_special_tokens_that_plain_decoding_hides(recorded):
-    ids = recorded.tokenizer.encode(THINK_THEN_CALLS)
+    ids = recorded.model_ids(THINK_THEN_CALLS)
     assert len(ids) < len(THINK_THEN_CALLS.encode())  # the markers are single tokens
     assert "<|tool_call>" not in recorded.tokenizer.decode(ids)
 
@@ -234,7 +238,7 @@ def test_recorded_thoughts_apart_from_the_answer_through_the_client(recorded):
     assert message.content == "2 + 2 = 4." and message.model_extra["reasoning_content"] == (
         "Simple arithmetic."
     )
-    thought = recorded.tokenizer.encode("<|channel>thought\nSimple arithmetic.<channel|>")
+    thought = recorded.model_ids("<|channel>thought\nSimple arithmetic.<channel|>")
     assert r.usage.completion_tokens_details.reasoning_tokens == len(thought)
 
 

@@ -1,5 +1,6 @@
-"""Overload and early exits: capacity is taken before a stream's 200, so overload is always a
-real 429 with Retry-After; a client that leaves a non-streaming request aborts it."""
+"""Overload and early exits: capacity is taken, and the engine has accepted the request, before
+a stream's 200, so overload is always a real 429 with Retry-After and never an in-band error; a
+client that leaves a non-streaming request aborts it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from engine.params import ParamError
+from engine.types import QueueFull
 from tests.server.conftest import LiveServer, start_server
 
 
@@ -19,6 +22,38 @@ def test_a_stream_into_a_full_engine_is_429_before_any_200(fake):
     assert r.status_code == 429, r.text
     assert r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"] == "1"
     assert not fake.engine.submitted
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_the_engine_finds_full_after_admission_is_429_before_any_200(fake, stream):
+    fake.engine.refuse = QueueFull("2 requests running and 1 waiting")
+    r = fake.post("/completions", prompt="a", n=2, stream=stream)
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"] == "1"
+    assert fake.engine.num_inflight == 0 and fake.state.admission.num_admitted == 0
+
+
+def test_a_stream_the_engine_refuses_as_invalid_is_400_not_an_in_band_error(fake):
+    fake.engine.refuse = ParamError("max_tokens", "refused by the engine")
+    r = fake.post("/chat/completions", messages=[{"role": "user", "content": "a"}], stream=True)
+    assert r.status_code == 400, r.text
+    assert "refused by the engine" in r.json()["error"]["message"]
+
+
+def test_a_stream_refused_in_the_engine_threads_add_path_is_429_not_in_band(
+    live_server, monkeypatch
+):
+    engine = live_server.state.engine
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise QueueFull("the scheduler is full")
+
+    monkeypatch.setattr(engine.engine, "add_request", full)  # runs on the engine thread
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 8, "stream": True}
+    r = httpx.post(f"{live_server.v1}/completions", json=body, timeout=30)
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"] == "1"
+    assert engine.num_inflight == 0 and live_server.state.admission.num_admitted == 0
 
 
 async def _burst(url: str, model: str, num_clients: int, max_tokens: int) -> list[httpx.Response]:

@@ -81,6 +81,7 @@ def test_a_stream_closed_mid_answer_counts_as_an_abort():
     async def main() -> float:
         engine = FakeEngine(delay=0.01)
         run = make_run(engine, num_choices=1)
+        await run.open()
         stream = run.sse()
         await anext(stream)
         await stream.aclose()

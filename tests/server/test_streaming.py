@@ -121,7 +121,9 @@ def make_run(engine: FakeEngine, num_choices: int, max_tokens: int = 40) -> Requ
 def test_closing_a_stream_aborts_every_choice():
     async def main() -> list[str]:
         engine = FakeEngine(delay=0.01)
-        stream = make_run(engine, num_choices=2).sse()
+        run = make_run(engine, num_choices=2)
+        await run.open()
+        stream = run.sse()
         assert '"text":"abcd"' in await anext(stream)
         await stream.aclose()  # what Starlette does when the client goes away
         return engine.aborted
@@ -136,8 +138,10 @@ def test_a_client_gone_before_the_answer_aborts_its_request():
 
     async def main() -> list[str]:
         engine = FakeEngine(delay=0.05)
+        run = make_run(engine, num_choices=1)
+        await run.open()
         with pytest.raises(ClientGone):
-            await make_run(engine, num_choices=1).complete(Gone())  # type: ignore[arg-type]
+            await run.complete(Gone())  # type: ignore[arg-type]
         return engine.aborted
 
     assert asyncio.run(main()) == ["cmpl-x-0"]
