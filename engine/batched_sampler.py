@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.filters import filter_logits, top_p_floor
 from engine.params import DecodeMode, ResolvedParams
 from kernels import KernelSet
 from kernels.reference import philox_uniform
@@ -79,6 +80,8 @@ class SlotState:
         self.bound = zeros(num_slots, dtype=torch.float32)
         self.confidence = zeros(num_slots, dtype=torch.float32)
         self.temperature = zeros(num_slots, dtype=torch.float32)  # AR
+        self.top_k = zeros(num_slots)  # 0: off
+        self.top_p_floor = zeros(num_slots, dtype=torch.float32)  # 0: off (engine.filters)
 
 
 @dataclass(slots=True)
@@ -135,6 +138,8 @@ class BatchedSampler:
             s.bound: params.entropy_bound,
             s.confidence: params.confidence_threshold,
             s.temperature: params.temperature if params.mode is DecodeMode.AR else 0.0,
+            s.top_k: params.top_k,
+            s.top_p_floor: top_p_floor(params.top_p),
             s.canvas_no: -1,
         }
         for tensor, value in values.items():
@@ -147,6 +152,27 @@ class BatchedSampler:
         for name in _ROW_FIELDS:
             value = getattr(rows, name)
             getattr(s, name)[slots] = value if keep is None else value[keep]
+
+    def filtered(
+        self, logits: torch.Tensor, slots: torch.Tensor, rows: list[int], length: int,
+        max_k: int, any_p: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """logits [R * length, V] with the top_k / top_p filters of the rows listed (those
+        that asked; `engine.filters`) applied: a copy when there are any, so the raw logits
+        stay for log-probabilities; `logits` itself otherwise. `max_k`, `any_p`: the listed
+        rows' largest top_k and whether any has top_p < 1 (host values: no sync)."""
+        if not rows:
+            return logits
+        s, vocab = self.state, logits.shape[-1]
+        index = torch.tensor(rows, dtype=torch.long).to(logits.device)
+        picked = slots[index]
+        view = logits.view(-1, length, vocab)
+        top_k = s.top_k[picked].repeat_interleave(length)
+        floor = s.top_p_floor[picked].repeat_interleave(length)
+        sub = filter_logits(view[index].reshape(-1, vocab), top_k, floor, max_k, any_p)
+        out = view.clone()
+        out[index] = sub.view(-1, length, vocab)
+        return out.view(-1, vocab)
 
     # -- inputs -------------------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ FLOAT_BOUNDS = {
     "confidence_threshold": MAX_ENTROPY,
 }
 MAX_DENOISING_STEPS = 1024
+MAX_TOP_K = 2**31 - 1  # larger than any vocabulary; the sampler clamps it to the vocabulary
 MAX_STABILITY_THRESHOLD = 64
 
 
@@ -77,6 +78,10 @@ class SamplingParams:
     # What `temperature` means depends on the mode (engine.validation.apply_temperature):
     # diffusion: scales the t_min..t_max schedule; AR: the sampling temperature, 0 is greedy.
     temperature: float | None = None
+    # Candidate filters on the raw logits (both modes, `engine.filters`): the top_k most likely
+    # tokens (None, 0 or -1: all), then the smallest set holding top_p of the probability.
+    top_k: int | None = None
+    top_p: float | None = None
     # Structured output: the text must be a JSON document valid under this JSON schema (a JSON
     # string; '{"type": "object"}' for OpenAI's json_object). Enforced by a grammar per request.
     json_schema: str | None = None
@@ -84,7 +89,7 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (*FLOAT_BOUNDS, "temperature"):  # temperature's range is checked below
+        for name in (*FLOAT_BOUNDS, "temperature", "top_p"):  # their ranges are checked below
             value = getattr(self, name)
             _check(value is None or math.isfinite(value), name, "must be a finite number")
             bound = FLOAT_BOUNDS.get(name, math.inf)
@@ -131,6 +136,12 @@ class SamplingParams:
             f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (lower temperatures overflow the "
             "softmax)",
         )
+        _check(self.top_p is None or 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(
+            self.top_k is None or -1 <= self.top_k <= MAX_TOP_K,
+            "top_k",
+            f"must be -1 or 0 (all tokens) or in [1, {MAX_TOP_K}]",
+        )
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
             "top_logprobs",
@@ -153,11 +164,18 @@ class ResolvedParams:
     stability_threshold: int
     confidence_threshold: float
     temperature: float  # AR sampling temperature (0 = greedy); diffusion ignores it
+    top_k: int = 0  # 0: all tokens
+    top_p: float = 1.0  # 1: all tokens
     json_schema: str | None = None
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.t_max > self.t_min, "t_max", f"must be > t_min ({self.t_max} <= {self.t_min})")
+
+    @property
+    def filtered(self) -> bool:
+        """top_k or top_p restricts the candidates."""
+        return self.top_k > 0 or self.top_p < 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +239,8 @@ class DecodingDefaults:
                 pick(params.confidence_threshold, self.confidence_threshold)
             ),
             temperature=float(pick(params.temperature, 0.0)),
+            top_k=max(0, params.top_k or 0),
+            top_p=float(pick(params.top_p, 1.0)),
             json_schema=params.json_schema,
             logprobs=params.logprobs,
         )

@@ -15,8 +15,10 @@ from typing import Protocol
 import torch
 
 from engine.batched_sampler import BatchedSampler, RowStates, to_host
+from engine.filters import filter_logits, top_p_floor
 from engine.model import DiffusionLM
 from engine.model.base import SoftEmbeds
+from engine.params import ResolvedParams
 from engine.request import RequestState
 from engine.sampler import CanvasState, denoise_update, start_canvas
 
@@ -118,12 +120,14 @@ class BatchedSampling:
         if denoise:
             assert denoise_logits is not None and canvas is not None
             assert isinstance(canvas.state, RowStates)
-            staged, host_parts = self.sampler.denoise(denoise_logits, canvas.state)
+            logits = self._filtered(denoise_logits, canvas.state.slots, denoise, self.canvas_length)
+            staged, host_parts = self.sampler.denoise(logits, canvas.state)
             parts += host_parts
         if ar:
             assert ar_logits is not None
+            slots = self._slots(ar)
             index = torch.tensor([len(r.output_ids) for r in ar]).to(self.device)
-            parts += self.sampler.sample_ar(ar_logits, self._slots(ar), index)
+            parts += self.sampler.sample_ar(self._filtered(ar_logits, slots, ar, 1), slots, index)
         host = to_host(parts)
         ar_tokens, ar_failed = (host[-2], [bool(f) for f in host[-1]]) if ar else ([], [])
         if not denoise:
@@ -142,6 +146,14 @@ class BatchedSampling:
             ar_failed,
             staged,
         )
+
+    def _filtered(
+        self, logits: torch.Tensor, slots: torch.Tensor, reqs: list[RequestState], length: int
+    ) -> torch.Tensor:
+        rows = [j for j, r in enumerate(reqs) if r.params.filtered]
+        max_k = max((reqs[j].params.top_k for j in rows), default=0)
+        any_p = any(reqs[j].params.top_p < 1 for j in rows)
+        return self.sampler.filtered(logits, slots, rows, length, max_k, any_p)
 
     def install(self, sampled: Sampled, keep: list[bool], keep_ar: list[bool]) -> None:
         if not isinstance(sampled.staged, RowStates) or not any(keep):
@@ -250,6 +262,10 @@ class ReferenceSampling:
             return finished, steps, drafts, failed
         states = [forks[j].canvas for j in good]
         rows = logits if len(good) == num_rows else logits[good]
+        if any(denoise[j].params.filtered for j in good):
+            rows = torch.stack(
+                [_filter_one(denoise[j].params, r) for j, r in zip(good, rows, strict=True)]
+            )
         scaled, probs = denoise_update(rows, states, [denoise[j].params for j in good])  # type: ignore[arg-type]
         soft = self.model.soft_embed(scaled, probs)
         for i, j in enumerate(good):
@@ -276,11 +292,22 @@ class ReferenceSampling:
 
     @staticmethod
     def _ar_token(req: RequestState, logits: torch.Tensor, generator: torch.Generator) -> int:
+        logits = _filter_one(req.params, logits[None])[0]
         temperature = req.params.temperature
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             return int(torch.multinomial(probs, 1, generator=generator))
         return int(logits.argmax())
+
+
+def _filter_one(params: ResolvedParams, logits: torch.Tensor) -> torch.Tensor:
+    """One request's logits [N, V] through its top_k / top_p (`engine.filters`; a copy)."""
+    if not params.filtered:
+        return logits
+    num = logits.shape[0]
+    top_k = torch.full((num,), params.top_k, dtype=torch.long, device=logits.device)
+    floor = torch.full((num,), top_p_floor(params.top_p), dtype=torch.float32, device=logits.device)
+    return filter_logits(logits, top_k, floor, params.top_k, params.top_p < 1)
 
 
 def _finite_rows(logits: torch.Tensor) -> torch.Tensor:

