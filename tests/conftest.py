@@ -1,17 +1,44 @@
 """Shared fixtures: tiny random-weight checkpoints built once per session with the reference
-classes, and the reference model loaded from them."""
+classes, and the reference model loaded from them.
+
+The suite never writes into the user's home: before anything can read them (this module is
+imported before every test module, and before torch, transformers or triton), HOME and every
+cache and config location the project and its libraries use point into one temporary
+directory per session, removed when the session ends."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
+import os
+import shutil
+import tempfile
 
-import pytest
-import torch
+SESSION_HOME = tempfile.mkdtemp(prefix="canvas-tests-home-")
+# Each location named for the libraries that read it; HOME itself catches any other.
+SESSION_ENV = {
+    "HOME": SESSION_HOME,
+    "CANVAS_CACHE": os.path.join(SESSION_HOME, "canvas-cache"),  # built checkpoints
+    "XDG_CACHE_HOME": os.path.join(SESSION_HOME, ".cache"),  # torch hub, helm, selenium
+    "XDG_CONFIG_HOME": os.path.join(SESSION_HOME, ".config"),  # matplotlib, helm, chromium
+    "XDG_DATA_HOME": os.path.join(SESSION_HOME, ".local", "share"),
+    "HF_HOME": os.path.join(SESSION_HOME, ".cache", "huggingface"),  # transformers, hub
+    "TRITON_HOME": SESSION_HOME,  # triton's ~/.triton (kernel cache)
+    "MPLCONFIGDIR": os.path.join(SESSION_HOME, ".config", "matplotlib"),
+}
+os.environ.update(SESSION_ENV)
+
+from collections.abc import Callable, Iterator  # noqa: E402  (after the environment is set)
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from engine.testing import PRESETS, make_tiny
 
 torch.set_num_threads(2)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(SESSION_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

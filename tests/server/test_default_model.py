@@ -18,18 +18,12 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def default_server(tmp_path_factory, monkeypatch_module):
-    monkeypatch_module.setenv("CANVAS_CACHE", str(tmp_path_factory.mktemp("canvas-cache")))
+def default_server():
+    """Built once per session into the session's CANVAS_CACHE (tests/conftest.py), shared with
+    tests/e2e/test_default_adapter.py."""
     server, stop = start_server(None, "--served-model-name", "canvas-default")
     yield server
     stop()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
 
 
 def test_default_model_answers_the_capital_of_france(default_server):
