@@ -26,13 +26,13 @@ SESSION_ENV = {
 }
 os.environ.update(SESSION_ENV)
 
-from collections.abc import Callable, Iterator  # noqa: E402  (after the environment is set)
+from collections.abc import Callable  # noqa: E402  (after the environment is set)
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.testing import PRESETS, make_tiny
+from engine.testing import PRESETS, make_tiny  # noqa: E402
 
 torch.set_num_threads(2)
 
