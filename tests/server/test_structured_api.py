@@ -213,6 +213,36 @@ def test_forced_tool_calls_have_valid_arguments(client, extra):
         _valid(c.function.arguments, TOOL["function"]["parameters"])  # type: ignore[index]
 
 
+class NoToolsTemplate:
+    """A tokenizer as if its chat template could not render tools (SmolLM2's, the built-in
+    default model's, cannot)."""
+
+    template_knows_tools = False
+
+    def __init__(self, tokenizer: object) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._tokenizer, name)
+
+
+@pytest.mark.parametrize("extra", MODES)
+def test_a_forced_call_on_a_template_without_tools_is_a_valid_call(
+    client, live_server, monkeypatch, extra
+):
+    monkeypatch.setattr(
+        live_server.state, "tokenizer", NoToolsTemplate(live_server.state.tokenizer)
+    )
+    common = {"model": "tiny", "messages": CHAT, "tools": [TOOL], "extra_body": extra}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(tool_choice=named, max_tokens=40, seed=1, **common)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    _valid(call.function.arguments, TOOL["function"]["parameters"])  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="does not render tools"):
+        client.chat.completions.create(tool_choice="auto", max_tokens=40, **common)
+
+
 @pytest.mark.parametrize("extra", MODES)
 def test_logprobs_through_the_client(client, extra):
     common = {"model": "tiny", "messages": CHAT, "max_tokens": 24, "seed": 4, "extra_body": extra}
