@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ class Tokenizer:
         template = getattr(self._tok, "chat_template", None)
         self._template: str = template if isinstance(template, str) else ""
         self._markup_decoders: dict[frozenset[str], Callable[[list[int]], str]] = {}
+        self._special_texts = {i: self._tok.convert_ids_to_tokens(i) for i in self._special_ids()}
 
     @property
     def hf(self) -> Any:
@@ -26,6 +27,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self._tok)
+
+    @property
+    def special_token_texts(self) -> Mapping[int, str]:
+        """Each special token's id -> its spelling (e.g. "<end_of_turn>"), which `decode`
+        drops: how a log-probability shows such a token."""
+        return self._special_texts
 
     @property
     def template_knows_tools(self) -> bool:
@@ -85,10 +92,13 @@ class Tokenizer:
             self._markup_decoders[key] = self._markup_decoder(key)
         return self._markup_decoders[key]
 
-    def _markup_decoder(self, keep: frozenset[str]) -> Callable[[list[int]], str]:
-        special = set(self._tok.all_special_ids) | {
+    def _special_ids(self) -> set[int]:
+        return set(self._tok.all_special_ids) | {
             i for i, t in self._tok.added_tokens_decoder.items() if t.special
         }
+
+    def _markup_decoder(self, keep: frozenset[str]) -> Callable[[list[int]], str]:
+        special = self._special_ids()
         keep_ids = {i for i in special if self._tok.convert_ids_to_tokens(i) in keep}
         drop = frozenset(special - keep_ids)
 

@@ -150,7 +150,19 @@ def test_streamed_logprobs_cover_the_streamed_text(fake):
             text += c["delta"].get("content") or ""
             tokens += [e["token"] for e in (c["logprobs"] or {}).get("content", [])]
     assert text == "naïve café ☕ done"
-    assert "".join(tokens) == text  # a multi-byte character's bytes add "" then the character
+    assert tokens[-1] == "<eos>"  # the end token as the tokenizer spells it, not ""
+    assert "".join(tokens[:-1]) == text  # a multi-byte character's bytes add "" then the character
+
+
+def test_the_end_token_is_spelled_in_logprobs_and_covers_no_text(fake):
+    fake.engine.answer = list(b"ok") + [EOS]
+    r = fake.post("/completions", prompt="a", logprobs=1, max_tokens=30)
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["o", "k", "<eos>"] and lp["text_offset"] == [0, 1, 2]
+    r = fake.post("/chat/completions", messages=CHAT, logprobs=True, max_tokens=30)
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == ["o", "k", "<eos>"]
+    assert content[-1]["bytes"] == list(b"<eos>")
 
 
 # -- end to end through the openai client (tiny checkpoint, real engine) ------------------------
