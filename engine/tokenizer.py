@@ -17,7 +17,9 @@ class Tokenizer:
         template = getattr(self._tok, "chat_template", None)
         self._template: str = template if isinstance(template, str) else ""
         self._markup_decoders: dict[frozenset[str], Callable[[list[int]], str]] = {}
-        self._special_texts = {i: self._tok.convert_ids_to_tokens(i) for i in self._special_ids()}
+        self._special_texts = {
+            i: str(self._tok.convert_ids_to_tokens(i)) for i in self._special_ids()
+        }
 
     @property
     def hf(self) -> Any:
