@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self._tok = AutoTokenizer.from_pretrained(
+            str(model_dir), local_files_only=True, **_config_for_tokenizer(Path(model_dir))
+        )
         template = getattr(self._tok, "chat_template", None)
         self._template: str = template if isinstance(template, str) else ""
         self._markup_decoders: dict[frozenset[str], Callable[[list[int]], str]] = {}
@@ -109,3 +112,20 @@ class Tokenizer:
             return str(self._tok.decode(kept, skip_special_tokens=False))
 
         return decode
+
+
+def _config_for_tokenizer(model_dir: Path) -> dict[str, Any]:
+    """AutoTokenizer reads config.json only to find the tokenizer class when
+    tokenizer_config.json does not name one. A model_type transformers does not know (Canvas's
+    own `canvas_llama`, from `canvas convert`) makes it fall back to a bare config and warn, on
+    every start, that this "can yield errors" -- harmless here, since the tokenizer class comes
+    from tokenizer_config.json either way. For such a checkpoint it is given an empty config
+    instead (the same outcome, without the warning)."""
+    from transformers import PreTrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return {}  # no config or an odd one: AutoTokenizer reports it as before
+    return {} if model_type in CONFIG_MAPPING else {"config": PreTrainedConfig()}
