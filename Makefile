@@ -58,7 +58,8 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# The lent GPU machine, its image as it is (python3 with CUDA torch and triton; no venv, no
+# A GPU machine as it may come (README, "Serving DiffusionGemma on a GPU"; the device tool:
+# docs/gpu-device-runs.md), its image as it is (python3 with CUDA torch and triton; no venv, no
 # network), so these use $(PY) and no $(STAMP): `make gpu-check GPU_OUT=dir` runs every test
 # marked gpu, then the GPU benchmark, in under 9 minutes; `make gpu-bench` the benchmark alone
 # (under 8). Reports in $(GPU_OUT); loadtest/README.md ("GPU check") has the device tool call.
