@@ -72,7 +72,7 @@ def test_the_configuration_table_lists_every_serve_flag():
 
     serve = argparse.ArgumentParser(add_help=False)
     add_serve_arguments(serve)
-    flags = set(re.findall(r"\[(--[a-z-]+)", serve.format_usage()))
+    flags = set(re.findall(r"--[a-z][a-z-]*", serve.format_usage()))
     assert {"--model", "--api-key", "--placeholder-model", "--debug"} <= flags
     table = configuration_section()
     rows = {re.match(r"\| `(--[a-z-]+)", line) for line in table.splitlines()}
