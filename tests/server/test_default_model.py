@@ -21,7 +21,10 @@ pytestmark = pytest.mark.skipif(
 def default_server():
     """Built once per session into the session's CANVAS_CACHE (tests/conftest.py), shared with
     tests/e2e/test_default_adapter.py."""
-    server, stop = start_server(None, "--served-model-name", "canvas-default")
+    # A KV pool for a few short requests: the default (131,072 positions) takes 6 GB here.
+    server, stop = start_server(
+        None, "--served-model-name", "canvas-default", "--kv-cache-tokens", "8192"
+    )
     yield server
     stop()
 
