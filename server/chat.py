@@ -5,6 +5,9 @@ Content given as parts is joined to one text (text parts, separated by a newline
 them); parts of other kinds (images, audio, files) are refused: Canvas serves text only.
 Assistant tool calls in the history reach the template with their arguments parsed (templates
 write them out in the model's own syntax); a tool message gets the name of the call it answers.
+A template that cannot render tools still serves a forced tool choice (a named function or
+"required"): the tool's schema constrains the output, and the tools are described to the model
+in a system-message preamble instead.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from server.protocol import (
     ContentPart,
     NamedToolChoice,
     ToolCallItem,
+    ToolChoice,
     check_text,
 )
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+TOOL_FIELDS = ("name", "description", "parameters")  # what the preamble shows of a function
 MEDIA_PARTS = {
     "image_url": "image",
     "image": "image",
@@ -69,6 +74,9 @@ def chat_inputs(request: ChatCompletionRequest, template: ChatTemplateInfo) -> C
     tool or a template switch is invalid or the checkpoint's template cannot honour it."""
     messages = template_messages(request.messages)
     tools = template_tools(request, template)
+    if tools is not None and not template.template_knows_tools:
+        messages = with_tools_preamble(messages, tools, request.tool_choice)
+        tools = None
     thinking = thinking_switch(request)
     if thinking is not None and not template.template_knows_thinking:
         param = (
@@ -77,8 +85,7 @@ def chat_inputs(request: ChatCompletionRequest, template: ChatTemplateInfo) -> C
             else ("chat_template_kwargs.enable_thinking")
         )
         raise ParamError(param, "this checkpoint's chat template has no thinking switch")
-    forced = isinstance(request.tool_choice, NamedToolChoice) or request.tool_choice == "required"
-    if thinking and forced:
+    if thinking and is_forced(request.tool_choice):
         raise ParamError(
             "tool_choice",
             "a forced tool choice constrains the whole output to the call's JSON, so it cannot "
@@ -93,6 +100,39 @@ def chat_inputs(request: ChatCompletionRequest, template: ChatTemplateInfo) -> C
         )
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     return ChatInputs(messages, tools, kwargs)
+
+
+def is_forced(choice: ToolChoice) -> bool:
+    """A named function or "required": the output is the call, constrained to its schema."""
+    return isinstance(choice, NamedToolChoice) or choice == "required"
+
+
+def with_tools_preamble(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]], choice: ToolChoice
+) -> list[dict[str, Any]]:
+    """`messages` with the tools described in the system message (prepended to the first one,
+    or a new one first), for a template that cannot render them: one line per function (its
+    name, description and parameters as JSON), then what the answer must be. Only for a
+    forced choice, whose schema constraint makes the answer a valid call whatever the model
+    makes of the text."""
+    lines = ["You can call these functions:"]
+    for tool in tools:
+        function = tool["function"]
+        lines.append(json.dumps({k: function[k] for k in TOOL_FIELDS if k in function}))
+    if isinstance(choice, NamedToolChoice):
+        lines.append(
+            f"Call {choice.function.name}: answer with its arguments only, as one JSON object."
+        )
+    else:
+        lines.append(
+            'Call one or more of them: answer with a JSON array of calls, each {"name": '
+            '<function name>, "arguments": <its arguments as a JSON object>}.'
+        )
+    preamble = "\n".join(lines)
+    if messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{preamble}\n\n{messages[0]['content']}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": preamble}, *messages]
 
 
 def output_parser(request: ChatCompletionRequest) -> Callable[[], OutputParser]:
@@ -139,11 +179,13 @@ def template_tools(
         raise ParamError("tool_choice", "needs tools: there is no function to call")
     if not request.tools:
         return None
-    if not template.template_knows_tools:
+    if not template.template_knows_tools and not is_forced(request.tool_choice):
         raise ParamError(
             "tools",
             "this checkpoint's chat template does not render tools, so the model could not "
-            "see them; send the request without tools",
+            "see them and would not call them in its own format; force a call with a named "
+            "tool_choice or tool_choice 'required' (the tool's schema then constrains the "
+            "output), or send the request without tools",
         )
     seen: set[str] = set()
     for i, tool in enumerate(request.tools):

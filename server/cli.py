@@ -9,8 +9,29 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 Command = Callable[[argparse.Namespace], int]
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, except where the help already says it (a default
+    that depends on the environment, such as --api-key's, is described, never printed) or
+    there is none to show (None, a switch's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False) or "default" in text:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser, whose --help shows the defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def _ids(text: str) -> list[int]:
@@ -28,7 +49,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     from server.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="canvas", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=CommandParser,
+    )
 
     gen = sub.add_parser("generate", help="generate offline for one prompt and print stats")
     gen.add_argument("--model", required=True, help="checkpoint directory")

@@ -28,6 +28,7 @@ TYPES = {
     404: "not_found_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     431: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
@@ -126,6 +127,7 @@ UNION_FIELDS = {  # what a union-typed field accepts, as a 400 says it
     "content": 'a string or a list of content parts ({"type": "text", "text": ...})',
 }
 _SPECIFIC = ("literal_error", "extra_forbidden", "missing")  # say more than "wrong type"
+NOT_AN_OBJECT = "model_attributes_type"  # pydantic's name for "the body is not an object"
 
 
 def _loc(error: Any) -> tuple[list[str], bool]:
@@ -166,10 +168,38 @@ def validation_message(errors: list[Any]) -> tuple[str, str, str | None]:
     return f"Invalid value for {param}: {first.get('msg', 'invalid')}", param, kind
 
 
-async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
+async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    message, param, code = validation_message(list(exc.errors()))
+    errors = list(exc.errors())
+    if any(e.get("type") == NOT_AN_OBJECT and tuple(e.get("loc", ())) == ("body",) for e in errors):
+        return body_not_an_object(request.headers.get("content-type"))
+    message, param, code = validation_message(errors)
     return JSONResponse(envelope(message, "invalid_request_error", param, code), status_code=400)
+
+
+def body_not_an_object(content_type: str | None) -> JSONResponse:
+    """The body was not read as a JSON object: 415 when it was not sent as JSON (FastAPI reads
+    a body as JSON only with a JSON content type; `curl -d` sends a form type), else 400."""
+    if content_type is None or not is_json_type(content_type):
+        sent = f"was {content_type!r}" if content_type else "is missing"
+        message = (
+            f"Send the request body as JSON with the header 'Content-Type: application/json' "
+            f"(this request's Content-Type {sent})."
+        )
+        return JSONResponse(
+            envelope(message, "invalid_request_error", "Content-Type", "unsupported_media_type"),
+            status_code=415,
+        )
+    message = 'The request body must be a JSON object, e.g. {"model": ..., "messages": [...]}.'
+    return JSONResponse(envelope(message, "invalid_request_error", "body", NOT_AN_OBJECT), 400)
+
+
+def is_json_type(content_type: str) -> bool:
+    """application/json or application/*+json, with or without parameters (as FastAPI reads)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
 
 
 async def http_error_handler(_: Request, exc: Exception) -> JSONResponse:

@@ -5,12 +5,14 @@ The engine gives token ids and values (`engine.types.TokenLogprob`; `engine.logp
 the distribution); here they get their text. A chosen token's text is what it adds in context —
 decoded with the few tokens before it — so a choice's tokens concatenate to its text (a token
 that leaves a UTF-8 sequence unfinished adds "" and the one that finishes it adds the
-character). A top alternative's text is the token decoded alone (memoised).
+character). A top alternative's text is the token decoded alone (memoised). A special token
+whose decoded text is empty (the end of turn) is shown as the tokenizer spells it
+("<end_of_turn>"), covering no characters of the choice's text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +37,13 @@ class ShownLogprob:
 class TokenTexts:
     """Texts of a choice's tokens, for its log-probabilities."""
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(
+        self, decode: Callable[[list[int]], str], special: Mapping[int, str] | None = None
+    ) -> None:
+        """`special`: each special token's id -> its spelling (the tokenizer's
+        `special_token_texts`)."""
         self.decode = decode
+        self.special: Mapping[int, str] = special or {}
         self._alone: dict[int, str] = {}
         self._pending = 0  # tokens just before, whose text is held back (trailing U+FFFD)
         self.offset = 0  # characters of the choice's text covered by the tokens shown so far
@@ -44,7 +51,8 @@ class TokenTexts:
     def alone(self, token_id: int) -> str:
         text = self._alone.get(token_id)
         if text is None:
-            text = self._alone[token_id] = self.decode([token_id])
+            text = self.decode([token_id]) or self.special.get(token_id, "")
+            self._alone[token_id] = text
         return text
 
     def in_context(self, ids: list[int], i: int, final: bool) -> str:
@@ -71,7 +79,8 @@ class TokenTexts:
             last = final and k == len(entries) - 1
             text = self.in_context(ids, start + k, last)
             top = tuple((self.alone(t), v) for t, v in entry.top)
-            shown.append(ShownLogprob(text, entry.logprob, top, self.offset))
+            spelled = self.special.get(ids[start + k]) if not text else None
+            shown.append(ShownLogprob(spelled or text, entry.logprob, top, self.offset))
             self.offset += len(text)
         return shown
 

@@ -285,11 +285,14 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | None
+
+
 class ChatCompletionRequest(CommonParams):
     messages: list[ChatMessage]
     max_completion_tokens: Int | None = None
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: ToolChoice = None
     parallel_tool_calls: Bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: {"enable_thinking": bool}

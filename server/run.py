@@ -138,9 +138,10 @@ class RequestRun:
             for p, prompt in enumerate(prompts)
             for i in range(num_choices)
         ]
+        special = tokenizer.special_token_texts if tokenizer else None
         for choice in self.choices:
             if choice.prompt.params.logprobs is not None:
-                choice.texts = TokenTexts(self.decode)
+                choice.texts = TokenTexts(self.decode, special)
         self._token_text: dict[int, str] = {}  # token id -> its text alone (draft cells)
         self._streams: list[AsyncGenerator[StepOutput, None]] = []  # by choice, once opened
         self._firsts: list[StepOutput] = []  # each stream's first output (its acceptance)

@@ -113,9 +113,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.adapt.cli import add_adapter_argument
 
     add_adapter_argument(parser)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None, help="name clients pass as `model`")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="name clients pass as `model` (default: the checkpoint directory's name)",
+    )
     parser.add_argument(
         "--max-num-seqs", type=int, default=scheduler.max_num_seqs, help="requests running at once"
     )
@@ -134,7 +138,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=engine.kv_cache_tokens,
         help="full-attention KV positions",
     )
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="auto", help="weight and activation dtype"
+    )
     parser.add_argument("--device", default="auto", type=resolve_device, help=DEVICE_HELP)
     parser.add_argument(
         "--exact",

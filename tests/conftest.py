@@ -1,22 +1,47 @@
 """Shared fixtures: tiny random-weight checkpoints built once per session with the reference
-classes, and the reference model loaded from them."""
+classes, and the reference model loaded from them.
+
+The suite never writes into the user's home: before anything can read them (this module is
+imported before every test module, and before torch, transformers or triton), HOME and every
+cache and config location the project and its libraries use point into one temporary
+directory per session, removed when the session ends."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from pathlib import Path
+import shutil
+import tempfile
 
+SESSION_HOME = tempfile.mkdtemp(prefix="canvas-tests-home-")
+# Each location named for the libraries that read it; HOME itself catches any other.
+SESSION_ENV = {
+    "HOME": SESSION_HOME,
+    "CANVAS_CACHE": os.path.join(SESSION_HOME, "canvas-cache"),  # built checkpoints
+    "XDG_CACHE_HOME": os.path.join(SESSION_HOME, ".cache"),  # torch hub, helm, selenium
+    "XDG_CONFIG_HOME": os.path.join(SESSION_HOME, ".config"),  # matplotlib, helm, chromium
+    "XDG_DATA_HOME": os.path.join(SESSION_HOME, ".local", "share"),
+    "HF_HOME": os.path.join(SESSION_HOME, ".cache", "huggingface"),  # transformers, hub
+    "TRITON_HOME": SESSION_HOME,  # triton's ~/.triton (kernel cache)
+    "MPLCONFIGDIR": os.path.join(SESSION_HOME, ".config", "matplotlib"),
+}
+os.environ.update(SESSION_ENV)
 # Every engine the tests build (and every server they start) checks its scheduler's accounting
 # after each step: a leaked page or sampler slot fails the test that leaked it.
 os.environ.setdefault("CANVAS_CHECK_INVARIANTS", "1")
 
-import pytest
-import torch
+from collections.abc import Callable  # noqa: E402  (after the environment is set)
+from pathlib import Path  # noqa: E402
 
-from engine.testing import PRESETS, make_tiny
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine.testing import PRESETS, make_tiny  # noqa: E402
 
 torch.set_num_threads(2)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(SESSION_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

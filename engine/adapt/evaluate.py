@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from engine.adapt.forward import TrainKVCache, train_batch
+from engine.engine import EngineConfig
 from engine.llm import LLM, RequestOutput
 from engine.model import DiffusionLM, Mode, load_model
 from engine.params import DecodeMode, SamplingParams
@@ -54,6 +55,9 @@ class EvalConfig:
     device: str = "auto"  # cuda when available, else cpu
     dtype: str = "auto"
     adapter: str | bool = True  # a decoder adapter directory; True: the model's own; False: none
+    # Full-attention KV positions of the engine (None: the engine's default). The pool is
+    # allocated up front: at the default 131,072 positions that is 6 GB for SmolLM2 in fp32.
+    kv_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.modes:
@@ -157,8 +161,11 @@ def evaluate_mode(
 
 def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     """Run every mode; returns the report as a JSON-ready dict ({"modes": {mode: result}})."""
+    engine = (
+        None if cfg.kv_cache_tokens is None else EngineConfig(kv_cache_tokens=cfg.kv_cache_tokens)
+    )
     llm = LLM.from_pretrained(
-        cfg.model_dir, dtype=cfg.dtype, device=cfg.device, adapter=cfg.adapter
+        cfg.model_dir, dtype=cfg.dtype, device=cfg.device, config=engine, adapter=cfg.adapter
     )
     if llm.tokenizer is None:
         raise ValueError(

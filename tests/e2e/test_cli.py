@@ -209,3 +209,14 @@ def test_flag_defaults_come_from_the_config_objects_and_device_is_auto():
         ["train", "--model", "m", "--out", "o", "--self-distill"],
     ):  # one --dtype choice set for every command that loads a model
         assert parser.parse_args([*argv, "--dtype", "float16"]).dtype == "float16"
+
+
+def test_serve_help_shows_the_defaults_but_never_the_api_key(monkeypatch, capsys):
+    monkeypatch.setenv("CANVAS_API_KEY", "sekrit-key")
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default: 8000)", "(default: 127.0.0.1)", "(default: 64)", "(default: 5.0)"):
+        assert shown in text
+    assert "sekrit-key" not in text and "(default: $CANVAS_API_KEY" in text
+    assert "(default: None)" not in text and "(default: False)" not in text

@@ -126,3 +126,30 @@ def test_convert_command_line(source, tmp_path, capsys):
     assert json.loads((tmp_path / "c" / "config.json").read_text())["canvas_length"] == 16
     assert main(["convert", "--from", str(tmp_path / "missing"), "--to", str(tmp_path / "d")]) == 2
     assert "not a .gguf file" in capsys.readouterr().err
+
+
+def test_a_converted_checkpoints_tokenizer_loads_without_a_transformers_warning(converted):
+    """transformers does not know `canvas_llama`; loading the tokenizer must not warn that the
+    checkpoint "can yield errors" (it did on every start of the built-in default model)."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from engine.tokenizer import Tokenizer
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        tokenizer = Tokenizer(converted)
+        ours = [r.getMessage() for r in records]
+        plain = AutoTokenizer.from_pretrained(str(converted))
+    finally:
+        logger.removeHandler(handler)
+    assert ours == []
+    assert "can yield errors" in records[-1].getMessage()  # what a plain load says: caught here
+    text = "Hello, world! 123"
+    assert tokenizer.encode(text) == plain.encode(text)
+    assert type(tokenizer.hf) is type(plain)

@@ -26,6 +26,7 @@ NUM_QUESTIONS = 4  # the first 4 shipped questions, 32 tokens each (~20 s on 2 c
 # Measured on these 4 (2-core VM, 2026-12-01): with the shipped adapter accuracy 1.0 and a
 # generation perplexity of 19; without it (the untrained decoder) 0.0 and 116,000.
 MIN_ACCURACY = 0.5
+KV_CACHE_TOKENS = 4096  # 4 questions of 32 tokens; the default pool would take 6 GB
 MAX_GEN_PERPLEXITY = 60.0
 
 
@@ -41,7 +42,13 @@ def run_eval(model: Path, adapter: bool, modes: tuple[DecodeMode, ...]) -> dict:
     torch.set_num_threads(2)
     try:
         config = EvalConfig(
-            model, modes=modes, limit=NUM_QUESTIONS, max_tokens=32, device="cpu", adapter=adapter
+            model,
+            modes=modes,
+            limit=NUM_QUESTIONS,
+            max_tokens=32,
+            device="cpu",
+            adapter=adapter,
+            kv_cache_tokens=KV_CACHE_TOKENS,
         )
         return evaluate(config)["modes"]
     finally:

@@ -54,6 +54,10 @@ class ByteTokenizer:
     template_knows_tools = True
     template_knows_thinking = True
 
+    @property
+    def special_token_texts(self) -> dict[int, str]:
+        return {EOS: "<eos>"}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())  # bytes have no special tokens to add
 

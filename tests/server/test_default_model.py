@@ -18,18 +18,15 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def default_server(tmp_path_factory, monkeypatch_module):
-    monkeypatch_module.setenv("CANVAS_CACHE", str(tmp_path_factory.mktemp("canvas-cache")))
-    server, stop = start_server(None, "--served-model-name", "canvas-default")
+def default_server():
+    """Built once per session into the session's CANVAS_CACHE (tests/conftest.py), shared with
+    tests/e2e/test_default_adapter.py."""
+    # A KV pool for a few short requests: the default (131,072 positions) takes 6 GB here.
+    server, stop = start_server(
+        None, "--served-model-name", "canvas-default", "--kv-cache-tokens", "8192"
+    )
     yield server
     stop()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
 
 
 def test_default_model_answers_the_capital_of_france(default_server):

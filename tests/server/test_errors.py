@@ -105,6 +105,32 @@ def test_unknown_route_is_404_and_malformed_json_is_400(fake):
     assert "not valid JSON" in error_of(r, 400)["message"]
 
 
+@pytest.mark.parametrize(
+    ("headers", "sent"),
+    [
+        ({}, "is missing"),
+        ({"content-type": "application/x-www-form-urlencoded"}, "was 'application/x-www-form"),
+        ({"content-type": "text/plain"}, "was 'text/plain'"),
+    ],
+)
+def test_a_body_not_sent_as_json_is_415_naming_the_header(fake, headers, sent):
+    body = b'{"model": "fake", "prompt": "a"}'  # what `curl -d` without -H sends
+    r = fake.client.post("/v1/completions", content=body, headers=headers)
+    error = r.json()["error"]
+    assert r.status_code == 415 and error["param"] == "Content-Type", r.text
+    assert "'Content-Type: application/json'" in error["message"] and sent in error["message"]
+    assert "dictionary" not in error["message"]  # no pydantic jargon
+
+
+def test_a_json_body_that_is_not_an_object_is_400_saying_so(fake):
+    r = fake.client.post("/v1/chat/completions", json=[1, 2])
+    error = r.json()["error"]
+    assert r.status_code == 400 and "must be a JSON object" in error["message"], r.text
+    ok = {"content-type": "application/json; charset=utf-8"}
+    r = fake.client.post("/v1/completions", content=b'{"model": "fake", "prompt": "a"}', headers=ok)
+    assert r.status_code == 200, r.text
+
+
 def test_api_key_guards_v1_but_not_health():
     server = make_fake_server(api_key="sekrit")
     with server.client as client:

@@ -199,6 +199,17 @@ def test_the_recorded_markup_is_special_tokens_that_plain_decoding_hides(recorde
     assert "<|tool_call>" not in recorded.tokenizer.decode(ids)
 
 
+def test_logprobs_show_the_end_token_as_the_tokenizer_spells_it(recorded):
+    recorded.answer("Paris.")
+    client = openai.OpenAI(base_url=f"{recorded.url}/v1", api_key="unused", max_retries=0)
+    r = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "Capital?"}], logprobs=True
+    )
+    *text, end = [e.token for e in r.choices[0].logprobs.content]
+    assert end == "<eos>" == recorded.tokenizer.special_token_texts[1]
+    assert "".join(text) == r.choices[0].message.content == "Paris."
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_recorded_tool_calls_and_thoughts_through_the_client(recorded, stream):
     recorded.answer(THINK_THEN_CALLS)

@@ -150,7 +150,19 @@ def test_streamed_logprobs_cover_the_streamed_text(fake):
             text += c["delta"].get("content") or ""
             tokens += [e["token"] for e in (c["logprobs"] or {}).get("content", [])]
     assert text == "naïve café ☕ done"
-    assert "".join(tokens) == text  # a multi-byte character's bytes add "" then the character
+    assert tokens[-1] == "<eos>"  # the end token as the tokenizer spells it, not ""
+    assert "".join(tokens[:-1]) == text  # a multi-byte character's bytes add "" then the character
+
+
+def test_the_end_token_is_spelled_in_logprobs_and_covers_no_text(fake):
+    fake.engine.answer = list(b"ok") + [EOS]
+    r = fake.post("/completions", prompt="a", logprobs=1, max_tokens=30)
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["o", "k", "<eos>"] and lp["text_offset"] == [0, 1, 2]
+    r = fake.post("/chat/completions", messages=CHAT, logprobs=True, max_tokens=30)
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == ["o", "k", "<eos>"]
+    assert content[-1]["bytes"] == list(b"<eos>")
 
 
 # -- end to end through the openai client (tiny checkpoint, real engine) ------------------------
@@ -211,6 +223,36 @@ def test_forced_tool_calls_have_valid_arguments(client, extra):
     assert calls and all(c.function.name == "get_weather" for c in calls)
     for c in calls:
         _valid(c.function.arguments, TOOL["function"]["parameters"])  # type: ignore[index]
+
+
+class NoToolsTemplate:
+    """A tokenizer as if its chat template could not render tools (SmolLM2's, the built-in
+    default model's, cannot)."""
+
+    template_knows_tools = False
+
+    def __init__(self, tokenizer: object) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._tokenizer, name)
+
+
+@pytest.mark.parametrize("extra", MODES)
+def test_a_forced_call_on_a_template_without_tools_is_a_valid_call(
+    client, live_server, monkeypatch, extra
+):
+    monkeypatch.setattr(
+        live_server.state, "tokenizer", NoToolsTemplate(live_server.state.tokenizer)
+    )
+    common = {"model": "tiny", "messages": CHAT, "tools": [TOOL], "extra_body": extra}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(tool_choice=named, max_tokens=40, seed=1, **common)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    _valid(call.function.arguments, TOOL["function"]["parameters"])  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="does not render tools"):
+        client.chat.completions.create(tool_choice="auto", max_tokens=40, **common)
 
 
 @pytest.mark.parametrize("extra", MODES)

@@ -278,13 +278,49 @@ def test_bad_tool_and_message_fields_are_400_naming_them(fake, body, param, frag
     assert err["param"] == param and fragment in err["message"], err
 
 
-def test_a_template_that_does_not_know_tools_or_thinking_says_so(fake):
-    class PlainTemplate(ByteTokenizer):
-        template_knows_tools = False
-        template_knows_thinking = False
+class PlainTemplate(ByteTokenizer):
+    template_knows_tools = False
+    template_knows_thinking = False
 
+
+def test_a_template_that_does_not_know_tools_or_thinking_says_so(fake):
     fake.state.tokenizer = PlainTemplate()
-    err = error(fake, tools=[WEATHER])
-    assert err["param"] == "tools" and "does not render tools" in err["message"]
+    for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "none"}):
+        err = error(fake, tools=[WEATHER], **choice)
+        assert err["param"] == "tools" and "does not render tools" in err["message"]
+        assert "named tool_choice or tool_choice 'required'" in err["message"]
     err = error(fake, reasoning_effort="low")
     assert err["param"] == "reasoning_effort" and "no thinking switch" in err["message"]
+
+
+def test_a_forced_call_on_a_template_without_tools_returns_a_valid_tool_call(fake):
+    fake.state.tokenizer = PlainTemplate()
+    answer(fake, '{"location": "Paris"}')
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choice = chat(fake, tools=[WEATHER, TIME], tool_choice=named)["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"location": "Paris"}'}
+    submitted = fake.engine.submitted[-1]
+    assert json.loads(submitted.params.json_schema) == WEATHER["function"]["parameters"]
+    prompt = bytes(submitted.prompt_ids).decode()
+    assert not prompt.startswith("tools:")  # the template was given no tools ...
+    system, user = prompt.splitlines()[:-1], prompt.splitlines()[-1]
+    function = WEATHER["function"]
+    assert system[0] == "system: You can call these functions:"  # ... but the model sees them
+    assert system[1:3] == [json.dumps(function), json.dumps({"name": "get_time"})]
+    assert system[3] == "Call get_weather: answer with its arguments only, as one JSON object."
+    assert user == "user: Weather in SF and Tokyo?"
+
+
+def test_a_required_call_on_a_template_without_tools_joins_the_system_message(fake):
+    fake.state.tokenizer = PlainTemplate()
+    answer(fake, '[{"name": "get_time", "arguments": {}}]')
+    messages = [{"role": "system", "content": "Be brief."}, *ASK]
+    choice = chat(fake, messages=messages, tools=[WEATHER, TIME], tool_choice="required")
+    (call,) = choice["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_time", "arguments": "{}"}
+    prompt = bytes(fake.engine.submitted[-1].prompt_ids).decode()
+    assert prompt.startswith("system: You can call these functions:\n")
+    assert "answer with a JSON array of calls" in prompt
+    assert "\n\nBe brief.\nuser: Weather in SF and Tokyo?\n" in prompt
+    assert prompt.count("system: ") == 1

@@ -1,0 +1,92 @@
+"""The set-up the README promises: the Makefile's variables, the package metadata, and one
+configuration table that names every `canvas serve` flag and every environment variable the
+code reads."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CODE_DIRS = ("server", "engine", "kernels", "loadtest", "tests")
+# A read of the environment: os.environ.get("X"), os.environ["X"] (not an assignment),
+# os.getenv("X"), os.environ.setdefault("X", ...).
+ENV_READ = re.compile(
+    r"""(?:environ\.get|getenv|environ\.setdefault)\(\s*["']([A-Z0-9_]+)["']"""
+    r"""|environ\[\s*["']([A-Z0-9_]+)["']\s*\](?!\s*=[^=])"""
+)
+
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+def make_dry_run(*args: str) -> list[str]:
+    """The commands `make -n -B ARGS` would run (-B: as if .venv were being built)."""
+    result = subprocess.run(
+        ["make", "-n", "-B", *args], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return result.stdout.splitlines()
+
+
+@needs_make
+def test_make_serve_passes_args_on_to_canvas_serve():
+    lines = make_dry_run("serve", "ARGS=--port 8001 --max-num-seqs 16")
+    assert lines[-1] == ".venv/bin/canvas serve --port 8001 --max-num-seqs 16"
+    assert make_dry_run("serve")[-1].split() == [".venv/bin/canvas", "serve"]
+
+
+@needs_make
+def test_torch_comes_from_torch_index_only_when_it_is_given():
+    cpu = "https://download.pytorch.org/whl/cpu"
+    (given,) = [line for line in make_dry_run("venv", f"TORCH_INDEX={cpu}") if "torch==" in line]
+    assert given.split()[-2:] == ["--index-url", cpu]
+    (default,) = [line for line in make_dry_run("venv") if "torch==" in line]
+    assert "--index-url" not in default and default.split()[-1] == "torch==2.13.0"
+
+
+@needs_make
+def test_make_test_prints_the_15_slowest_tests():
+    (run,) = [line for line in make_dry_run("test") if "pytest" in line]
+    assert "--durations=15" in run.split()
+
+
+def test_the_license_is_an_spdx_string():
+    """A TOML table makes setuptools print deprecation banners at every install."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "Apache-2.0"
+
+
+def configuration_section() -> str:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("### Configuration")
+    return readme[start : readme.index("\n## ", start)]
+
+
+def test_the_configuration_table_lists_every_serve_flag():
+    from server.serve import add_serve_arguments
+
+    serve = argparse.ArgumentParser(add_help=False)
+    add_serve_arguments(serve)
+    flags = set(re.findall(r"--[a-z][a-z-]*", serve.format_usage()))
+    assert {"--model", "--api-key", "--placeholder-model", "--debug"} <= flags
+    table = configuration_section()
+    rows = {re.match(r"\| `(--[a-z-]+)", line) for line in table.splitlines()}
+    assert flags == {m.group(1) for m in rows if m}
+
+
+def test_the_configuration_table_lists_every_environment_variable_read():
+    read = set()
+    for folder in CODE_DIRS:
+        for path in (ROOT / folder).rglob("*.py"):
+            if path == Path(__file__):  # its own examples
+                continue
+            for match in ENV_READ.finditer(path.read_text()):
+                read.add(match.group(1) or match.group(2))
+    assert {"CANVAS_API_KEY", "CANVAS_CACHE", "TRITON_INTERPRET"} <= read  # the scan works
+    table = configuration_section()
+    assert {name for name in read if f"`{name}`" not in table} == set()
