@@ -114,9 +114,8 @@ def measure(
             ledger.record(TIMED, config.label, config.shape, round_)
             result = config.run(config.num_requests)
             timed[config.label].append(result)
-            logger.info(
-                "round %d %s: %.1f out tok/s", round_, config.label, result.summary.output_tokens_per_s
-            )
+            tokens_per_s = result.summary.output_tokens_per_s
+            logger.info("round %d %s: %.1f out tok/s", round_, config.label, tokens_per_s)
     return [
         Series(c.label, c.system, c.mode, c.width, tuple(timed[c.label])) for c in configurations
     ]

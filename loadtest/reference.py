@@ -4,9 +4,10 @@ Diffusion: `DiffusionGemmaForBlockDiffusion.generate()` either one request at a 
 static batches: requests grouped in arrival order, left-padded to the longest prompt, with an
 attention mask. AR: the reference class has no AR `generate()`, so `greedy_ar` is the plain
 loop anyone would write over the same checkpoint's encoder and LM head (soft-capped logits,
-argmax, one token per pass, a `DynamicCache`), one request at a time or in static batches. The reference masks padded keys in both the encoder and the canvas decoder; a
-padded row's positions are shifted by its padding, which rotary attention does not see (only
-relative positions matter), so a padded row decodes like the same prompt alone.
+argmax, one token per pass, a `DynamicCache`), one request at a time or in static batches.
+The reference masks padded keys in both the encoder and the canvas decoder; a padded row's
+positions are shifted by its padding, which rotary attention does not see (only relative
+positions matter), so a padded row decodes like the same prompt alone.
 
 Budgets match Canvas runs with `ignore_eos` and `confidence_threshold=0`: EOS is switched off
 (`eos_token_id=None`, so every request gets its whole budget), and the adaptive stop is made
