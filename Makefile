@@ -32,8 +32,9 @@ serve: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest tests --durations=15
 
-# Canvas vs the transformers reference on the bench-small checkpoint (CPU, < 10 min);
-# reports in bench-out/. A quick end-to-end check: make bench BENCH_ARGS="--size toy".
+# Canvas vs the transformers reference on two checkpoints, bench-small and bench-tiny (CPU,
+# ~20 min; every configuration warmed, then timed in rounds); reports in bench-out/small and
+# bench-out/tiny. A quick end-to-end check: make bench BENCH_ARGS="--size toy".
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	touch $(BENCH_STAMP)

@@ -176,6 +176,28 @@ PRESETS: dict[str, TinyPreset] = {
         description="CPU benchmark: canvas 64, hidden 512, 6 layers (5 sliding + 1 full), "
         "16 experts top-2, vocab 8192",
     ),
+    # The second CPU benchmark checkpoint: small matrices, so a step's fixed per-layer costs
+    # (gathers, index building, MoE routing, norms) weigh against its GEMMs, as on a GPU.
+    "bench-tiny": TinyPreset(
+        32,
+        {
+            "vocab_size": 512,
+            "hidden_size": 256,
+            "intermediate_size": 192,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "global_head_dim": 128,
+            "num_global_key_value_heads": 1,
+            "sliding_window": 128,
+            "num_experts": 16,
+            "top_k_experts": 4,
+            "moe_intermediate_size": 64,
+        },
+        description="CPU benchmark, per-step costs: canvas 32, hidden 256, 6 layers "
+        "(5 sliding + 1 full), 16 experts top-4, vocab 512",
+    ),
 }
 DEFAULT_PRESET = "c16"
 

@@ -1,31 +1,37 @@
 """Side-by-side benchmark: Canvas against the transformers reference, in one run.
 
-    python -m loadtest.bench [--out bench-out] [--size full|toy] [flags]   (make bench)
+    python -m loadtest.bench [--out bench-out] [--size full|small|tiny|toy] [flags]  (make bench)
 
-Same checkpoint (the `bench-small` preset, built once into a cache directory), same prompts,
-same token budgets, same fixed number of denoising steps, measured one after the other in this
-process with the same torch thread count:
+Two checkpoints (`--size full`, the default): `bench-small` (the real model's layer pattern
+and MoE scaled to ~32M parameters: the GEMMs dominate) and `bench-tiny` (hidden 256, vocab 512,
+canvas 32: a step's fixed costs dominate), each built once into a cache directory; reports in
+--out/small and --out/tiny. Per checkpoint, the same prompts, token budgets and fixed number of
+denoising steps, all in this process with the same torch thread count:
 
-1. Canvas (in-process server, streaming OpenAI requests) at each --concurrency, diffusion mode,
-   fast numerics (the default);
-2. Canvas in AR mode at each --ar-concurrency;
-3. Canvas with `--exact` numerics at each --exact-concurrency, diffusion mode;
-4. the reference `generate()` one request at a time (the first --reference-requests prompts,
-   the same ones, with the same seeds, as Canvas' concurrency-1 run) and in static batches.
+1. Canvas (in-process server, streaming OpenAI requests), fast numerics (the default) at each
+   --concurrency and `--exact` numerics at each --exact-concurrency, diffusion mode, against the
+   reference `generate()` one request at a time (the same prompts and seeds as Canvas' c=1) and
+   in left-padded static batches of --static-batch;
+2. Canvas AR mode at each --ar-concurrency against the reference's AR path (a greedy KV-cached
+   loop over the same checkpoint's encoder and LM head) one at a time and in static batches.
 
-It also measures this machine's fp32 GEMM rate and computes the FLOP floor of decoding the
-checkpoint (`loadtest.floor`), so every diffusion throughput reads as a fraction of the floor.
+Every configuration is warmed at the shape it is timed at (--warmup runs of its first wave)
+before anything is timed, then all are timed once per round for --repeats rounds, each Canvas
+run next to its reference run; ratios are taken within a round and reported with their spread
+(`loadtest.bench_runs`, `loadtest.bench_report`). Per step the report splits forward, sampler
+and the rest. It also measures this machine's fp32 GEMM rate and computes the checkpoint's
+FLOP floor (`loadtest.floor`), so every diffusion throughput reads as a fraction of the floor.
 
 Random weights never converge like a trained model's, so the adaptive stop is disabled and
 every canvas runs exactly --denoising-steps steps (vLLM's published DiffusionGemma benchmark
 also forces a fixed step count); EOS is ignored, so every request gets exactly --max-tokens.
-Writes results.json, results.md, throughput.png and latency_cdf.png into --out.
+Writes results.json, results.md, throughput.png and latency_cdf.png per checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -35,16 +41,27 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from loadtest.bench_report import Measurements, assemble, write_bench_report
+from loadtest.bench_report import assemble, write_bench_report
+from loadtest.bench_runs import (
+    Configuration,
+    Ledger,
+    Series,
+    Shape,
+    canvas_runner,
+    reference_runner,
+)
+from loadtest.bench_runs import measure as run_configurations
 from loadtest.client import RequestSpec
 from loadtest.floor import Floor, compute_floor
-from loadtest.loadgen import Level, LevelResult, LoadConfig, make_client, run_level, warm_up
+from loadtest.loadgen import LoadConfig
 from loadtest.prompts import PROMPT_SETS, Prompt, make_prompts
-from loadtest.stats import summarize
+
+if TYPE_CHECKING:
+    from loadtest.inprocess import ServerHandle
 
 logger = logging.getLogger(__name__)
 NOTE = (
@@ -59,16 +76,17 @@ class BenchConfig:
     out_dir: Path = Path("bench-out")
     cache_dir: Path | None = None  # None: $CANVAS_CACHE or ~/.cache/canvas, then /bench
     preset: str = "bench-small"
-    concurrency: tuple[int, ...] = (1, 4, 16, 64)
-    ar_concurrency: tuple[int, ...] = (16,)
+    concurrency: tuple[int, ...] = (1, 4, 16)
+    ar_concurrency: tuple[int, ...] = (1, 16)
     exact_concurrency: tuple[int, ...] = (1, 16)
-    num_requests: int = 32  # per level above concurrency 1 (at least the concurrency)
-    reference_requests: int = 8  # one at a time, and Canvas at concurrency 1
+    num_requests: int = 16  # per level above concurrency 1 (at least the concurrency)
+    reference_requests: int = 4  # one at a time, and Canvas at concurrency 1
     static_batch: int = 16
     max_tokens: int = 128
     denoising_steps: int = 16
     prompt_set: str = "short-chat"
-    warmup: int = 2
+    warmup: int = 1  # warm-up runs of each configuration's first wave, before any timing
+    repeats: int = 2  # timed rounds: every configuration once per round
     threads: int = 2
     seed: int = 0
     request_timeout_s: float = 600.0
@@ -81,9 +99,12 @@ class BenchConfig:
             "max_tokens",
             "denoising_steps",
             "threads",
+            "warmup",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.repeats < 2:
+            raise ValueError(f"repeats must be >= 2 (one run has no spread), got {self.repeats}")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
         for name in ("ar_concurrency", "exact_concurrency"):
@@ -101,19 +122,33 @@ class BenchConfig:
         return self.reference_requests if concurrency == 1 else max(self.num_requests, concurrency)
 
 
-# A few seconds on the CPU: the test's size, and a check that `make bench` works end to end.
-TOY = {
-    "preset": "c16",
-    "concurrency": (1, 2),
-    "ar_concurrency": (2,),
-    "exact_concurrency": (1, 2),
-    "num_requests": 2,
-    "reference_requests": 2,
-    "static_batch": 2,
-    "max_tokens": 24,
-    "denoising_steps": 2,
-    "warmup": 1,
+# The checkpoints of `--size` (BenchConfig's defaults are `small`); `full` runs both of
+# `make bench`, in this order. Flags override every size.
+SIZES: dict[str, dict[str, Any]] = {
+    "small": {},
+    # Per-step costs dominate: 16 requests x 64 tokens, 8 steps; cheap, so three rounds.
+    "tiny": {
+        "preset": "bench-tiny",
+        "concurrency": (1, 16),
+        "reference_requests": 8,
+        "max_tokens": 64,
+        "denoising_steps": 8,
+        "repeats": 3,
+    },
+    # A few seconds: the test's size, and a check that `make bench` works end to end.
+    "toy": {
+        "preset": "c16",
+        "concurrency": (1, 2),
+        "ar_concurrency": (1, 2),
+        "exact_concurrency": (1, 2),
+        "num_requests": 2,
+        "reference_requests": 2,
+        "static_batch": 2,
+        "max_tokens": 24,
+        "denoising_steps": 2,
+    },
 }
+SIZE_CHOICES = {"full": ("small", "tiny"), **{name: (name,) for name in SIZES}}
 
 
 def checkpoint_for(config: BenchConfig) -> Path:
@@ -149,88 +184,86 @@ def _canvas_spec(config: BenchConfig, mode: str) -> RequestSpec:
     )
 
 
-# run kind -> (decoding mode, the BenchConfig field with its levels, the system label)
+# Canvas run kind -> (decoding mode, the BenchConfig field with its levels, the system label)
 RUN_KINDS = {
     "fast": ("diffusion", "concurrency", "canvas"),
-    "ar": ("ar", "ar_concurrency", "canvas-ar"),
     "exact": ("diffusion", "exact_concurrency", "canvas-exact"),
+    "ar": ("ar", "ar_concurrency", "canvas-ar"),
 }
 
 
-async def _canvas_runs(
-    config: BenchConfig, url: str, model: str, prompts: tuple[Prompt, ...], kind: str
-) -> list[LevelResult]:
-    """Warm up, then one closed-loop level per concurrency of a run kind (`RUN_KINDS`)."""
-    mode, field, system = RUN_KINDS[kind]
-    levels = getattr(config, field)
-    if not levels:
-        return []
-    base = LoadConfig(
-        url=url,
-        spec=_canvas_spec(config, mode),
-        model=model,
-        prompts=prompts,
-        warmup=config.warmup,
-        system=system,
-    )
-    results = []
-    async with make_client(base, max(levels) + 8) as client:
-        await warm_up(client, base, model, max(levels))
-        for c in levels:
-            level_config = replace(base, num_requests=config.requests_at(c))
-            results.append(await run_level(client, level_config, model, Level(concurrency=c)))
-    return results
+def configurations(
+    config: BenchConfig,
+    servers: dict[str, ServerHandle],
+    reference: Any,
+    prompts: tuple[Prompt, ...],
+    prompt_ids: list[tuple[str, list[int]]],
+) -> list[Configuration]:
+    """Every measured configuration, ordered so that each Canvas run sits next to the
+    reference run it is compared with: per mode, per width, Canvas fast, exact, then the
+    reference (one at a time at width 1, its static batch at `static_batch`)."""
+    from loadtest.reference import ReferenceSettings
+
+    settings = ReferenceSettings(config.max_tokens, config.denoising_steps, config.seed)
+    out: list[Configuration] = []
+
+    def add(label: str, system: str, mode: str, width: int, n: int, run: Any) -> None:
+        steps = config.denoising_steps if mode == "diffusion" else 0
+        names = tuple(p.name for p in prompts[: min(width, n)])
+        shape = Shape(width, names, config.max_tokens, steps)
+        out.append(Configuration(label, system, mode, width, n, shape, run))
+
+    for mode, kinds in (("diffusion", ("fast", "exact")), ("ar", ("ar",))):
+        levels = {k: getattr(config, RUN_KINDS[k][1]) for k in kinds}
+        if not any(levels.values()):
+            continue
+        prefix = "reference" if mode == "diffusion" else "reference-ar"
+        for width in sorted({1, config.static_batch, *(c for v in levels.values() for c in v)}):
+            for kind in kinds:
+                if width in levels[kind]:
+                    system = RUN_KINDS[kind][2]
+                    server = servers["exact" if kind == "exact" else "fast"]
+                    base = LoadConfig(
+                        url=server.url,
+                        spec=_canvas_spec(config, mode),
+                        model=server.model_name,
+                        prompts=prompts,
+                        system=system,
+                    )
+                    n = config.requests_at(width)
+                    add(f"{system} c={width}", system, mode, width, n, canvas_runner(base, width))
+            if width == 1:
+                label, system, n = f"{prefix} 1-at-a-time", prefix, config.reference_requests
+            elif width == config.static_batch:
+                label, system = f"{prefix} static batch {width}", f"{prefix}-batch"
+                n = max(config.num_requests, width)
+            else:
+                continue
+            run = reference_runner(reference, prompt_ids, width, settings, label, system, mode)
+            add(label, system, mode, width, n, run)
+    return out
 
 
-def _reference_runs(
-    config: BenchConfig, checkpoint: Path, prompt_ids: list[tuple[str, list[int]]]
-) -> tuple[LevelResult, LevelResult]:
-    from loadtest import reference as ref
-
-    model = ref.load_reference(checkpoint)
-    settings = ref.ReferenceSettings(config.max_tokens, config.denoising_steps, config.seed)
-    ref.warm_up(model, prompt_ids[0][1], settings)
-    one, one_s = ref.run_one_at_a_time(model, prompt_ids[: config.reference_requests], settings)
-    pad = model.generation_config.pad_token_id or 0
-    batched, batched_s = ref.run_static_batches(
-        model, prompt_ids[: config.num_requests], config.static_batch, settings, pad
-    )
-    label = f"reference static batch {config.static_batch}"
-    results = (
-        LevelResult(summarize("reference 1-at-a-time", "reference", one, one_s, 1), tuple(one)),
-        LevelResult(summarize(label, "reference-batch", batched, batched_s), tuple(batched)),
-    )
-    for r in results:
-        logger.info("%s: %.1f output tok/s", r.summary.label, r.summary.output_tokens_per_s)
-    return results
-
-
-def measure(config: BenchConfig, checkpoint: Path, prompts: tuple[Prompt, ...]) -> Measurements:
-    """Canvas fast (diffusion, then AR), Canvas exact, then the reference: in sequence."""
+def measure(
+    config: BenchConfig, checkpoint: Path, prompts: tuple[Prompt, ...], ledger: Ledger
+) -> list[Series]:
+    """Both Canvas servers (fast, exact) and the reference up at once; every configuration
+    warmed, then timed in rounds (`loadtest.bench_runs.measure`)."""
     from engine.tokenizer import Tokenizer
+    from loadtest import reference as ref
     from loadtest.inprocess import serve_in_thread
 
     tokenizer = Tokenizer(checkpoint)  # the server's own tokenizer: the same prompt ids
     prompt_ids = [(p.name, tokenizer.apply_chat_template(p.chat_messages())) for p in prompts]
     widest = max((*config.concurrency, *config.ar_concurrency, *config.exact_concurrency))
     flags = ["--max-num-seqs", str(widest), "--dtype", "float32"]
-    runs: dict[str, list[LevelResult]] = {}
-    for server_flags, kinds in ((flags, ("fast", "ar")), ([*flags, "--exact"], ("exact",))):
-        if not any(getattr(config, RUN_KINDS[k][1]) for k in kinds):
-            continue
-        with serve_in_thread(checkpoint, server_flags) as server:
-            for kind in kinds:
-                runs[kind] = asyncio.run(
-                    _canvas_runs(config, server.url, server.model_name, prompts, kind)
-                )
-    reference_one, reference_batch = _reference_runs(config, checkpoint, prompt_ids)
-    return Measurements(
-        tuple(runs.get("fast", [])),
-        tuple(runs.get("ar", [])),
-        reference_one,
-        reference_batch,
-        tuple(runs.get("exact", [])),
-    )
+    with contextlib.ExitStack() as stack:
+        servers = {"fast": stack.enter_context(serve_in_thread(checkpoint, flags))}
+        if config.exact_concurrency:
+            servers["exact"] = stack.enter_context(serve_in_thread(checkpoint, [*flags, "--exact"]))
+        reference = ref.load_reference(checkpoint)
+        todo = configurations(config, servers, reference, prompts, prompt_ids)
+        return run_configurations(todo, config.repeats, config.warmup, ledger)
 
 
 def run_bench(config: BenchConfig, command: str = "") -> dict[str, Any]:
@@ -241,15 +274,17 @@ def run_bench(config: BenchConfig, command: str = "") -> dict[str, Any]:
     began = time.perf_counter()
     torch.set_num_threads(config.threads)
     checkpoint = checkpoint_for(config)
-    num_prompts = max(config.num_requests, config.reference_requests, *config.concurrency)
+    num_prompts = max(config.num_requests, config.reference_requests, config.static_batch)
+    num_prompts = max(num_prompts, *config.concurrency, *config.ar_concurrency)
     prompts = tuple(make_prompts(config.prompt_set, num_prompts, config.seed))
     floor = _floor(config, checkpoint, prompts)
-    runs = measure(config, checkpoint, prompts)
+    ledger = Ledger()
+    series = measure(config, checkpoint, prompts, ledger)
     meta = _meta(config, checkpoint, num_prompts, command)
     meta["floor"] = floor.to_dict()
-    result = assemble(meta, runs)
+    result = assemble(meta, series, ledger.to_json())
     meta["seconds"] = time.perf_counter() - began
-    write_bench_report(config.out_dir, result, runs)
+    write_bench_report(config.out_dir, result, series)
     return result
 
 
@@ -289,12 +324,10 @@ def _meta(config: BenchConfig, checkpoint: Path, num_prompts: int, command: str)
         "concurrency": list(config.concurrency),
         "ar_concurrency": list(config.ar_concurrency),
         "exact_concurrency": list(config.exact_concurrency),
-        "requests_per_level": {str(c): config.requests_at(c) for c in config.concurrency},
-        "ar_requests_per_level": {str(c): config.requests_at(c) for c in config.ar_concurrency},
         "reference_requests": config.reference_requests,
         "static_batch": config.static_batch,
-        "static_batch_requests": min(config.num_requests, num_prompts),
         "warmup": config.warmup,
+        "repeats": config.repeats,
         "seed": config.seed,
         "torch_threads": config.threads,
         "torch_version": torch.__version__,
@@ -341,9 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--size",
-        choices=["full", "toy"],
+        choices=sorted(SIZE_CHOICES),
         default="full",
-        help="toy: the c16 preset and a few requests (seconds); flags still override",
+        help="full: the small and the tiny checkpoint (make bench); toy: the c16 preset and a "
+        "few requests (seconds); flags override every size",
     )
     p.add_argument("--out", type=Path, default=None, help="output directory (bench-out)")
     p.add_argument("--cache-dir", type=Path, default=None, help="checkpoint cache")
@@ -359,19 +393,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--denoising-steps", type=int, default=None)
     p.add_argument("--prompt-set", choices=sorted(PROMPT_SETS), default=None)
-    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None, help="warm-up runs per configuration")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (>= 2)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (2)")
     p.add_argument("--seed", type=int, default=None)
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    values: dict[str, Any] = dict(TOY) if args.size == "toy" else {}
-    flags = {k: v for k, v in vars(args).items() if v is not None and k != "size"}
-    if "out" in flags:
-        flags["out_dir"] = flags.pop("out")
-    values.update(flags)
-    return BenchConfig(**values)
+def configs_from_args(args: argparse.Namespace) -> list[BenchConfig]:
+    """One config per checkpoint of `--size`, each writing into --out/<size>."""
+    flags = {k: v for k, v in vars(args).items() if v is not None and k not in ("size", "out")}
+    out = args.out or Path("bench-out")
+    return [
+        BenchConfig(**{**SIZES[size], **flags, "out_dir": out / size})
+        for size in SIZE_CHOICES[args.size]
+    ]
 
 
 def configure_logging() -> None:
@@ -384,18 +420,22 @@ def configure_logging() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark and print its markdown report. 0: no request failed."""
+    """Run the benchmark of each checkpoint and print its markdown report. 0: no request
+    failed."""
     args = build_parser().parse_args(argv)
     try:
-        config = config_from_args(args)
+        configs = configs_from_args(args)
     except (ValueError, TypeError) as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
     command = "python -m loadtest.bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    result = run_bench(config, command.strip())
-    print((config.out_dir / "results.md").read_text())  # the report is this command's output
-    logger.info("wrote %s in %.0f s", config.out_dir, result["meta"]["seconds"])
-    return 0 if result["checks"]["num_errors"] == 0 else 1
+    errors = 0
+    for config in configs:
+        result = run_bench(config, command.strip())
+        print((config.out_dir / "results.md").read_text())  # the report is this command's output
+        logger.info("wrote %s in %.0f s", config.out_dir, result["meta"]["seconds"])
+        errors += result["checks"]["num_errors"]
+    return 0 if errors == 0 else 1
 
 
 if __name__ == "__main__":

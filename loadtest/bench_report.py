@@ -1,59 +1,37 @@
-"""The side-by-side benchmark's comparison: ratios, engine overhead, goals, markdown.
+"""The side-by-side benchmark's comparison: spreads, ratios per round, step breakdown, goals.
 
-Every ratio divides two numbers measured in the same run on the same machine (CPU timings
-vary run to run; ratios measured together are what can be compared). The goals are notes for
-the reader, not assertions: a missed goal is reported, never raised.
+Every configuration ran once per round, all in a fixed order (`loadtest.bench_runs`), so a
+ratio is computed within each round from neighbouring runs and reported as its values per
+round with their min / median / max; this VM's speed drifts between minutes, and a ratio of a
+fast minute over a slow one is not a result. The goals are notes for the reader, judged on the
+median, never raised.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from loadtest.bench_runs import Series
 from loadtest.report import (
     latency_series,
     markdown,
     plot_latency_cdf,
     plot_throughput,
     records_json,
-    runs_table,
     write_json,
 )
 from loadtest.stats import RequestRecord, RunSummary
 
-if TYPE_CHECKING:
-    from loadtest.loadgen import LevelResult
-
-
-@dataclass(frozen=True, slots=True)
-class Measurements:
-    """Every run of one benchmark, in the order they ran."""
-
-    canvas: tuple[LevelResult, ...]  # diffusion, fast numerics (the default)
-    canvas_ar: tuple[LevelResult, ...]
-    reference_one: LevelResult  # one request at a time
-    reference_batch: LevelResult  # static batches
-    canvas_exact: tuple[LevelResult, ...] = ()  # diffusion, --exact numerics
-
-    @property
-    def runs(self) -> list[LevelResult]:
-        return [
-            *self.canvas,
-            *self.canvas_ar,
-            *self.canvas_exact,
-            self.reference_one,
-            self.reference_batch,
-        ]
-
 
 @dataclass(frozen=True, slots=True)
 class Goal:
-    key: str  # the comparison quantity, see `compare`
+    ratio: str  # the name of a ratio (see `ratio_specs`)
     op: str  # ">=" | "<=" | "<"
     target: float
-    text: str  # {c}: the concurrency the goal is measured at
 
     def met(self, value: float | None) -> bool | None:
         if value is None:
@@ -65,39 +43,14 @@ class Goal:
         return value < self.target
 
 
-GOALS = (
-    Goal(
-        "fraction_of_floor",
-        ">=",
-        0.8,
-        "output tokens/s at {c} concurrent as a fraction of the fp32 FLOP floor",
-    ),
-    Goal(
-        "throughput_vs_reference_one_at_a_time",
-        ">=",
-        4.0,
-        "output tokens/s at {c} concurrent vs the reference one request at a time",
-    ),
-    Goal(
-        "throughput_vs_reference_static_batch",
-        ">=",
-        1.3,
-        "output tokens/s at {c} concurrent vs the reference static batch of {c}",
-    ),
-    Goal(
-        "throughput_at_1_vs_reference",
-        ">=",
-        0.91,
-        "output tokens/s at 1 request vs the reference one request at a time",
-    ),
-    Goal("latency_vs_reference", "<=", 1.1, "median latency at 1 request vs the reference's"),
-    Goal(
-        "engine_overhead_fraction",
-        "<",
-        0.10,
-        "engine time outside the model forward at {c} concurrent (fraction of step time)",
-    ),
-)
+@dataclass(frozen=True, slots=True)
+class RatioSpec:
+    """numerator / denominator, each a configuration's quantity in the same round."""
+
+    name: str
+    numerator: str  # configuration label
+    denominator: str | None  # configuration label; None: `quantity` is a fraction on its own
+    quantity: str  # "throughput" | "latency" | "floor" | "overhead"
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -106,144 +59,254 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
-def compare(
-    canvas: Sequence[RunSummary],
-    canvas_ar: Sequence[RunSummary],
-    reference_one: RunSummary,
-    reference_batch: RunSummary,
-    canvas_exact: Sequence[RunSummary] = (),
-    floor_tokens_per_s: float | None = None,
-) -> dict[str, Any]:
-    """Canvas (fast, then exact numerics) against the reference and the FLOP floor at every
-    concurrency, and AR mode against diffusion."""
-    by_concurrency = []
-    for numerics, runs in (("fast", canvas), ("exact", canvas_exact)):
-        by_concurrency += [
-            _canvas_row(s, numerics, reference_one, reference_batch, floor_tokens_per_s)
-            for s in runs
-        ]
-    by_concurrency = _with_exact_ratio(by_concurrency)
-    canvas_fast = [r for r in by_concurrency if r["numerics"] == "fast"]
-    single = next((s for s in canvas if s.concurrency == 1), None)
-    latency = {
-        "canvas_p50_s": single.latency_s.p50 if single else None,
-        "reference_p50_s": reference_one.latency_s.p50,
-        "latency_vs_reference": ratio(
-            single.latency_s.p50 if single else None, reference_one.latency_s.p50
-        ),
-        "throughput_at_1_vs_reference": ratio(
-            single.output_tokens_per_s if single else None, reference_one.output_tokens_per_s
-        ),
-        "canvas_ttft_p50_s": single.ttft_s.p50 if single else None,
-        "reference_ttft_p50_s": reference_one.ttft_s.p50,
-    }
-    diffusion = {r["concurrency"]: r["output_tokens_per_s"] for r in canvas_fast}
-    ar_mode = [
-        {
-            "concurrency": s.concurrency,
-            "output_tokens_per_s": s.output_tokens_per_s,
-            "vs_diffusion_same_concurrency": ratio(
-                s.output_tokens_per_s, diffusion.get(s.concurrency)
-            ),
-            "latency_p50_s": s.latency_s.p50,
-        }
-        for s in canvas_ar
-    ]
-    return {
-        "reference_one_at_a_time_tokens_per_s": reference_one.output_tokens_per_s,
-        "reference_static_batch_tokens_per_s": reference_batch.output_tokens_per_s,
-        "floor_tokens_per_s": floor_tokens_per_s,
-        "by_concurrency": by_concurrency,
-        "latency_at_1": latency,
-        "ar_mode": ar_mode,
-    }
+def spread(values: Sequence[float | None]) -> dict[str, float | None]:
+    known = [v for v in values if v is not None]
+    if not known:
+        return {"min": None, "median": None, "max": None}
+    return {"min": min(known), "median": statistics.median(known), "max": max(known)}
 
 
-def _with_exact_ratio(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each fast row gains its throughput over the exact row of the same concurrency."""
-    exact = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["numerics"] == "exact"}
-    for r in rows:
-        r["fast_vs_exact"] = (
-            ratio(r["output_tokens_per_s"], exact.get(r["concurrency"]))
-            if r["numerics"] == "fast"
-            else None
-        )
-    return rows
+def ratio_specs(series: Sequence[Series], static_batch: int) -> list[RatioSpec]:
+    """Canvas against the reference at every concurrency (diffusion: fast and exact; AR), fast
+    against exact, latency at one request, the FLOP floor and engine overhead."""
+    labels = {s.label for s in series}
+    one, batch = "reference 1-at-a-time", f"reference static batch {static_batch}"
+    ar_one, ar_batch = "reference-ar 1-at-a-time", f"reference-ar static batch {static_batch}"
+    specs: list[RatioSpec] = []
+    for s in series:
+        if s.system in ("canvas", "canvas-exact"):
+            if s.system == "canvas":
+                specs.append(RatioSpec(f"{s.label} / floor", s.label, None, "floor"))
+            specs.append(RatioSpec(f"{s.label} / {one}", s.label, one, "throughput"))
+            specs.append(RatioSpec(f"{s.label} / {batch}", s.label, batch, "throughput"))
+            exact = f"canvas-exact c={s.width}"
+            if s.system == "canvas" and exact in labels:
+                specs.append(RatioSpec(f"{s.label} / {exact}", s.label, exact, "throughput"))
+        if s.system == "canvas-ar":
+            if s.width == 1:
+                specs.append(RatioSpec(f"{s.label} / {ar_one}", s.label, ar_one, "throughput"))
+            if s.width == static_batch:
+                specs.append(RatioSpec(f"{s.label} / {ar_batch}", s.label, ar_batch, "throughput"))
+        if s.system in ("canvas", "canvas-ar"):
+            specs.append(RatioSpec(f"{s.label} engine overhead", s.label, None, "overhead"))
+    if "canvas c=1" in labels:
+        specs.append(RatioSpec(f"latency canvas c=1 / {one}", "canvas c=1", one, "latency"))
+    return [r for r in specs if r.denominator is None or r.denominator in labels]
 
 
-def _canvas_row(
-    s: RunSummary,
-    numerics: str,
-    reference_one: RunSummary,
-    reference_batch: RunSummary,
-    floor_tokens_per_s: float | None,
-) -> dict[str, Any]:
-    overhead = s.engine_overhead
-    return {
-        "numerics": numerics,
-        "concurrency": s.concurrency,
-        "output_tokens_per_s": s.output_tokens_per_s,
-        "fraction_of_floor": ratio(s.output_tokens_per_s, floor_tokens_per_s),
-        "throughput_vs_reference_one_at_a_time": ratio(
-            s.output_tokens_per_s, reference_one.output_tokens_per_s
-        ),
-        "throughput_vs_reference_static_batch": ratio(
-            s.output_tokens_per_s, reference_batch.output_tokens_per_s
-        ),
-        "latency_p50_s": s.latency_s.p50,
-        "engine_overhead_fraction": overhead.overhead_fraction if overhead else None,
-        "mean_step_ms": overhead.mean_step_ms if overhead else None,
-        "num_steps": overhead.num_steps if overhead else None,
-    }
-
-
-def evaluate_goals(comparison: dict[str, Any], goal_concurrency: int) -> list[dict[str, Any]]:
-    """Each goal with its measured value (None when its run is not in the sweep)."""
-    row = next(
-        (
-            r
-            for r in comparison["by_concurrency"]
-            if r["concurrency"] == goal_concurrency and r["numerics"] == "fast"
-        ),
-        {},
+def goals(static_batch: int) -> tuple[Goal, ...]:
+    b = static_batch
+    return (
+        Goal(f"canvas c={b} / reference static batch {b}", ">=", 1.3),
+        Goal(f"canvas c={b} / floor", ">=", 0.6),
+        Goal("canvas c=1 / reference 1-at-a-time", ">=", 1.0),
+        Goal("latency canvas c=1 / reference 1-at-a-time", "<=", 1.0),
+        Goal("canvas-ar c=1 / reference-ar 1-at-a-time", ">=", 1.0),
+        Goal(f"canvas-ar c={b} / reference-ar static batch {b}", ">=", 3.0),
+        Goal("canvas c=1 engine overhead", "<", 0.10),
+        Goal(f"canvas c={b} engine overhead", "<", 0.10),
     )
-    values = {**row, **comparison["latency_at_1"]}
+
+
+QUANTITY: dict[str, Callable[[RunSummary], float | None]] = {
+    "throughput": lambda s: s.output_tokens_per_s,
+    "latency": lambda s: s.latency_s.p50,
+    "floor": lambda s: s.output_tokens_per_s,
+    "overhead": lambda s: s.engine_overhead.overhead_fraction if s.engine_overhead else None,
+}
+
+
+def compare(
+    series: Sequence[Series], static_batch: int, floor_tokens_per_s: float | None
+) -> list[dict[str, Any]]:
+    """Each ratio's value per round (numerator and denominator from the same round), with
+    their spread."""
+    by_label = {s.label: s for s in series}
     out = []
-    for goal in GOALS:
-        value = values.get(goal.key)
-        out.append(
-            {
-                "goal": goal.text.format(c=goal_concurrency),
-                "quantity": goal.key,
-                "op": goal.op,
-                "target": goal.target,
-                "value": value,
-                "met": goal.met(value),
-            }
-        )
+    for spec in ratio_specs(series, static_batch):
+        top = by_label[spec.numerator].runs
+        bottom = by_label[spec.denominator].runs if spec.denominator else None
+        values = []
+        for r, run in enumerate(top):
+            value = QUANTITY[spec.quantity](run.summary)
+            if spec.quantity == "floor":
+                value = ratio(value, floor_tokens_per_s)
+            elif bottom is not None:
+                value = ratio(value, QUANTITY[spec.quantity](bottom[r].summary))
+            values.append(value)
+        out.append({"name": spec.name, "quantity": spec.quantity, "per_round": values})
+        out[-1].update(spread(values))
     return out
 
 
-def _x(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2f}x"
+def step_breakdown(summary: RunSummary) -> dict[str, float | None]:
+    """Mean milliseconds per step: the whole step, the forward, the sampler and the rest."""
+    o = summary.engine_overhead
+    if o is None or not o.num_steps:
+        return {"steps": None, "step_ms": None, "forward_ms": None, "sample_ms": None}
+    per = 1e3 / o.num_steps
+    return {
+        "steps": o.num_steps,
+        "step_ms": o.step_seconds * per,
+        "forward_ms": o.forward_seconds * per,
+        "sample_ms": o.sample_seconds * per,
+    }
 
 
-def _pct(value: float | None) -> str:
-    return "–" if value is None else f"{100 * value:.1f}%"
+def series_json(s: Series) -> dict[str, Any]:
+    throughputs = [r.summary.output_tokens_per_s for r in s.runs]
+    steps = [step_breakdown(r.summary) for r in s.runs]
+    return {
+        "label": s.label,
+        "system": s.system,
+        "mode": s.mode,
+        "width": s.width,
+        "output_tokens_per_s": {"per_round": throughputs, **spread(throughputs)},
+        "latency_p50_s": spread([r.summary.latency_s.p50 for r in s.runs]),
+        "step_ms": {k: spread([x[k] for x in steps]) for k in steps[0]},
+        "runs": [{**r.summary.to_dict(), "records": records_json(r.records)} for r in s.runs],
+    }
 
 
-def _ms(value: float | None) -> str:
-    return "–" if value is None else f"{value:.1f}"
+def fixed_steps(records: Sequence[RequestRecord], steps: int) -> bool:
+    """Every canvas of every successful request ran exactly `steps` steps (and there was one)."""
+    counts = [n for r in records if r.ok for n in r.steps_per_canvas]
+    return bool(counts) and all(n == steps for n in counts)
 
 
-def _s(value: float | None) -> str:
-    return "–" if value is None else f"{value:.3f}"
-
-
-def bench_markdown(result: dict[str, Any], summaries: Sequence[RunSummary]) -> str:
-    """The report: what was run, every run, the ratios, the overhead and the goals."""
-    meta, comparison = result["meta"], result["comparison"]
+def assemble(meta: dict[str, Any], series: Sequence[Series], ledger: list[dict]) -> dict[str, Any]:
+    """The JSON document: meta, every configuration's runs, the ratios, goals, checks and the
+    ledger of warm-ups and timed runs."""
     batch = meta["static_batch"]
+    floor = (meta.get("floor") or {}).get("floor_tokens_per_s")
+    ratios = compare(series, batch, floor)
+    medians = {r["name"]: r["median"] for r in ratios}
+    steps = meta["denoising_steps"]
+
+    def records(systems: tuple[str, ...]) -> list[RequestRecord]:
+        return [x for s in series if s.system in systems for r in s.runs for x in r.records]
+
+    return {
+        "meta": meta,
+        "series": [series_json(s) for s in series],
+        "ratios": ratios,
+        "goals": [
+            {
+                "ratio": g.ratio,
+                "op": g.op,
+                "target": g.target,
+                "value": medians.get(g.ratio),
+                "met": g.met(medians.get(g.ratio)),
+            }
+            for g in goals(batch)
+        ],
+        "checks": {
+            "canvas_fixed_steps": fixed_steps(records(("canvas", "canvas-exact")), steps),
+            "reference_fixed_steps": fixed_steps(records(("reference", "reference-batch")), steps),
+            "num_errors": sum(r.summary.num_errors for s in series for r in s.runs),
+        },
+        "ledger": ledger,
+    }
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _spread(d: dict[str, float | None], digits: int = 1) -> str:
+    return f"{_f(d['min'], digits)} / {_f(d['median'], digits)} / {_f(d['max'], digits)}"
+
+
+def _runs_section(result: dict[str, Any]) -> list[str]:
+    rows = []
+    for s in result["series"]:
+        tput = s["output_tokens_per_s"]
+        first = s["runs"][0]
+        rows.append(
+            [
+                s["label"],
+                str(first["num_requests"]),
+                " · ".join(_f(v) for v in tput["per_round"]),
+                _spread(tput),
+                _spread(s["latency_p50_s"], 3),
+                _f(first["steps_per_canvas"]),
+                _f(first["tokens_per_forward"], 2),
+                str(sum(r["num_errors"] for r in s["runs"])),
+            ]
+        )
+    header = (
+        "configuration", "req", "out tok/s per round", "min / median / max",
+        "latency p50 (s) min / median / max", "steps/canvas", "TPF", "err",
+    )  # fmt: skip
+    title = "## Runs (each warmed at its shape, then timed once per round)"
+    return [title, "", markdown(header, rows), ""]
+
+
+def _steps_section(result: dict[str, Any]) -> list[str]:
+    rows = []
+    for s in result["series"]:
+        ms = {k: v["median"] for k, v in s["step_ms"].items()}
+        rest = None
+        if ms["step_ms"] is not None:
+            rest = ms["step_ms"] - (ms["forward_ms"] or 0.0) - (ms["sample_ms"] or 0.0)
+        rows.append(
+            [
+                s["label"],
+                _f(ms["steps"], 0),
+                _f(ms["step_ms"]),
+                _f(ms["forward_ms"]),
+                _f(ms["sample_ms"]),
+                _f(rest),
+                "–" if rest is None or not ms["step_ms"] else f"{100 * rest / ms['step_ms']:.1f}%",
+            ]
+        )
+    header = (
+        "configuration", "steps", "step (ms)", "forward (ms)", "sampler (ms)", "rest (ms)", "rest",
+    )  # fmt: skip
+    return [
+        "## Per step (medians over rounds)",
+        "",
+        "Canvas: the server's `canvas:step_seconds`, `canvas:forward_seconds` and "
+        "`canvas:sample_seconds` over the run, per engine step. Reference: the run's wall time "
+        "per step (a `generate()` denoising step over its whole batch; AR: one encoder pass), its "
+        "encoder, decoder and LM-head forwards (module hooks), the sampler (the denoising step "
+        "outside its forward; AR: the argmax), the rest (Python, commits, padding).",
+        "",
+        markdown(header, rows),
+        "",
+    ]
+
+
+def _ratios_section(result: dict[str, Any]) -> list[str]:
+    rounds = max((len(r["per_round"]) for r in result["ratios"]), default=0)
+    rows = [
+        [
+            r["name"],
+            *[_f(v, 2) for v in r["per_round"]],
+            _f(r["min"], 2),
+            _f(r["median"], 2),
+            _f(r["max"], 2),
+        ]
+        for r in result["ratios"]
+    ]
+    header = ("ratio", *[f"round {i + 1}" for i in range(rounds)], "min", "median", "max")
+    return [
+        "## Ratios (within each round, from neighbouring runs)",
+        "",
+        "Throughput ratios divide output tokens/s; `/ floor` is the fraction of the fp32 FLOP "
+        "floor; latency divides the p50 latencies; engine overhead is the step's share outside "
+        "the forward and the sampler.",
+        "",
+        markdown(header, rows),
+        "",
+    ]
+
+
+def bench_markdown(result: dict[str, Any]) -> str:
+    """The report: what was run, every configuration's runs, the step breakdown, the ratios,
+    the goals and the checks."""
+    meta = result["meta"]
+    floor = meta.get("floor") or {}
     lines = [
         f"# Canvas vs the transformers reference — `{meta['preset']}`",
         "",
@@ -254,88 +317,31 @@ def bench_markdown(result: dict[str, Any], summaries: Sequence[RunSummary]) -> s
         f"Checkpoint: {meta['checkpoint_description']} ({meta['parameters']['total'] / 1e6:.1f}M "
         f"parameters, {meta['parameters']['active'] / 1e6:.1f}M active per token), canvas "
         f"{meta['canvas_length']}; {meta['max_tokens']} output tokens per request (EOS ignored), "
-        f"prompt set `{meta['prompt_set']}`.",
+        f"prompt set `{meta['prompt_set']}`; {meta['warmup']} warm-up and {meta['repeats']} "
+        f"timed runs per configuration. FLOP floor: {_f(floor.get('floor_tokens_per_s'))} out "
+        f"tok/s ({_f(floor.get('gflops_per_canvas'), 3)} GFLOP per canvas at the measured fp32 "
+        f"GEMM rate of {_f(floor.get('gemm_gflop_per_s'), 0)} GFLOP/s).",
         "",
         f"**{meta['note']}**",
         "",
-        "## Runs",
-        "",
-        runs_table(summaries),
-        "",
-        "## Canvas vs the reference",
-        "",
+        *_runs_section(result),
+        *_steps_section(result),
+        *_ratios_section(result),
     ]
-    header = (
-        "numerics",
-        "concurrency",
-        "Canvas out tok/s",
-        "of FLOP floor",
-        "vs reference 1-at-a-time",
-        f"vs reference static batch {batch}",
-        "fast vs exact",
-        "latency p50 (s)",
-        "engine overhead",
-        "mean step (ms)",
-    )
-    rows = [
-        [
-            r["numerics"],
-            str(r["concurrency"]),
-            f"{r['output_tokens_per_s']:.1f}",
-            _pct(r["fraction_of_floor"]),
-            _x(r["throughput_vs_reference_one_at_a_time"]),
-            _x(r["throughput_vs_reference_static_batch"]),
-            _x(r["fast_vs_exact"]),
-            _s(r["latency_p50_s"]),
-            _pct(r["engine_overhead_fraction"]),
-            _ms(r["mean_step_ms"]),
-        ]
-        for r in comparison["by_concurrency"]
-    ]
-    floor = meta.get("floor") or {}
-    lat = comparison["latency_at_1"]
-    lines += [
-        f"Reference: {comparison['reference_one_at_a_time_tokens_per_s']:.1f} out tok/s one "
-        f"request at a time, {comparison['reference_static_batch_tokens_per_s']:.1f} in static "
-        f"batches of {batch}. FLOP floor: {floor.get('floor_tokens_per_s', 0):.1f} out tok/s "
-        f"({floor.get('gflops_per_canvas', 0):.2f} GFLOP per canvas at the measured fp32 GEMM "
-        f"rate of {floor.get('gemm_gflop_per_s', 0):.0f} GFLOP/s). Engine overhead = step time "
-        "outside the model forward and the sampler's arithmetic (`canvas:step_seconds` − "
-        "`canvas:forward_seconds` − `canvas:sample_seconds`, over `canvas:step_seconds`).",
-        "",
-        markdown(header, rows),
-        "",
-        f"Latency at 1 request: Canvas p50 {_s(lat['canvas_p50_s'])} s vs reference "
-        f"{_s(lat['reference_p50_s'])} s ({_x(lat['latency_vs_reference'])}); time to first "
-        f"canvas {_s(lat['canvas_ttft_p50_s'])} s vs {_s(lat['reference_ttft_p50_s'])} s.",
-        "",
-    ]
-    if comparison["ar_mode"]:
-        ar_rows = [
-            [
-                str(r["concurrency"]),
-                f"{r['output_tokens_per_s']:.1f}",
-                _x(r["vs_diffusion_same_concurrency"]),
-                _s(r["latency_p50_s"]),
-            ]
-            for r in comparison["ar_mode"]
-        ]
-        ar_header = ("concurrency", "AR out tok/s", "vs diffusion", "latency p50 (s)")
-        lines += ["## Canvas AR mode (same checkpoint)", "", markdown(ar_header, ar_rows), ""]
     goal_rows = [
         [
-            g["goal"],
+            g["ratio"],
             f"{g['op']} {g['target']:g}",
-            _s(g["value"]),
+            _f(g["value"], 3),
             {True: "yes", False: "NO", None: "–"}[g["met"]],
         ]
         for g in result["goals"]
     ]
     checks = result["checks"]
     lines += [
-        "## Goals (notes, not asserts)",
+        "## Goals (medians; notes, not asserts)",
         "",
-        markdown(("goal", "target", "measured", "met"), goal_rows),
+        markdown(("ratio", "target", "median", "met"), goal_rows),
         "",
         f"Checks: every Canvas canvas ran {meta['denoising_steps']} steps: "
         f"{checks['canvas_fixed_steps']}; every reference canvas did: "
@@ -344,53 +350,25 @@ def bench_markdown(result: dict[str, Any], summaries: Sequence[RunSummary]) -> s
     return "\n".join(lines) + "\n"
 
 
-def fixed_steps(records: Sequence[RequestRecord], steps: int) -> bool:
-    """Every canvas of every successful request ran exactly `steps` steps (and there was one)."""
-    counts = [n for r in records if r.ok for n in r.steps_per_canvas]
-    return bool(counts) and all(n == steps for n in counts)
+def _median_run(s: Series) -> RunSummary:
+    ordered = sorted((r.summary for r in s.runs), key=lambda x: x.output_tokens_per_s)
+    return ordered[(len(ordered) - 1) // 2]
 
 
-def assemble(meta: dict[str, Any], runs: Measurements) -> dict[str, Any]:
-    """The JSON document: meta, every run with its records, the comparison, goals, checks."""
-    comparison = compare(
-        [r.summary for r in runs.canvas],
-        [r.summary for r in runs.canvas_ar],
-        runs.reference_one.summary,
-        runs.reference_batch.summary,
-        [r.summary for r in runs.canvas_exact],
-        (meta.get("floor") or {}).get("floor_tokens_per_s"),
-    )
-    steps = meta["denoising_steps"]
-    reference = [*runs.reference_one.records, *runs.reference_batch.records]
-    return {
-        "meta": meta,
-        "runs": [{**r.summary.to_dict(), "records": records_json(r.records)} for r in runs.runs],
-        "comparison": comparison,
-        "goals": evaluate_goals(comparison, meta["static_batch"]),
-        "checks": {
-            "canvas_fixed_steps": fixed_steps(
-                [x for r in (*runs.canvas, *runs.canvas_exact) for x in r.records], steps
-            ),
-            "reference_fixed_steps": fixed_steps(reference, steps),
-            "num_errors": sum(r.summary.num_errors for r in runs.runs),
-        },
-    }
-
-
-def write_bench_report(out: Path, result: dict[str, Any], runs: Measurements) -> str:
-    """Write results.json, results.md, throughput.png, latency_cdf.png; return the markdown."""
+def write_bench_report(out: Path, result: dict[str, Any], series: Sequence[Series]) -> str:
+    """Write results.json, results.md, throughput.png, latency_cdf.png; return the markdown.
+    The plots show each configuration's median run."""
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", result)
-    report = bench_markdown(result, [r.summary for r in runs.runs])
+    report = bench_markdown(result)
     (out / "results.md").write_text(report)
+    canvas = [s for s in series if s.system.startswith("canvas")]
     baselines = {
-        runs.reference_one.summary.label: runs.reference_one.summary.output_tokens_per_s,
-        runs.reference_batch.summary.label: runs.reference_batch.summary.output_tokens_per_s,
+        s.label: _median_run(s).output_tokens_per_s
+        for s in series
+        if not s.system.startswith("canvas")
     }
-    canvas = [*runs.canvas, *runs.canvas_ar, *runs.canvas_exact]  # reference: no concurrency
-    plot_throughput([r.summary for r in canvas], out / "throughput.png", baselines)
-    cdf = [*canvas, runs.reference_one]
-    plot_latency_cdf(
-        latency_series([(r.summary.label, r.records) for r in cdf]), out / "latency_cdf.png"
-    )
+    plot_throughput([_median_run(s) for s in canvas], out / "throughput.png", baselines)
+    cdf = [(s.label, s.runs[-1].records) for s in series if s.width == 1 or s in canvas]
+    plot_latency_cdf(latency_series(cdf), out / "latency_cdf.png")
     return report

@@ -3,30 +3,14 @@
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from engine import LLM, DecodeMode, SamplingParams
+from loadtest.reference import greedy_ar
 
 
-@torch.inference_mode()
 def reference_greedy(ref, prompt: list[int], max_tokens: int, eos: set[int]) -> list[int]:
-    """A plain greedy loop over the reference encoder's soft-capped logits."""
-    cache = DynamicCache(config=ref.config.get_text_config(decoder=True))
-    ids, pos, out = torch.tensor([prompt]), 0, []
-    while len(out) < max_tokens:
-        n = ids.shape[1]
-        hidden = ref.model.encoder(
-            input_ids=ids, cache=cache, position_ids=torch.arange(pos, pos + n)[None]
-        )
-        logits = ref.lm_head(hidden.last_hidden_state[:, -1]).float()
-        logits = torch.tanh(logits / 30.0) * 30.0
-        token = int(logits.argmax())
-        out.append(token)
-        if token in eos:
-            break
-        pos += n
-        ids = torch.tensor([[token]])
-    return out
+    """The benchmark's plain greedy loop over the reference encoder's soft-capped logits."""
+    return greedy_ar(ref, torch.tensor([prompt]), None, max_tokens, frozenset(eos))[0]
 
 
 def test_ar_greedy_matches_a_greedy_loop_over_reference_encoder_logits(

@@ -16,7 +16,7 @@ from engine.testing import (
     estimate_parameters,
     preset_text_config,
 )
-from loadtest.bench import main
+from loadtest.bench import build_parser, configs_from_args, main
 from loadtest.metrics import parse_step_totals
 from loadtest.prompts import PROMPT_SETS, make_prompts
 
@@ -35,81 +35,110 @@ META_FIELDS = {
     "command", "preset", "checkpoint", "checkpoint_description", "parameters",
     "canvas_length", "max_tokens", "denoising_steps", "adaptive_stop", "note", "prompt_set",
     "num_prompts", "concurrency", "ar_concurrency", "exact_concurrency", "floor",
-    "requests_per_level", "ar_requests_per_level",
-    "reference_requests", "static_batch", "static_batch_requests", "warmup", "seed",
+    "reference_requests", "static_batch", "warmup", "repeats", "seed",
     "torch_threads", "torch_version", "transformers_version", "hardware", "config", "seconds",
 }  # fmt: skip
-BY_CONCURRENCY_FIELDS = {
-    "numerics", "concurrency", "output_tokens_per_s", "fraction_of_floor", "fast_vs_exact",
-    "throughput_vs_reference_one_at_a_time",
-    "throughput_vs_reference_static_batch", "latency_p50_s", "engine_overhead_fraction",
-    "mean_step_ms", "num_steps",
-}  # fmt: skip
-LABELS = (
+LABELS = (  # per mode and width, each Canvas run next to the reference run it is compared with
     "canvas c=1",
-    "canvas c=2",
-    "canvas-ar c=2",
     "canvas-exact c=1",
-    "canvas-exact c=2",
     "reference 1-at-a-time",
+    "canvas c=2",
+    "canvas-exact c=2",
     "reference static batch 2",
+    "canvas-ar c=1",
+    "reference-ar 1-at-a-time",
+    "canvas-ar c=2",
+    "reference-ar static batch 2",
 )
 
 
 @pytest.fixture(scope="module")
 def toy_bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("bench")
-    out = root / "out"
-    argv = ["--size", "toy", "--out", str(out), "--cache-dir", str(root / "cache")]
+    argv = ["--size", "toy", "--out", str(root / "out"), "--cache-dir", str(root / "cache")]
     assert main(argv) == 0
+    out = root / "out" / "toy"
     return out, json.loads((out / "results.json").read_text())
 
 
-def test_bench_json_has_every_section_and_run(toy_bench):
+def test_bench_json_has_every_section_and_configuration(toy_bench):
     _, result = toy_bench
-    assert set(result) == {"meta", "runs", "comparison", "goals", "checks"}
+    assert set(result) == {"meta", "series", "ratios", "goals", "checks", "ledger"}
     assert set(result["meta"]) == META_FIELDS
     assert result["meta"]["adaptive_stop"] is False
     assert "fixed step count" in result["meta"]["note"]
-    assert [run["label"] for run in result["runs"]] == list(LABELS)
-    for run in result["runs"]:
-        assert set(run) == SUMMARY_FIELDS
-        assert run["num_errors"] == 0 and run["num_requests"] == 2
-        assert run["output_tokens"] == 2 * 24  # EOS ignored: every request gets its budget
-        assert {"count", "mean", "p50", "p90", "p99"} == set(run["latency_s"])
-        assert all(set(record) == RECORD_FIELDS for record in run["records"])
+    assert [s["label"] for s in result["series"]] == list(LABELS)
+    for series in result["series"]:
+        assert len(series["runs"]) == result["meta"]["repeats"] == 2
+        tput = series["output_tokens_per_s"]
+        assert tput["min"] <= tput["median"] <= tput["max"] and len(tput["per_round"]) == 2
+        for run in series["runs"]:
+            assert set(run) == SUMMARY_FIELDS
+            assert run["num_errors"] == 0 and run["num_requests"] == 2
+            assert run["output_tokens"] == 2 * 24  # EOS ignored: every request gets its budget
+            assert all(set(record) == RECORD_FIELDS for record in run["records"])
 
 
-def test_bench_reports_engine_overhead_for_canvas_runs_only(toy_bench):
+def test_every_timed_configuration_was_warmed_at_its_shape_first_and_timed_twice(toy_bench):
     _, result = toy_bench
-    overhead = {run["label"]: run["engine_overhead"] for run in result["runs"]}
-    for label in ("canvas c=1", "canvas c=2", "canvas-ar c=2", "canvas-exact c=2"):
-        assert set(overhead[label]) == {
-            "num_steps", "step_seconds", "forward_seconds", "sample_seconds", "mean_step_ms",
-            "overhead_fraction",
-        }  # fmt: skip
-        assert overhead[label]["sample_seconds"] > 0
-        assert overhead[label]["num_steps"] > 0
-        assert 0.0 <= overhead[label]["overhead_fraction"] <= 1.0
-    assert overhead["reference 1-at-a-time"] is None
+    warmed: dict[str, dict] = {}
+    timed: dict[str, list[int]] = {}
+    for event in result["ledger"]:
+        label, shape = event["label"], event["shape"]
+        if event["kind"] == "warmup":
+            assert label not in timed, f"{label} warmed after it was timed"
+            warmed[label] = shape
+        else:
+            assert event["kind"] == "timed"
+            assert warmed.get(label) == shape, f"{label} timed at a shape it was not warmed at"
+            timed.setdefault(label, []).append(event["round"])
+    assert set(timed) == set(LABELS) == {s["label"] for s in result["series"]}
+    assert all(rounds == [1, 2] for rounds in timed.values())
+    shapes = {label: (s["width"], s["denoising_steps"]) for label, s in warmed.items()}
+    assert shapes["reference static batch 2"] == (2, 2) and shapes["canvas-ar c=1"] == (1, 0)
+    # no configuration is timed until every one is warm: the first timed run follows the last
+    kinds = [e["kind"] for e in result["ledger"]]
+    assert kinds == ["warmup"] * len(LABELS) + ["timed"] * 2 * len(LABELS)
 
 
-def test_bench_comparison_and_goals_cover_every_concurrency(toy_bench):
+def test_bench_splits_every_step_into_forward_sampler_and_rest_on_both_sides(toy_bench):
     _, result = toy_bench
-    comparison = result["comparison"]
-    rows = [(row["numerics"], row["concurrency"]) for row in comparison["by_concurrency"]]
-    assert rows == [("fast", 1), ("fast", 2), ("exact", 1), ("exact", 2)]
-    for row in comparison["by_concurrency"]:
-        assert set(row) == BY_CONCURRENCY_FIELDS
-        fast = row["numerics"] == "fast"  # fast rows carry their ratio over the exact ones
-        assert all(v is not None for k, v in row.items() if fast or k != "fast_vs_exact")
-        assert row["fraction_of_floor"] > 0
+    for series in result["series"]:
+        for run in series["runs"]:
+            overhead = run["engine_overhead"]
+            assert overhead["num_steps"] > 0, series["label"]
+            assert 0 < overhead["forward_seconds"] <= overhead["step_seconds"]
+            assert 0.0 <= overhead["overhead_fraction"] <= 1.0
+            if series["mode"] == "diffusion":
+                assert overhead["sample_seconds"] > 0, series["label"]
+        step = series["step_ms"]
+        assert set(step) == {"steps", "step_ms", "forward_ms", "sample_ms"}
+        assert step["forward_ms"]["median"] <= step["step_ms"]["median"]
+
+
+def test_ratios_are_taken_within_each_round(toy_bench):
+    _, result = toy_bench
+    ratios = {r["name"]: r for r in result["ratios"]}
+    series = {s["label"]: s["output_tokens_per_s"]["per_round"] for s in result["series"]}
+    for name, (top, bottom) in {
+        "canvas c=2 / reference static batch 2": ("canvas c=2", "reference static batch 2"),
+        "canvas c=1 / reference 1-at-a-time": ("canvas c=1", "reference 1-at-a-time"),
+        "canvas c=2 / canvas-exact c=2": ("canvas c=2", "canvas-exact c=2"),
+        "canvas-ar c=1 / reference-ar 1-at-a-time": ("canvas-ar c=1", "reference-ar 1-at-a-time"),
+        "canvas-ar c=2 / reference-ar static batch 2": (
+            "canvas-ar c=2",
+            "reference-ar static batch 2",
+        ),
+    }.items():
+        expected = [t / b for t, b in zip(series[top], series[bottom], strict=True)]
+        assert ratios[name]["per_round"] == pytest.approx(expected)
+        assert ratios[name]["min"] <= ratios[name]["median"] <= ratios[name]["max"]
+    assert ratios["canvas c=2 / floor"]["median"] > 0
     assert result["meta"]["floor"]["gemm_gflop_per_s"] > 0
-    assert all(value is not None for value in comparison["latency_at_1"].values())
-    assert [row["concurrency"] for row in comparison["ar_mode"]] == [2]
-    assert len(result["goals"]) == 6
+    assert len(result["goals"]) == 8
     for goal in result["goals"]:
-        assert set(goal) == {"goal", "quantity", "op", "target", "value", "met"}
+        assert set(goal) == {"ratio", "op", "target", "value", "met"}
+        assert goal["ratio"] in ratios
         assert goal["value"] is not None and goal["met"] in (True, False)
 
 
@@ -120,36 +149,51 @@ def test_every_canvas_runs_the_fixed_step_count_in_canvas_and_reference(toy_benc
         "reference_fixed_steps": True,
         "num_errors": 0,
     }
-    diffusion = [run for run in result["runs"] if run["system"] != "canvas-ar"]
-    for run in diffusion:
-        for record in run["records"]:
-            assert record["steps_per_canvas"] == [2, 2]  # 24 tokens = two 16-token canvases
-            assert record["decoder_passes"] == 4
+    for series in result["series"]:
+        for run in series["runs"]:
+            for record in run["records"]:
+                if series["mode"] == "ar":
+                    assert record["steps_per_canvas"] == [] and record["tokens_per_forward"] == 1
+                else:
+                    assert record["steps_per_canvas"] == [2, 2]  # 24 tokens: two canvases of 16
+                    assert record["decoder_passes"] == 4
 
 
-def test_bench_markdown_has_every_section_and_run(toy_bench):
+def test_bench_markdown_has_every_section_and_configuration(toy_bench):
     out, _ = toy_bench
     report = (out / "results.md").read_text()
     for heading in (
-        "## Runs",
-        "## Canvas vs the reference",
-        "## Canvas AR mode (same checkpoint)",
-        "## Goals (notes, not asserts)",
+        "## Runs (each warmed at its shape, then timed once per round)",
+        "## Per step (medians over rounds)",
+        "## Ratios (within each round, from neighbouring runs)",
+        "## Goals (medians; notes, not asserts)",
         "Random weights",
-        "Latency at 1 request",
+        "1 warm-up and 2 timed runs per configuration",
         "Checks: every Canvas canvas ran 2 steps: True",
-        "| numerics | concurrency | Canvas out tok/s | of FLOP floor |",
-        "fast vs exact",
+        "| configuration | steps | step (ms) | forward (ms) | sampler (ms) | rest (ms) | rest |",
+        "| ratio | round 1 | round 2 | min | median | max |",
         "FLOP floor:",
     ):
         assert heading in report
     for label in LABELS:
         assert f"| {label} |" in report
-    for column in ("out tok/s", "TTFT p50 (s)", "latency p99 (s)", "canvas p50 (ms)", "TPF"):
-        assert column in report
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "throughput.png").stat().st_size > 0
         assert (out / "latency_cdf.png").stat().st_size > 0
+
+
+def test_make_bench_runs_both_checkpoints_with_repeats_and_warm_ups():
+    (small, tiny) = configs_from_args(build_parser().parse_args([]))
+    assert (small.preset, tiny.preset) == ("bench-small", "bench-tiny")
+    assert (small.out_dir.name, tiny.out_dir.name) == ("small", "tiny")
+    assert min(small.repeats, tiny.repeats) >= 2 and min(small.warmup, tiny.warmup) >= 1
+    text = preset_text_config("bench-tiny")
+    assert (text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]) == (256, 6, 512)
+    assert (text["num_experts"], text["top_k_experts"]) == (16, 4)
+    assert PRESETS["bench-tiny"].canvas_length == 32
+    assert (tiny.max_tokens, tiny.denoising_steps, tiny.static_batch) == (64, 8, 16)
+    with pytest.raises(ValueError, match="repeats must be >= 2"):
+        configs_from_args(build_parser().parse_args(["--size", "toy", "--repeats", "1"]))
 
 
 def test_real_26b_config_has_the_published_parameter_counts():
