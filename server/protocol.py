@@ -27,8 +27,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0.0,),
     "frequency_penalty": (0.0,),
     "repetition_penalty": (1.0,),
-    "top_p": (1.0,),
-    "top_k": (-1,),
     "min_tokens": (0,),
     "audio": (None,),
     "modalities": (None,),
@@ -108,6 +106,8 @@ class CommonParams(BaseModel):
     model: str
     max_tokens: Int | None = None
     temperature: Float | None = None
+    top_p: Float | None = None  # (0, 1]; both modes (engine.filters)
+    top_k: Int | None = None  # vLLM's extra: -1 or 0 = all tokens
     seed: Int | None = None
     stop: str | list[str] | None = None
     n: Int = 1
@@ -136,8 +136,6 @@ class CommonParams(BaseModel):
     presence_penalty: Any = _neutral("presence_penalty")
     frequency_penalty: Any = _neutral("frequency_penalty")
     repetition_penalty: Any = _neutral("repetition_penalty")
-    top_p: Any = _neutral("top_p")
-    top_k: Any = _neutral("top_k")
     min_tokens: Any = _neutral("min_tokens")
     audio: Any = _neutral("audio")
     modalities: Any = _neutral("modalities")
@@ -179,6 +177,8 @@ class CommonParams(BaseModel):
             stability_threshold=self.stability_threshold,
             confidence_threshold=self.confidence_threshold,
             temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
             json_schema=structured_schema(self),
             logprobs=self.logprob_count(),
         )

@@ -72,3 +72,13 @@ def test_a_fuzzed_stream_of_numeric_extremes_leaves_no_5xx_and_nothing_held(
         "vllm:kv_cache_usage_perc": 0,
         "canvas:sampler_slots_used": 0,
     }
+
+
+def test_top_p_and_top_k_are_served_on_both_routes(small_server: LiveServer) -> None:
+    """Front ends send top_p by default: it is a per-request filter, never a 400."""
+    for route, body in (
+        ("/v1/chat/completions", _chat(top_p=0.9, top_k=40, seed=1)),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 0.5, "max_tokens": 8}),
+    ):
+        r = httpx.post(small_server.url + route, json=body, timeout=60)
+        assert r.status_code == 200, r.text
