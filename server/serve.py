@@ -170,14 +170,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of a start-up error"
     )
-    parser.add_argument(
-        "--check-invariants",
-        action="store_true",
-        default=engine.check_invariants,
-        help="verify the engine's accounting (pages, sampler slots, request sets) after every "
-        "step; a violation fails the step's requests loudly (debugging; env "
-        "CANVAS_CHECK_INVARIANTS=1)",
-    )
+    check = "verify pages, sampler slots and request sets after every step"
+    parser.add_argument("--check-invariants", action="store_true", help=check)
 
 
 def check_api_key(key: str | None) -> str | None:
@@ -219,7 +213,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from engine.async_engine import AsyncEngine
-    from engine.engine import Engine, EngineConfig
+    from engine.engine import CHECK_INVARIANTS, Engine, EngineConfig
     from engine.llm import has_tokenizer
     from engine.model import load_model
     from engine.params import DecodingDefaults
@@ -246,7 +240,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             max_num_batched_tokens=args.max_num_batched_tokens,
         ),
         kv_cache_tokens=args.kv_cache_tokens,
-        check_invariants=args.check_invariants,
+        check_invariants=args.check_invariants or CHECK_INVARIANTS,
     )
     engine = AsyncEngine(Engine(model, defaults, config, tokenizer))
     name = args.served_model_name or model_dir.name

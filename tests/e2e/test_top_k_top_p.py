@@ -53,17 +53,15 @@ def test_exact_diffusion_matches_the_reference_with_its_warpers(tiny_checkpoint,
     path = tiny_checkpoint("c16")
     ref, llm = reference_model(path), LLM.from_pretrained(path, exact=True)
     eos = set(llm.defaults.eos_token_ids)
-    for seed, prompt in enumerate(prompts_for(llm)[:3]):
-        for k, p in ((20, 1.0), (0, 0.7), (40, 0.9)):
-            warpers = [PerPosition(TopKLogitsWarper(k))] if k else []
-            warpers += [PerPosition(TopPLogitsWarper(p))] if p < 1 else []
-            ref_ids, _ = reference_generate(
-                ref, prompt, seed, max_new_tokens=24, logits_processor=LogitsProcessorList(warpers)
-            )
-            (out,) = llm.generate(
-                prompt, SamplingParams(max_tokens=24, seed=seed, top_k=k, top_p=p)
-            )
-            assert out.output_ids == expected_prefix(ref_ids, eos, 24), (seed, k, p)
+    settings = ((20, 1.0), (0, 0.7), (40, 0.9))  # top_k alone, top_p alone, both
+    for seed, (prompt, (k, p)) in enumerate(zip(prompts_for(llm)[:3], settings, strict=True)):
+        warpers = [PerPosition(TopKLogitsWarper(k))] if k else []
+        warpers += [PerPosition(TopPLogitsWarper(p))] if p < 1 else []
+        ref_ids, _ = reference_generate(
+            ref, prompt, seed, max_new_tokens=24, logits_processor=LogitsProcessorList(warpers)
+        )
+        (out,) = llm.generate(prompt, SamplingParams(max_tokens=24, seed=seed, top_k=k, top_p=p))
+        assert out.output_ids == expected_prefix(ref_ids, eos, 24), (seed, k, p)
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])

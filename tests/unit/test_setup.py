@@ -27,7 +27,11 @@ needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 def make_dry_run(*args: str) -> list[str]:
     """The commands `make -n -B ARGS` would run (-B: as if .venv were being built)."""
     result = subprocess.run(
-        ["make", "-n", "-B", *args], cwd=ROOT, capture_output=True, text=True, check=True
+        ["make", "--no-print-directory", "-n", "-B", *args],  # under `make test` too
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return result.stdout.splitlines()
 
