@@ -112,14 +112,17 @@ async def fuzz(url: str, model: str, num_requests: int, seed: int, concurrency: 
             *(client.post(url + "/v1/completions", json=ordinary) for _ in range(16))
         )
         result.burst_statuses = [r.status_code for r in burst]
-        metrics = (await client.get(url + "/metrics")).text
-    for name in (
-        "vllm:num_requests_running",
-        "vllm:kv_cache_usage_perc",
-        "canvas:sampler_slots_used",
-    ):
-        result.held_after[name] = _gauge(metrics, name)
+        result.held_after = await held_after(client, url)
     return result
+
+
+HELD = ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "canvas:sampler_slots_used")
+
+
+async def held_after(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """What the engine still holds by its gauges (all 0 when idle and nothing leaked)."""
+    metrics = (await client.get(url + "/metrics")).text
+    return {name: _gauge(metrics, name) for name in HELD}
 
 
 def _gauge(text: str, name: str) -> float:

@@ -82,3 +82,15 @@ def test_top_p_and_top_k_are_served_on_both_routes(small_server: LiveServer) -> 
     ):
         r = httpx.post(small_server.url + route, json=body, timeout=60)
         assert r.status_code == 200, r.text
+
+
+def test_the_soak_sends_numeric_extremes_and_checks_what_is_held() -> None:
+    """`make soak` draws hostile bodies from the fuzzer and reads the same gauges."""
+    import random
+
+    from loadtest import soak
+
+    assert soak.held_after is not None and soak.body_for is not None
+    route, body = soak.body_for(random.Random(0), "tiny")
+    assert route.startswith("/v1/") and body["model"] == "tiny"
+    assert any(changes.get("entropy_bound") == 1e308 for changes, _ in soak.REFUSED)
