@@ -8,7 +8,7 @@ in fp32 Canvas reproduces the reference's numbers (and therefore its sampled tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -128,15 +128,19 @@ def fused_moe(
     num_tokens, top_k = ids.shape
     num_experts = gate_up.shape[0]
     expert_ids, perm = torch.sort(ids.reshape(-1))  # [N*K]
-    x = hidden[perm // top_k]
-    counts = torch.histc(expert_ids.float(), bins=num_experts, min=0, max=num_experts - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    # Gathers by index_select (a plain row copy: the values of advanced indexing, ~3x faster
+    # on CPU); group ends by a binary search over the sorted ids (the cumulative counts).
+    x = hidden.index_select(0, perm // top_k)
+    experts = torch.arange(num_experts, device=ids.device, dtype=expert_ids.dtype)
+    offsets = torch.searchsorted(expert_ids, experts, right=True).to(torch.int32)
     gate, up = grouped_mm(x, gate_up, offsets).chunk(2, dim=-1)
-    out = grouped_mm(F.gelu(gate, approximate="tanh") * up, down, offsets)
-    out = out * weights.reshape(-1)[perm].unsqueeze(-1)
+    out = grouped_mm(F.gelu(gate, approximate="tanh").mul_(up), down, offsets)
+    scale = weights.reshape(-1).index_select(0, perm).unsqueeze(-1)
+    out = out.mul_(scale) if out.dtype == scale.dtype else out * scale  # fp32, as unfused
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
-    return out[inv_perm].view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+    out = out.index_select(0, inv_perm)
+    return out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
 
 
 # -- canvas attention over a paged prefix --------------------------------------------------------
@@ -160,6 +164,14 @@ class PagedRows:
     page_table: torch.Tensor  # [R, max_pages] int32
     max_tokens: int
     max_start: int = 0  # the largest `start`, on the host (bounds a row's prefix range)
+    # Every row has `max_tokens` new tokens (so row r's tokens are packed at r * max_tokens):
+    # the twins then view the packed tokens as [R, T] instead of gathering them.
+    uniform: bool = False
+    min_start: int = 0  # the smallest `start`, on the host
+    all_decode: bool = False  # every row is a DECODE row (bidirectional), on the host
+    # What the twins derive from these rows once per forward and reuse in every layer of the
+    # pool (index tensors and masks, keyed by window); never read by the Triton kernels.
+    memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     def max_prefix(self, window: int) -> int:
         """The longest prefix range any row reads on a layer with this window (0 = full)."""
@@ -189,6 +201,9 @@ class PagedRows:
             page_table=i32(table),
             max_tokens=max(num_tokens),
             max_start=max(starts),
+            uniform=min(num_tokens) == max(num_tokens),
+            min_start=min(starts),
+            all_decode=all(decode),
         )
 
 
@@ -235,42 +250,93 @@ def canvas_attention(
 
     All rows in one attention call: rows are padded to the longest prefix range and the longest
     row, every row's keys gathered from its pages by index tensors, and a boolean mask hides the
-    padding (tensor ops only, no loop over rows).
+    padding (tensor ops only, no loop over rows). The index tensors and the mask depend only on
+    the rows and the window, so they are built once per forward (`rows.memo`) and reused by
+    every layer; rows of equal length are viewed, not gathered.
     """
-    num_rows, num_new = rows.start.shape[0], q.shape[0]
-    dev = q.device
-    start, count = rows.start.long(), rows.num_tokens.long()
-    decode = rows.decode.bool()[:, None, None]  # [R, 1, 1]
-    lo = (start - (window - 1)).clamp(min=0) if window > 0 else torch.zeros_like(start)
-    prefix_len = rows.max_prefix(window)
-    j = torch.arange(prefix_len, device=dev)
-    prefix_pos = lo[:, None] + j  # [R, S]
-    prefix_ok = prefix_pos < start[:, None]
-    pos = torch.where(prefix_ok, prefix_pos, 0)
     size = k_pool.shape[2]
-    page = torch.where(prefix_ok, rows.page_table.long().gather(1, pos // size), 0)  # [R, S]
-    slot = pos % size
-    t = torch.arange(rows.max_tokens, device=dev)
-    new_ok = t < count[:, None]  # [R, T]
-    token = torch.where(new_ok, rows.offset.long()[:, None] + t, 0)  # packed index [R, T]
-    hide = ~prefix_ok[:, :, None, None]  # padding reads page 0: zero it (pages may hold NaN)
-    prefix_k = k_pool[page, :, slot].masked_fill_(hide, 0.0)  # [R, S, Hkv, D]
-    prefix_v = v_pool[page, :, slot].masked_fill_(hide, 0.0)
-    keys = torch.cat([prefix_k, k[token]], 1).transpose(1, 2)  # [R, Hkv, S+T, D]
-    values = torch.cat([prefix_v, v[token]], 1).transpose(1, 2)
-    queries = q[token].transpose(1, 2)  # [R, Hq, T, D]
-    q_pos = (start[:, None] + t)[:, :, None]  # [R, T, 1]
-    key_pos = torch.cat([prefix_pos, start[:, None] + t], 1)[:, None, :]  # [R, 1, S+T]
-    key_ok = torch.cat([prefix_ok, new_ok], 1)[:, None, :]
-    visible = key_pos <= q_pos
-    if window > 0:
-        visible &= key_pos > q_pos - window
-    visible = key_ok & (visible | decode)  # [R, T, S+T]
-    # Padding queries see every real key (never an all-masked row: SDPA would give NaN).
-    visible = torch.where(new_ok[:, :, None], visible, key_ok)
-    out = attention(queries, keys, values, visible[:, None], scale)  # [R, Hq, T, D]
-    row = torch.repeat_interleave(torch.arange(num_rows, device=dev), count, output_size=num_new)
-    return out.transpose(1, 2)[row, torch.arange(num_new, device=dev) - rows.offset.long()[row]]
+    key = ("canvas_attention", window, size)
+    plan = rows.memo.get(key)
+    if plan is None:
+        plan = rows.memo[key] = _AttentionPlan.build(rows, window, size, q.shape[0])
+    assert isinstance(plan, _AttentionPlan)
+    keys, values = plan.pack(k), plan.pack(v)  # [R, T, Hkv, D]
+    if plan.page is not None:
+        prefix_k = k_pool[plan.page, :, plan.slot]  # [R, S, Hkv, D]
+        prefix_v = v_pool[plan.page, :, plan.slot]
+        if plan.hide is not None:  # padding reads page 0: zero it (pages may hold NaN)
+            prefix_k.masked_fill_(plan.hide, 0.0)
+            prefix_v.masked_fill_(plan.hide, 0.0)
+        keys, values = torch.cat([prefix_k, keys], 1), torch.cat([prefix_v, values], 1)
+    queries = plan.pack(q).transpose(1, 2)  # [R, Hq, T, D]
+    out = attention(queries, keys.transpose(1, 2), values.transpose(1, 2), plan.visible, scale)
+    return plan.unpack(out.transpose(1, 2))  # [N, Hq, D]
+
+
+@dataclass(frozen=True, slots=True)
+class _AttentionPlan:
+    """`canvas_attention`'s index tensors and mask for one set of rows, one window and one
+    page size: built once per forward, used by every layer of the pool."""
+
+    num_rows: int
+    page: torch.Tensor | None  # [R, S] page of each padded prefix key (None: no prefix)
+    slot: torch.Tensor | None  # [R, S] its slot in the page
+    hide: torch.Tensor | None  # [R, S, 1, 1] padding among the prefix keys (None: none)
+    token: torch.Tensor | None  # [R, T] packed index of each padded new token (None: uniform)
+    unpad: tuple[torch.Tensor, torch.Tensor] | None  # (row, column) of each packed token
+    visible: torch.Tensor | None  # [R, 1, T, S+T] the keys each query sees (None: all)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed [N, H, D] -> padded [R, T, H, D] (a view when the rows are uniform)."""
+        if self.token is None:
+            return x.view(self.num_rows, -1, *x.shape[1:])
+        return x[self.token]
+
+    def unpack(self, out: torch.Tensor) -> torch.Tensor:
+        """Padded [R, T, H, D] -> packed [N, H, D]."""
+        if self.unpad is None:
+            return out.reshape(-1, *out.shape[2:])
+        return out[self.unpad]
+
+    @staticmethod
+    def build(rows: PagedRows, window: int, size: int, num_new: int) -> _AttentionPlan:
+        dev = rows.start.device
+        num_rows = rows.start.shape[0]
+        start, count = rows.start.long(), rows.num_tokens.long()
+        lo = (start - (window - 1)).clamp(min=0) if window > 0 else torch.zeros_like(start)
+        prefix_len = rows.max_prefix(window)
+        prefix_pos = lo[:, None] + torch.arange(prefix_len, device=dev)  # [R, S]
+        prefix_ok = prefix_pos < start[:, None]
+        # No padding among the prefix keys: every row reads prefix_len of them.
+        cap = window - 1 if window > 0 else rows.max_start
+        padded_prefix = min(rows.min_start, cap) != prefix_len
+        page = slot = hide = None
+        if prefix_len:
+            pos = torch.where(prefix_ok, prefix_pos, 0)
+            page = torch.where(prefix_ok, rows.page_table.long().gather(1, pos // size), 0)
+            slot = pos % size
+            hide = ~prefix_ok[:, :, None, None] if padded_prefix else None
+        t = torch.arange(rows.max_tokens, device=dev)
+        new_ok = t < count[:, None]  # [R, T]
+        token = unpad = None
+        if not rows.uniform:
+            token = torch.where(new_ok, rows.offset.long()[:, None] + t, 0)
+            row = torch.repeat_interleave(
+                torch.arange(num_rows, device=dev), count, output_size=num_new
+            )
+            unpad = (row, torch.arange(num_new, device=dev) - rows.offset.long()[row])
+        visible = None
+        if padded_prefix or not rows.uniform or not rows.all_decode:
+            q_pos = (start[:, None] + t)[:, :, None]  # [R, T, 1]
+            key_pos = torch.cat([prefix_pos, start[:, None] + t], 1)[:, None, :]  # [R, 1, S+T]
+            key_ok = torch.cat([prefix_ok, new_ok], 1)[:, None, :]
+            vis = key_pos <= q_pos
+            if window > 0:
+                vis &= key_pos > q_pos - window
+            vis = key_ok & (vis | rows.decode.bool()[:, None, None])  # [R, T, S+T]
+            # Padding queries see every real key (never an all-masked row: SDPA would give NaN).
+            visible = torch.where(new_ok[:, :, None], vis, key_ok)[:, None]
+        return _AttentionPlan(num_rows, page, slot, hide, token, unpad, visible)
 
 
 def canvas_attention_rowwise(

@@ -43,6 +43,14 @@ SCENARIOS = {
         (20,), (37,), (False,), window=5, num_heads=2, num_kv_heads=2
     ),
     "decode-sliding-long-prefix": Scenario((40,), (16,), (True,), window=7, num_kv_heads=1),
+    # Rows of one length: the batched twin views the packed tokens instead of gathering them,
+    # and drops the mask where every query sees every key (canvases over equal prefixes).
+    "decode-uniform-same-prefix": Scenario((8, 8, 8), (16, 16, 16), (True, True, True)),
+    "decode-uniform-ragged-prefix": Scenario((3, 8, 0), (16, 16, 16), (True, True, True)),
+    "decode-uniform-sliding-past-window": Scenario(
+        (9, 14, 20), (8, 8, 8), (True, True, True), window=6
+    ),
+    "encode-uniform-sliding": Scenario((4, 0, 9), (5, 5, 5), (False, False, False), window=6),
 }
 
 
@@ -144,6 +152,10 @@ def test_batched_twin_matches_the_row_by_row_twin(name: str) -> None:
     got = run(reference, x, sc)
     assert torch.isfinite(want).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # Its index tensors and mask are built once per rows and window, then reused (every layer
+    # of a forward): the second call reads them back and gives the same values.
+    assert list(x.rows.memo) == [("canvas_attention", sc.window, sc.page_size)]
+    assert torch.equal(run(reference, x, sc), got)
 
 
 @pytest.mark.gpu
