@@ -131,7 +131,7 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
     return KernelSet(
         backend=backend,
         exact=False,
-        rms_norm=reference.rms_norm,
+        rms_norm=reference.rms_norm_fused,
         linear=reference.linear,
         route_experts=_batched(ops.route_experts),
         fused_moe=_batched(ops.fused_moe),

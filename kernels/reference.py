@@ -23,6 +23,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return h.type_as(x)
 
 
+def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`rms_norm` (fast numerics): PyTorch's one-call `F.rms_norm` for fp32 operands (the same
+    values on CPU; fewer dispatches and temporaries), the twin for other dtypes."""
+    if x.dtype != torch.float32 or (weight is not None and weight.dtype != torch.float32):
+        return rms_norm(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 # sgemm row results depend on the number of rows only below this many rows (a different
 # small-M code path); at or above it each row's result is independent of the others.
 SMALL_ROWS = 16
@@ -385,17 +393,23 @@ def write_kv(
     (in place); DECODE rows write nothing. One indexed copy for all rows (values are copied,
     never computed, so this is exact in both numerics)."""
     num_new, size = k.shape[0], k_pool.shape[2]
-    if num_new == 0:
+    if num_new == 0 or rows.all_decode:
         return
-    row = torch.repeat_interleave(
-        torch.arange(rows.start.shape[0], device=k.device),
-        rows.num_tokens.long(),
-        output_size=num_new,
-    )  # [N] row of each packed token
-    pos = rows.start.long()[row] + torch.arange(num_new, device=k.device) - rows.offset.long()[row]
-    keep = rows.decode[row] == 0
-    page = rows.page_table.long()[row, pos // size][keep]
-    slot = (pos % size)[keep]
+    key = ("write_kv", size)
+    where = rows.memo.get(key)  # the same for every layer of the pool: built once per forward
+    if where is None:
+        row = torch.repeat_interleave(
+            torch.arange(rows.start.shape[0], device=k.device),
+            rows.num_tokens.long(),
+            output_size=num_new,
+        )  # [N] row of each packed token
+        pos = rows.start.long()[row] + torch.arange(num_new, device=k.device)
+        pos -= rows.offset.long()[row]
+        keep = rows.decode[row] == 0
+        page = rows.page_table.long()[row, pos // size][keep]
+        where = rows.memo[key] = (keep, page, (pos % size)[keep])
+    assert isinstance(where, tuple)
+    keep, page, slot = where
     k_pool[page, :, slot] = k[keep]
     v_pool[page, :, slot] = v[keep]
 
@@ -427,6 +441,7 @@ __all__ = [
     "philox_uniform",
     "prefix_range",
     "rms_norm",
+    "rms_norm_fused",
     "route_experts",
     "sample_and_embed",
     "segment_linear",

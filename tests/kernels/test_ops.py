@@ -26,6 +26,23 @@ def test_exact_numerics_bind_the_batch_invariant_twins() -> None:
     assert ks.fused_moe is reference.fused_moe  # takes the per-request segments
 
 
+@pytest.mark.parametrize("shape", [(1, 32, 256), (1, 480, 4, 64), (7, 3)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_fast_rms_norm_gives_the_twins_values(shape: tuple[int, ...], weighted: bool) -> None:
+    """Fast numerics norm with F.rms_norm: on CPU in fp32 the same bits as the twin; other
+    dtypes take the twin itself."""
+    assert kernels.resolve_kernels("cpu").rms_norm is reference.rms_norm_fused
+    gen = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(shape, generator=gen) * 3
+    weight = torch.randn(shape[-1], generator=gen) if weighted else None
+    want = reference.rms_norm(x, weight, 1e-6)
+    assert torch.equal(reference.rms_norm_fused(x, weight, 1e-6), want)
+    half = x.to(torch.bfloat16)
+    assert torch.equal(
+        reference.rms_norm_fused(half, weight, 1e-6), reference.rms_norm(half, weight, 1e-6)
+    )
+
+
 def test_cuda_without_triton_gets_the_twins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "triton_available", lambda: False)
     assert kernels.resolve_kernels("cuda").backend == "twins"
