@@ -134,7 +134,10 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
         rms_norm=reference.rms_norm_fused,
         linear=reference.linear,
         route_experts=_batched(ops.route_experts),
-        fused_moe=_batched(ops.fused_moe),
+        # The twins' scattered combine; Triton's kernel is batched already.
+        fused_moe=(
+            _batched(ops.fused_moe) if backend == "triton" else reference.fused_moe_scattered
+        ),
         write_kv=ops.write_kv,
         canvas_attention=ops.canvas_attention,
         fused_sample=ops.fused_sample,

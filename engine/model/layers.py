@@ -41,6 +41,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]
 
 
+def apply_rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` in four half-width passes (fast numerics: the last bit may differ). cos and
+    sin repeat their first half (`DiffusionLM._rope` builds them from cat(freqs, freqs)), so
+    out = (x1 c - x2 s, x2 c + x1 s) with c, s the first halves."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, :, None, :half], sin[:, :, None, :half]
+    out = torch.empty_like(x)
+    first, second = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=first).addcmul_(x2, s, value=-1.0)
+    torch.mul(x2, c, out=second).addcmul_(x1, s)
+    return out
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension through the bound kernel set, with a weight used as is
     (Gemma's convention) or, with `with_weight=False`, none (DiffusionGemma's v_norm)."""
@@ -98,8 +112,9 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             v = self.v_norm(v)
             k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)[0]  # [N, Hq, D]
-        k = apply_rope(k, cos, sin)[0]  # [N, Hkv, D]
+        rope_fn = apply_rope if ks.exact else apply_rope_fused
+        q = rope_fn(q, cos, sin)[0]  # [N, Hq, D]
+        k = rope_fn(k, cos, sin)[0]  # [N, Hkv, D]
         window = batch.sliding_window if self.spec.is_sliding else 0
         out = cache.attend(ks, layer, q, k, v[0], batch, window, self.scale)  # [N, Hq, D]
         return self._project("o_proj", out.reshape(1, x.shape[1], -1), batch)

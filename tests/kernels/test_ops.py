@@ -29,14 +29,13 @@ def test_exact_numerics_bind_the_batch_invariant_twins() -> None:
 @pytest.mark.parametrize("shape", [(1, 32, 256), (1, 480, 4, 64), (7, 3)])
 @pytest.mark.parametrize("weighted", [True, False])
 def test_fast_rms_norm_gives_the_twins_values(shape: tuple[int, ...], weighted: bool) -> None:
-    """Fast numerics norm with F.rms_norm: on CPU in fp32 the same bits as the twin; other
-    dtypes take the twin itself."""
+    """Fast numerics' norm: the twin's values to fp32 rounding; other dtypes take the twin."""
     assert kernels.resolve_kernels("cpu").rms_norm is reference.rms_norm_fused
     gen = torch.Generator().manual_seed(len(shape))
     x = torch.randn(shape, generator=gen) * 3
     weight = torch.randn(shape[-1], generator=gen) if weighted else None
     want = reference.rms_norm(x, weight, 1e-6)
-    assert torch.equal(reference.rms_norm_fused(x, weight, 1e-6), want)
+    torch.testing.assert_close(reference.rms_norm_fused(x, weight, 1e-6), want)
     half = x.to(torch.bfloat16)
     assert torch.equal(
         reference.rms_norm_fused(half, weight, 1e-6), reference.rms_norm(half, weight, 1e-6)
@@ -73,6 +72,12 @@ def test_fast_kernels_ignore_per_request_segments() -> None:
     got = ks.route_experts(x, scale, proj, per_expert, 2, 1e-6, segments=[3, 17])
     want = reference.route_experts(x, scale, proj, per_expert, 2, 1e-6)
     torch.testing.assert_close(got, want)
+    # The experts: one grouping over all tokens, outputs scattered into their rows.
+    weights, ids = want
+    gate_up, down = torch.randn(4, 16, 8, generator=gen), torch.randn(4, 8, 8, generator=gen)
+    assert ks.fused_moe is reference.fused_moe_scattered
+    moe = ks.fused_moe(x, gate_up, down, weights, ids, segments=[3, 17])
+    torch.testing.assert_close(moe, reference.fused_moe(x, gate_up, down, weights, ids))
 
 
 def test_no_kernel_choice_reads_the_environment() -> None:
