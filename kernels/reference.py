@@ -355,10 +355,18 @@ class _AttentionPlan:
         padded_prefix = min(rows.min_start, cap) != prefix_len
         page = slot = hide = None
         if prefix_len:
-            pos = torch.where(prefix_ok, prefix_pos, 0)
-            page = torch.where(prefix_ok, rows.page_table.long().gather(1, pos // size), 0)
+            # Padding keys read one of the row's own keys (masked out of the scores, and finite
+            # unless the row's own values are not): its first prefix key, or for a row without
+            # a prefix (an ENCODE row at 0) its first new key, written before attention. Only a
+            # DECODE row at 0 has neither; then padding reads page 0 and is zeroed (any page
+            # may hold NaN from an earlier request, and 0 x NaN would leak into the row).
+            own = torch.where(start > 0, lo, start)[:, None]  # [R, 1]
+            pos = torch.where(prefix_ok, prefix_pos, own)
+            page = rows.page_table.long().gather(1, pos // size)
             slot = pos % size
-            hide = ~prefix_ok[:, :, None, None] if padded_prefix else None
+            if padded_prefix and bool(((start == 0) & rows.decode.bool()).any()):
+                page = torch.where(prefix_ok, page, 0)
+                hide = ~prefix_ok[:, :, None, None]
         t = torch.arange(rows.max_tokens, device=dev)
         new_ok = t < count[:, None]  # [R, T]
         token = unpad = None
