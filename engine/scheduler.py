@@ -5,7 +5,12 @@ row — a commit pass, a denoising step, an AR token or a prefill chunk — then
 sequences while pages, sampler slots and the row/token budgets allow. A sequence whose canvas
 converged goes on to its commit pass at the next step; nothing waits for slower rows.
 
-States: WAITING → PREFILL → (DENOISE → COMMIT → DENOISE …) | AR → FINISHED.
+States: WAITING → PREFILL → (DENOISE → COMMIT → DENOISE …) | AR | (DENOISE → VERIFY → DENOISE …)
+→ FINISHED. Hybrid requests draft a canvas (DENOISE, a few steps) and verify it (VERIFY: the
+encoder over the draft; the effect says how many of its positions keep their KV — rolling the
+rest back is not advancing `num_computed` past them, and the next pass overwrites them: a
+request's pages are reserved for its whole context at admission, so nothing is freed or taken
+mid-request).
 
 A request's life has four writers, all here: `add` (queued), admission in `schedule` (its KV
 pages and sampler slot, acquired together), `update` (the step's effects, the only place
@@ -187,6 +192,8 @@ class Scheduler:
             )
         if seq.state is SeqState.COMMIT:
             return ScheduledRow(seq, RowKind.COMMIT, start, seq.canvas_length)
+        if seq.state is SeqState.VERIFY:
+            return ScheduledRow(seq, RowKind.VERIFY, start, seq.canvas_length)
         if seq.state is SeqState.AR:
             return ScheduledRow(seq, RowKind.AR, start, 1)
         return None
@@ -232,14 +239,18 @@ class Scheduler:
                 seq.in_canvas = False
                 if effect.commit is not None:
                     seq.draft_to_commit = effect.commit
-                    seq.state = SeqState.COMMIT
+                    seq.state = SeqState.VERIFY if seq.is_hybrid else SeqState.COMMIT
         else:
             seq.encoder_passes += 1
-            seq.num_computed = row.start + row.num_tokens
+            kept = row.num_tokens if effect.num_kept is None else effect.num_kept
+            seq.num_computed = row.start + kept
             if row.kind is RowKind.PREFILL and seq.num_computed == seq.num_prompt:
                 seq.state = SeqState.AR if seq.is_ar else SeqState.DENOISE
-            elif row.kind is RowKind.COMMIT:
+            elif row.kind in (RowKind.COMMIT, RowKind.VERIFY):
                 seq.state, seq.draft_to_commit = SeqState.DENOISE, None
+            if effect.accepted is not None:
+                seq.verify_passes += 1
+                seq.accepted_tokens += effect.accepted
         if effect.tokens and seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_ids += effect.tokens
@@ -300,6 +311,8 @@ def request_stats(seq: RequestState, now: float) -> RequestStats:
         first_scheduled_time=seq.first_scheduled_time,
         first_token_time=seq.first_token_time,
         finish_time=now,
+        verify_passes=seq.verify_passes,
+        accepted_tokens=seq.accepted_tokens,
     )
 
 
