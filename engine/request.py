@@ -55,6 +55,10 @@ class RequestState:
     encoder_passes: int = 0
     verify_passes: int = 0  # hybrid
     accepted_tokens: int = 0  # hybrid: draft tokens accepted by the verifier
+    # hybrid draft policy (`engine.scheduler.DraftPolicy`): accepted draft tokens per verify
+    # pass, averaged (None before the first), and AR tokens since the last verify pass
+    accept_average: float | None = None
+    tokens_since_draft: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     constraint: Constraint | None = None  # the request's grammar state (structured output)

@@ -45,12 +45,41 @@ logger = logging.getLogger(__name__)
 __all__ = ["InvariantError", "RowKind", "ScheduledRow", "Scheduler", "SchedulerConfig", "StepPlan"]
 
 
+ACCEPT_DECAY = 0.5  # the weight of a hybrid request's earlier verify passes in its average
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPolicy:
+    """Whether a hybrid request drafts its next canvas or takes one AR step (its pending token
+    is exactly an AR row's input, so switching costs nothing). A draft cycle runs
+    `max_denoising_steps` decoder passes and one verify pass over a canvas, each costing
+    `canvas_cost` AR passes, and commits accepted + 1 tokens; AR commits one token per pass.
+    So a request drafts while its recent acceptance (an exponential average over its verify
+    passes, `RequestState.accept_average`) says drafting commits more per unit of cost; once
+    it says not, the request decodes AR and drafts again after `probe_every` tokens, to see
+    whether the text got easier to draft. A request that has not verified yet drafts."""
+
+    canvas_cost: float = 1.0  # a canvas pass's cost in AR passes (memory-bound GPU: ~1)
+    probe_every: int = 16
+
+    def __post_init__(self) -> None:
+        if self.canvas_cost <= 0 or self.probe_every < 1:
+            raise ValueError("canvas_cost must be > 0 and probe_every >= 1")
+
+    def drafts(self, seq: RequestState) -> bool:
+        if seq.accept_average is None or seq.tokens_since_draft >= self.probe_every:
+            return True
+        cycle_cost = (seq.params.max_denoising_steps + 1) * self.canvas_cost
+        return seq.accept_average + 1 >= cycle_cost
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64  # sequences admitted (running) at once
     max_num_batched_tokens: int = 8192  # tokens per forward pass
     max_prefill_chunk: int = 2048  # prompt tokens per prefill row
     max_queue: int = 1024  # waiting sequences (beyond free running slots) before add() refuses
+    draft_policy: DraftPolicy = DraftPolicy()
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_queue"):
@@ -186,6 +215,8 @@ class Scheduler:
                 return None
             return ScheduledRow(seq, RowKind.PREFILL, start, num, admitted=admitted)
         if seq.state is SeqState.DENOISE:
+            if seq.is_hybrid and not seq.in_canvas and not self.config.draft_policy.drafts(seq):
+                return ScheduledRow(seq, RowKind.AR, start, 1)
             length = seq.canvas_length
             return ScheduledRow(
                 seq, RowKind.DENOISE, start, length, starts_canvas=not seq.in_canvas
@@ -251,6 +282,15 @@ class Scheduler:
             if effect.accepted is not None:
                 seq.verify_passes += 1
                 seq.accepted_tokens += effect.accepted
+                seq.tokens_since_draft = 0
+                average = seq.accept_average
+                seq.accept_average = (
+                    effect.accepted
+                    if average is None
+                    else (ACCEPT_DECAY * average + (1 - ACCEPT_DECAY) * effect.accepted)
+                )
+            elif row.kind is RowKind.AR and seq.is_hybrid:
+                seq.tokens_since_draft += 1
         if effect.tokens and seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_ids += effect.tokens
