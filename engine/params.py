@@ -203,7 +203,7 @@ class DecodingDefaults:
     mode: DecodeMode = DecodeMode.DIFFUSION  # Canvas' `canvas_default_mode` key
     # Hybrid mode: denoising steps a draft gets before the encoder verifies it (Canvas'
     # `canvas_hybrid_draft_steps` key; measured on the default model, see the README).
-    hybrid_draft_steps: int = 2
+    hybrid_draft_steps: int = 1
 
     @classmethod
     def from_checkpoint(
