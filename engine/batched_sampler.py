@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.filters import filter_logits, top_p_floor
-from engine.params import DecodeMode, ResolvedParams
+from engine.params import ResolvedParams
 from kernels import KernelSet
 from kernels.reference import philox_uniform
 
@@ -30,8 +30,10 @@ _STREAM_BITS = 1
 _STEP_BITS = 20
 _CANVAS_SHIFT = _POSITION_BITS + _STREAM_BITS + _STEP_BITS
 SAMPLE_STREAM, NOISE_STREAM = 0, 1
-# AR tokens draw from their own counter space (the top counter bit below the sign).
+# AR tokens draw from their own counter space (the top counter bit below the sign); a hybrid
+# verify pass's acceptance coins from theirs, one below (both at the token's output index).
 _AR_COUNTERS = 1 << 62
+_COIN_COUNTERS = _AR_COUNTERS | (1 << 61)
 
 
 def counters(canvas_no: torch.Tensor, step: torch.Tensor, stream: int, length: int) -> torch.Tensor:
@@ -137,7 +139,7 @@ class BatchedSampler:
             s.t_max: params.t_max,
             s.bound: params.entropy_bound,
             s.confidence: params.confidence_threshold,
-            s.temperature: params.temperature if params.mode is DecodeMode.AR else 0.0,
+            s.temperature: params.temperature if params.mode.samples_tokens else 0.0,
             s.top_k: params.top_k,
             s.top_p_floor: top_p_floor(params.top_p),
             s.canvas_no: -1,
@@ -177,11 +179,12 @@ class BatchedSampler:
     # -- inputs -------------------------------------------------------------------------------
 
     def canvas_inputs(
-        self, slots: torch.Tensor, starting: torch.Tensor
+        self, slots: torch.Tensor, starting: torch.Tensor, pinned: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, RowStates]:
         """Canvas ids [R * L], self-conditioning input [R * L, H] and the row states of the
         DENOISE rows in `slots` [R]; rows flagged in `starting` [R] (bool) begin a new canvas:
-        uniform random tokens, no self-conditioning signal, a fresh step count."""
+        uniform random tokens, no self-conditioning signal, a fresh step count. `pinned` [R]:
+        a token that slot 0 of the row's canvas holds at every step (hybrid), -1 for none."""
         s = self.state
         canvas_no = s.canvas_no[slots] + starting.long()  # [R]
         zero = torch.zeros_like(canvas_no)
@@ -200,6 +203,8 @@ class BatchedSampler:
             steps_left=torch.where(starting, s.max_steps[slots], s.steps_left[slots]),
             num_steps=torch.where(starting, 0, s.num_steps[slots]),
         )
+        if pinned is not None:
+            rows.canvas[:, 0] = torch.where(pinned >= 0, pinned, rows.canvas[:, 0])
         return rows.canvas.view(-1), rows.soft.view(-1, rows.soft.shape[-1]), rows
 
     # -- the update ---------------------------------------------------------------------------
@@ -258,6 +263,29 @@ class BatchedSampler:
         result = self.kernels.fused_sample(logits, torch.where(greedy, 1.0, temperature), u)
         tokens = torch.where(greedy, result.argmax, result.sample)
         return [tokens, (~torch.isfinite(result.lse)).long()]
+
+
+class CounterDraws:
+    """A hybrid verify pass's random numbers in fast numerics (`engine.verify.Draws`): the
+    request's counter-based stream at the token's output index, so they never depend on the
+    batch. Each index decides one token once, so no number is ever used twice."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.seed = torch.tensor(seed, dtype=torch.long, device=device)
+
+    def coins(self, first_index: int, num: int) -> list[float]:
+        index = torch.arange(first_index, first_index + num, device=self.seed.device)
+        return philox_uniform(self.seed, index | _COIN_COUNTERS).tolist()
+
+    def categorical(self, weights: torch.Tensor, index: int) -> int:
+        """Inverse CDF at the AR draw of this index (`sample_ar`'s counter)."""
+        u = philox_uniform(self.seed, torch.tensor(index | _AR_COUNTERS, device=weights.device))
+        cdf = weights.double().cumsum(0)
+        found = torch.searchsorted(cdf, u.double() * cdf[-1], right=True)
+        token = int(found.clamp(max=len(cdf) - 1))
+        if weights[token] <= 0:  # rounding at the very top of the CDF
+            token = int(weights.nonzero()[-1, 0])
+        return token
 
 
 def to_host(parts: list[torch.Tensor]) -> list[list[int]]:

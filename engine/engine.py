@@ -47,6 +47,7 @@ from engine.types import (
     StepStats,
 )
 from engine.validation import RequestValidator, context_needed
+from engine.verify import verify_draft
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +211,8 @@ class Engine:
             if effect.canvas_steps is not None and effect.error is None
         ]
         stats.num_committed = sum(len(o.new_token_ids) for o in outputs)
+        stats.accepted_lengths = [e.accepted for e in effects if e.accepted is not None]
+        stats.num_drafted = len(stats.accepted_lengths) * (self.canvas_length - 1)
         stats.step_seconds = time.perf_counter() - start
         if self.config.check_invariants:
             self.scheduler.check()
@@ -241,7 +244,9 @@ class Engine:
         self.sampling.bind([row.req for row in rows if row.admitted])
         denoise = [row for row in rows if ROW_KINDS[row.kind].decode]
         encode = [row for row in rows if not ROW_KINDS[row.kind].decode]
-        sampling = [row for row in encode if ROW_KINDS[row.kind].wants_token(row)]
+        inputs = [ROW_KINDS[row.kind].encode_input(row) for row in encode]
+        sampling = [r for r, e in zip(encode, inputs, strict=True) if e.wants_last_logits]
+        verify = [(r, e.tokens) for r, e in zip(encode, inputs, strict=True) if e.verify]
         denoise_reqs, ar_reqs = [row.req for row in denoise], [row.req for row in sampling]
         canvas = None
         if denoise:
@@ -252,7 +257,7 @@ class Engine:
                 denoise_pages=[row.req.pages for row in denoise],  # type: ignore[misc]
                 canvas_ids=canvas.ids if canvas is not None else None,
                 soft_embeds=canvas.soft if canvas is not None else [],
-                encode=[ROW_KINDS[row.kind].encode_input(row) for row in encode],
+                encode=inputs,
             )
         )
         stats.forward_seconds += out.forward_seconds
@@ -271,12 +276,22 @@ class Engine:
             )
         )
         results.update(zip(map(id, sampling), ar_results(ar_reqs, sampled, raw), strict=True))
+        draws = self.sampling.verify_draws([row.req for row, _ in verify])
+        logits = out.verify_logits or []
+        verified = [
+            verify_draft(row.req, draft, row_logits, rng)
+            for (row, draft), row_logits, rng in zip(verify, logits, draws, strict=True)
+        ]
+        results.update(zip((id(row) for row, _ in verify), verified, strict=True))
         effects = [_effect(row, results.get(id(row), RowResult())) for row in rows]
         end = time.perf_counter()
         stats.sample_seconds += end - begin
         stats.grammar_seconds += (masked - begin) + (end - drawn)
         ok = [results[id(row)].error is None for row in denoise]
         self.sampling.install(sampled, ok, [results[id(row)].error is None for row in sampling])
+        self.sampling.install_draws(
+            [row.req for row, _ in verify], draws, [r.error is None for r in verified]
+        )
         return effects
 
 

@@ -34,10 +34,14 @@ class RequestOutput:
     steps_per_canvas: list[int]
     seconds: float
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
+    verify_passes: int = 0  # hybrid: encoder passes over a draft (in encoder_passes too)
+    accepted_tokens: int = 0  # hybrid: draft tokens the verifier accepted
 
     @property
     def tokens_per_forward(self) -> float:
-        return tokens_per_forward(len(self.output_ids), self.decoder_passes, self.encoder_passes)
+        return tokens_per_forward(
+            len(self.output_ids), self.decoder_passes, self.encoder_passes, self.verify_passes
+        )
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:
@@ -153,4 +157,6 @@ class LLM:
             steps_per_canvas=list(stats.steps_per_canvas),
             seconds=time.perf_counter() - start,
             logprobs=logprobs,
+            verify_passes=stats.verify_passes,
+            accepted_tokens=stats.accepted_tokens,
         )

@@ -23,6 +23,15 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's chat bound (completions: 5, checked by the ser
 class DecodeMode(str, Enum):
     DIFFUSION = "diffusion"
     AR = "ar"
+    HYBRID = "hybrid"  # canvases drafted by diffusion, verified by the encoder (AR) path
+
+    @property
+    def samples_tokens(self) -> bool:
+        """The encoder's next-token logits choose what is committed (AR and hybrid)."""
+        return self is not DecodeMode.DIFFUSION
+
+
+MODE_NAMES = tuple(m.value for m in DecodeMode)
 
 
 class ParamError(ValueError):
@@ -68,7 +77,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     eos_token_ids: tuple[int, ...] | None = None  # overrides the checkpoint's EOS set
-    # diffusion
+    # diffusion (hybrid: `max_denoising_steps` is the draft's steps before verification)
     max_denoising_steps: int | None = None
     entropy_bound: float | None = None
     t_min: float | None = None
@@ -98,7 +107,7 @@ class SamplingParams:
         _check(
             self.mode is None or isinstance(self.mode, DecodeMode),
             "mode",
-            "must be 'diffusion' or 'ar'",
+            f"must be one of {', '.join(repr(m) for m in MODE_NAMES)}",
         )
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
         _check(
@@ -192,6 +201,9 @@ class DecodingDefaults:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     mode: DecodeMode = DecodeMode.DIFFUSION  # Canvas' `canvas_default_mode` key
+    # Hybrid mode: denoising steps a draft gets before the encoder verifies it (Canvas'
+    # `canvas_hybrid_draft_steps` key; measured on the default model, see the README).
+    hybrid_draft_steps: int = 1
 
     @classmethod
     def from_checkpoint(
@@ -212,6 +224,7 @@ class DecodingDefaults:
             "mode": DecodeMode(raw["canvas_default_mode"])
             if raw.get("canvas_default_mode")
             else None,
+            "hybrid_draft_steps": raw.get("canvas_hybrid_draft_steps"),
         }
         eos = raw.get("eos_token_id")
         values["eos_token_ids"] = (
@@ -225,12 +238,14 @@ class DecodingDefaults:
             return default if value is None else value
 
         eos = params.eos_token_ids if params.eos_token_ids is not None else self.eos_token_ids
+        mode = pick(params.mode, self.mode)
+        steps = self.hybrid_draft_steps if mode is DecodeMode.HYBRID else self.max_denoising_steps
         return ResolvedParams(
             max_tokens=pick(params.max_tokens, self.max_new_tokens),
-            mode=pick(params.mode, self.mode),
+            mode=mode,
             seed=params.seed,
             eos_token_ids=frozenset() if params.ignore_eos else frozenset(eos),
-            max_denoising_steps=pick(params.max_denoising_steps, self.max_denoising_steps),
+            max_denoising_steps=pick(params.max_denoising_steps, steps),
             entropy_bound=float(pick(params.entropy_bound, self.entropy_bound)),
             t_min=float(pick(params.t_min, self.t_min)),
             t_max=float(pick(params.t_max, self.t_max)),

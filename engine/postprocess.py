@@ -71,7 +71,10 @@ def denoise_results(
             results.append(RowResult(error=NON_FINITE))
             continue
         draft, constraint, logprobs = sampled.drafts[j], None, None
-        wanted = req.constraint is not None or req.params.logprobs is not None
+        # A hybrid draft is not committed as is: its verify pass applies grammar and logprobs.
+        wanted = not req.is_hybrid and (
+            req.constraint is not None or req.params.logprobs is not None
+        )
         if sampled.finished[j] and draft is not None and wanted:
             assert logits is not None
             length = len(draft)

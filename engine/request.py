@@ -23,6 +23,7 @@ class SeqState(str, Enum):
     PREFILL = "prefill"
     DENOISE = "denoise"
     COMMIT = "commit"
+    VERIFY = "verify"  # hybrid: the draft goes through the encoder, which accepts a prefix
     AR = "ar"
     FINISHED = "finished"
 
@@ -52,6 +53,12 @@ class RequestState:
     steps_per_canvas: list[int] = field(default_factory=list)
     decoder_passes: int = 0
     encoder_passes: int = 0
+    verify_passes: int = 0  # hybrid
+    accepted_tokens: int = 0  # hybrid: draft tokens accepted by the verifier
+    # hybrid draft policy (`engine.scheduler.DraftPolicy`): accepted draft tokens per verify
+    # pass, averaged (None before the first), and AR tokens since the last verify pass
+    accept_average: float | None = None
+    tokens_since_draft: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     constraint: Constraint | None = None  # the request's grammar state (structured output)
@@ -68,6 +75,16 @@ class RequestState:
     @property
     def is_ar(self) -> bool:
         return self.params.mode is DecodeMode.AR
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.params.mode is DecodeMode.HYBRID
+
+    @property
+    def pinned_token(self) -> int:
+        """Hybrid: the token the next canvas starts with (sampled by the encoder, its KV not
+        yet written: the canvas's verify pass writes it); -1 in the other modes."""
+        return self.output_ids[-1] if self.is_hybrid and self.output_ids else -1
 
 
 def first_cut(

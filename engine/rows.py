@@ -1,8 +1,8 @@
-"""The row-kind table: each kind of row (prefill, denoise, commit, AR) says in one place what it
-feeds the forward pass and what its step means for its request. Entries are pure: they read the
-row and its result and return values (`EncodeInput`, `RowEffect`); the scheduler's update alone
-applies an effect. A new kind (e.g. a verify row) is one new entry here and one scheduler
-state, not edits across the engine.
+"""The row-kind table: each kind of row (prefill, denoise, commit, AR, verify) says in one
+place what it feeds the forward pass and what its step means for its request. Entries are
+pure: they read the row and its result and return values (`EncodeInput`, `RowEffect`); the
+scheduler's update alone applies an effect. A new kind (the hybrid mode's verify row was
+one) is one new entry here and one scheduler state, not edits across the engine.
 
 DENOISE rows are the only DECODE rows: their canvas ids and self-conditioning inputs come from
 the sampler for all of them at once; every other kind is an ENCODE row that feeds tokens.
@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Protocol
 
 from engine.kv_pages import PageTables
-from engine.params import DecodeMode
 from engine.request import first_cut
 from engine.runner import EncodeInput
 from engine.types import FinishReason, RowEffect, RowKind, RowResult, ScheduledRow
@@ -64,7 +63,7 @@ class PrefillRow(_EncodeRow):
 
     def wants_token(self, row: ScheduledRow) -> bool:
         end = row.start + row.num_tokens
-        return row.req.params.mode is DecodeMode.AR and end == row.req.num_prompt
+        return row.req.params.mode.samples_tokens and end == row.req.num_prompt
 
 
 class CommitRow(_EncodeRow):
@@ -85,6 +84,34 @@ class ArRow(_EncodeRow):
         return True
 
 
+class VerifyRow(_EncodeRow):
+    """Hybrid: encoder over a draft that starts with the pending token (the last one
+    committed). Its logits at every position accept the longest agreeing prefix of the draft
+    plus one token of the verifier's (`engine.verify`); the KV of what was rejected is rolled
+    back (not kept: the next pass overwrites it)."""
+
+    def encode_input(self, row: ScheduledRow) -> EncodeInput:
+        assert row.req.draft_to_commit is not None
+        return EncodeInput(row.start, row.req.draft_to_commit, _pages(row), False, verify=True)
+
+    def wants_token(self, row: ScheduledRow) -> bool:
+        return True
+
+    def effect(self, row: ScheduledRow, result: RowResult) -> RowEffect:
+        assert result.tokens is not None
+        req = row.req
+        tokens, reason = first_cut(result.tokens, req.remaining, req.params.eos_token_ids)
+        logprobs = result.logprobs[: len(tokens)] if result.logprobs is not None else None
+        return RowEffect(
+            tokens,
+            logprobs,
+            reason,
+            constraint=result.constraint,
+            num_kept=1 + result.num_accepted,
+            accepted=result.num_accepted,
+        )
+
+
 class DenoiseRow:
     """Decoder over the canvas: one denoising step; a finished canvas is cut and streamed,
     then committed if the request goes on."""
@@ -103,6 +130,9 @@ class DenoiseRow:
             draft = result.draft if req.want_drafts else None
             return RowEffect(draft=draft, constraint=result.constraint)
         assert result.draft is not None
+        if req.is_hybrid:  # the draft goes to its verify pass, starting with the pending token
+            draft = [req.pinned_token, *result.draft[1:]]
+            return RowEffect(canvas_steps=result.num_steps, commit=draft)
         tokens, reason = first_cut(result.draft, req.remaining, req.params.eos_token_ids)
         logprobs = result.logprobs[: len(tokens)] if result.logprobs is not None else None
         return RowEffect(
@@ -120,4 +150,5 @@ ROW_KINDS: dict[RowKind, RowSpec] = {
     RowKind.DENOISE: DenoiseRow(),
     RowKind.COMMIT: CommitRow(),
     RowKind.AR: ArRow(),
+    RowKind.VERIFY: VerifyRow(),
 }

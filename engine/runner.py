@@ -2,11 +2,17 @@
 
 It owns the model and the paged KV pools. DENOISE rows go first in the packed batch (their
 canvas ids and self-conditioning inputs arrive as tensors from the sampler), then the ENCODE
-rows (prompt chunks, commit passes, AR tokens). It returns the logits the sampler needs: every
-canvas position of the DENOISE rows and the last position of rows that end a prompt in AR mode
-or carry an AR token. Fast numerics: one LM-head GEMM over all of them; exact numerics: the
-canvases in one GEMM and each last position on its own (a one-row GEMM's rounding depends on
-the rows it shares, which exact numerics never lets happen).
+rows (prompt chunks, commit passes, AR tokens, hybrid verify passes). It returns the logits the
+sampler needs: every canvas position of the DENOISE rows, the last position of rows that end a
+prompt in AR or hybrid mode or carry an AR token, and every position of a verify pass. Fast
+numerics: one LM-head GEMM over all of them; exact numerics: the canvases in one GEMM and each
+other position on its own (a one-row GEMM's rounding depends on the rows it shares, which
+exact numerics never lets happen).
+
+Exact numerics run a verify pass as one-token rows, one per position, in the same forward:
+every row writes its KV before any row attends, so position i reads position i-1's KV written
+in the same layer, and each position goes through exactly the one-row GEMMs, attention and
+head that an AR step at that position runs — its logits are AR's, bit for bit.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class EncodeInput:
     tokens: list[int]
     pages: PageTables
     wants_last_logits: bool  # the last position is sampled (AR)
+    verify: bool = False  # a hybrid verify pass: the logits of every position are wanted
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +56,7 @@ class RunOutput:
     denoise_logits: torch.Tensor | None  # [R * L, V] fp32, DENOISE rows in input order
     last_logits: torch.Tensor | None  # [R_last, V] fp32, ENCODE rows wanting them, in order
     forward_seconds: float
+    verify_logits: list[torch.Tensor] | None = None  # [n, V] per verify row, in order
 
 
 class ModelRunner:
@@ -69,12 +77,21 @@ class ModelRunner:
         start = time.perf_counter()
         hidden = self.model(ids, step.soft_embeds, batch, self.cache)  # [N, H]
         num_canvas = len(step.denoise_starts) * self.canvas_length
-        last = [o + len(e.tokens) - 1 for o, e in self._encode_offsets(step, num_canvas)]
-        last = [i for i, e in zip(last, step.encode, strict=True) if e.wants_last_logits]
-        denoise_logits, last_logits = self._logits(hidden, num_canvas, last)
+        offsets = self._encode_offsets(step, num_canvas)
+        last = [o + len(e.tokens) - 1 for o, e in offsets if e.wants_last_logits and not e.verify]
+        spans = [(o, len(e.tokens)) for o, e in offsets if e.verify]
+        last += [i for first, n in spans for i in range(first, first + n)]
+        denoise_logits, sampled = self._logits(hidden, num_canvas, last)
+        last_logits, verify_logits = sampled, None
+        if spans:
+            assert sampled is not None
+            num_last = len(last) - sum(n for _, n in spans)
+            last_logits = sampled[:num_last] if num_last else None
+            verify_logits = list(sampled[num_last:].split([n for _, n in spans]))
         if self.device.type == "cuda":  # the forward's time, not its launch time
             torch.cuda.synchronize(self.device)
-        return RunOutput(denoise_logits, last_logits, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        return RunOutput(denoise_logits, last_logits, elapsed, verify_logits)
 
     def _logits(
         self, hidden: torch.Tensor, num_canvas: int, last: list[int]
@@ -103,7 +120,13 @@ class ModelRunner:
             Row(Mode.DECODE, start, self.canvas_length, _tables(pages))
             for start, pages in zip(step.denoise_starts, step.denoise_pages, strict=True)
         ]
-        rows += [Row(Mode.ENCODE, e.start, len(e.tokens), _tables(e.pages)) for e in step.encode]
+        split = self.model.kernels.exact  # verify passes as one-token rows (module docstring)
+        for e in step.encode:
+            tables = _tables(e.pages)
+            if split and e.verify:
+                rows += [Row(Mode.ENCODE, e.start + i, 1, tables) for i in range(len(e.tokens))]
+            else:
+                rows.append(Row(Mode.ENCODE, e.start, len(e.tokens), tables))
         return ForwardBatch(rows, self.model.cfg.sliding_window, self.cache.page_size)
 
 

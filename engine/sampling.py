@@ -14,13 +14,12 @@ from typing import Protocol
 
 import torch
 
-from engine.batched_sampler import BatchedSampler, RowStates, to_host
-from engine.filters import filter_logits, top_p_floor
+from engine.batched_sampler import BatchedSampler, CounterDraws, RowStates, to_host
 from engine.model import DiffusionLM
 from engine.model.base import SoftEmbeds
-from engine.params import ResolvedParams
 from engine.request import RequestState
 from engine.sampler import CanvasState, denoise_update, start_canvas
+from engine.verify import Draws, filter_one
 
 
 @dataclass(slots=True)
@@ -60,7 +59,8 @@ class Sampling(Protocol):
         """Set up the slots of newly running requests from their parameters (idempotent)."""
 
     def canvas_inputs(self, reqs: list[RequestState], starting: list[bool]) -> CanvasBatch:
-        """The inputs of DENOISE rows; rows flagged in `starting` begin a new canvas."""
+        """The inputs of DENOISE rows; rows flagged in `starting` begin a new canvas. A hybrid
+        request's canvas holds its pending token in slot 0 (`RequestState.pinned_token`)."""
 
     def sample(
         self,
@@ -76,6 +76,12 @@ class Sampling(Protocol):
     def install(self, sampled: Sampled, keep: list[bool], keep_ar: list[bool]) -> None:
         """Store the new state of the DENOISE (`keep`) and AR (`keep_ar`) rows whose step
         succeeded."""
+
+    def verify_draws(self, reqs: list[RequestState]) -> list[Draws]:
+        """The random numbers of hybrid verify passes (drawing from them writes nothing)."""
+
+    def install_draws(self, reqs: list[RequestState], draws: list[Draws], keep: list[bool]) -> None:
+        """Store what the verify passes that succeeded (`keep`) drew."""
 
 
 def _slot(req: RequestState) -> int:
@@ -104,8 +110,17 @@ class BatchedSampling:
 
     def canvas_inputs(self, reqs: list[RequestState], starting: list[bool]) -> CanvasBatch:
         flags = torch.tensor(starting, dtype=torch.bool).to(self.device)
-        ids, soft, rows = self.sampler.canvas_inputs(self._slots(reqs), flags)
+        pinned = None
+        if any(r.is_hybrid for r in reqs):
+            pinned = torch.tensor([r.pinned_token for r in reqs], dtype=torch.long).to(self.device)
+        ids, soft, rows = self.sampler.canvas_inputs(self._slots(reqs), flags, pinned)
         return CanvasBatch(ids, soft, rows)
+
+    def verify_draws(self, reqs: list[RequestState]) -> list[Draws]:
+        return [CounterDraws(req.seed, self.device) for req in reqs]
+
+    def install_draws(self, reqs: list[RequestState], draws: list[Draws], keep: list[bool]) -> None:
+        pass  # counter-based: nothing to store
 
     def sample(
         self,
@@ -219,6 +234,10 @@ class ReferenceSampling:
                     state.generator,
                     self.device,
                 )
+        for req, state in zip(reqs, forks, strict=True):
+            if req.pinned_token >= 0 and state.canvas is not None:  # a new tensor: the fork's
+                state.canvas.canvas = state.canvas.canvas.clone()
+                state.canvas.canvas[0] = req.pinned_token
         canvases = [s.canvas for s in forks]
         assert all(c is not None for c in canvases), "a canvas continues that never started"
         ids = torch.cat([c.canvas for c in canvases if c is not None])
@@ -264,7 +283,7 @@ class ReferenceSampling:
         rows = logits if len(good) == num_rows else logits[good]
         if any(denoise[j].params.filtered for j in good):
             rows = torch.stack(
-                [_filter_one(denoise[j].params, r) for j, r in zip(good, rows, strict=True)]
+                [filter_one(denoise[j].params, r) for j, r in zip(good, rows, strict=True)]
             )
         scaled, probs = denoise_update(rows, states, [denoise[j].params for j in good])  # type: ignore[arg-type]
         soft = self.model.soft_embed(scaled, probs)
@@ -290,9 +309,18 @@ class ReferenceSampling:
                 if ok:
                     self.states[_slot(req)] = state
 
+    def verify_draws(self, reqs: list[RequestState]) -> list[Draws]:
+        return [GeneratorDraws(self._fork(req)) for req in reqs]
+
+    def install_draws(self, reqs: list[RequestState], draws: list[Draws], keep: list[bool]) -> None:
+        for req, drawn, ok in zip(reqs, draws, keep, strict=True):
+            if ok:
+                assert isinstance(drawn, GeneratorDraws)
+                self.states[_slot(req)] = drawn.state
+
     @staticmethod
     def _ar_token(req: RequestState, logits: torch.Tensor, generator: torch.Generator) -> int:
-        logits = _filter_one(req.params, logits[None])[0]
+        logits = filter_one(req.params, logits[None])[0]
         temperature = req.params.temperature
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
@@ -300,14 +328,19 @@ class ReferenceSampling:
         return int(logits.argmax())
 
 
-def _filter_one(params: ResolvedParams, logits: torch.Tensor) -> torch.Tensor:
-    """One request's logits [N, V] through its top_k / top_p (`engine.filters`; a copy)."""
-    if not params.filtered:
-        return logits
-    num = logits.shape[0]
-    top_k = torch.full((num,), params.top_k, dtype=torch.long, device=logits.device)
-    floor = torch.full((num,), top_p_floor(params.top_p), dtype=torch.float32, device=logits.device)
-    return filter_logits(logits, top_k, floor, params.top_k, params.top_p < 1)
+class GeneratorDraws:
+    """A hybrid verify pass's random numbers in exact numerics (`engine.verify.Draws`): a fork
+    of the request's generator, drawn in order (the index is not needed)."""
+
+    def __init__(self, state: _ReferenceState) -> None:
+        self.state = state
+
+    def coins(self, first_index: int, num: int) -> list[float]:
+        generator = self.state.generator
+        return torch.rand(num, generator=generator, device=generator.device).tolist()
+
+    def categorical(self, weights: torch.Tensor, index: int) -> int:
+        return int(torch.multinomial(weights, 1, generator=self.state.generator))
 
 
 def _finite_rows(logits: torch.Tensor) -> torch.Tensor:

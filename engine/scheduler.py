@@ -5,7 +5,12 @@ row — a commit pass, a denoising step, an AR token or a prefill chunk — then
 sequences while pages, sampler slots and the row/token budgets allow. A sequence whose canvas
 converged goes on to its commit pass at the next step; nothing waits for slower rows.
 
-States: WAITING → PREFILL → (DENOISE → COMMIT → DENOISE …) | AR → FINISHED.
+States: WAITING → PREFILL → (DENOISE → COMMIT → DENOISE …) | AR | (DENOISE → VERIFY → DENOISE …)
+→ FINISHED. Hybrid requests draft a canvas (DENOISE, a few steps) and verify it (VERIFY: the
+encoder over the draft; the effect says how many of its positions keep their KV — rolling the
+rest back is not advancing `num_computed` past them, and the next pass overwrites them: a
+request's pages are reserved for its whole context at admission, so nothing is freed or taken
+mid-request).
 
 A request's life has four writers, all here: `add` (queued), admission in `schedule` (its KV
 pages and sampler slot, acquired together), `update` (the step's effects, the only place
@@ -40,12 +45,41 @@ logger = logging.getLogger(__name__)
 __all__ = ["InvariantError", "RowKind", "ScheduledRow", "Scheduler", "SchedulerConfig", "StepPlan"]
 
 
+ACCEPT_DECAY = 0.5  # the weight of a hybrid request's earlier verify passes in its average
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPolicy:
+    """Whether a hybrid request drafts its next canvas or takes one AR step (its pending token
+    is exactly an AR row's input, so switching costs nothing). A draft cycle runs
+    `max_denoising_steps` decoder passes and one verify pass over a canvas, each costing
+    `canvas_cost` AR passes, and commits accepted + 1 tokens; AR commits one token per pass.
+    So a request drafts while its recent acceptance (an exponential average over its verify
+    passes, `RequestState.accept_average`) says drafting commits more per unit of cost; once
+    it says not, the request decodes AR and drafts again after `probe_every` tokens, to see
+    whether the text got easier to draft. A request that has not verified yet drafts."""
+
+    canvas_cost: float = 1.0  # a canvas pass's cost in AR passes (memory-bound GPU: ~1)
+    probe_every: int = 16
+
+    def __post_init__(self) -> None:
+        if self.canvas_cost <= 0 or self.probe_every < 1:
+            raise ValueError("canvas_cost must be > 0 and probe_every >= 1")
+
+    def drafts(self, seq: RequestState) -> bool:
+        if seq.accept_average is None or seq.tokens_since_draft >= self.probe_every:
+            return True
+        cycle_cost = (seq.params.max_denoising_steps + 1) * self.canvas_cost
+        return seq.accept_average + 1 >= cycle_cost
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64  # sequences admitted (running) at once
     max_num_batched_tokens: int = 8192  # tokens per forward pass
     max_prefill_chunk: int = 2048  # prompt tokens per prefill row
     max_queue: int = 1024  # waiting sequences (beyond free running slots) before add() refuses
+    draft_policy: DraftPolicy = DraftPolicy()
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_queue"):
@@ -181,12 +215,16 @@ class Scheduler:
                 return None
             return ScheduledRow(seq, RowKind.PREFILL, start, num, admitted=admitted)
         if seq.state is SeqState.DENOISE:
+            if seq.is_hybrid and not seq.in_canvas and not self.config.draft_policy.drafts(seq):
+                return ScheduledRow(seq, RowKind.AR, start, 1)
             length = seq.canvas_length
             return ScheduledRow(
                 seq, RowKind.DENOISE, start, length, starts_canvas=not seq.in_canvas
             )
         if seq.state is SeqState.COMMIT:
             return ScheduledRow(seq, RowKind.COMMIT, start, seq.canvas_length)
+        if seq.state is SeqState.VERIFY:
+            return ScheduledRow(seq, RowKind.VERIFY, start, seq.canvas_length)
         if seq.state is SeqState.AR:
             return ScheduledRow(seq, RowKind.AR, start, 1)
         return None
@@ -232,14 +270,27 @@ class Scheduler:
                 seq.in_canvas = False
                 if effect.commit is not None:
                     seq.draft_to_commit = effect.commit
-                    seq.state = SeqState.COMMIT
+                    seq.state = SeqState.VERIFY if seq.is_hybrid else SeqState.COMMIT
         else:
             seq.encoder_passes += 1
-            seq.num_computed = row.start + row.num_tokens
+            kept = row.num_tokens if effect.num_kept is None else effect.num_kept
+            seq.num_computed = row.start + kept
             if row.kind is RowKind.PREFILL and seq.num_computed == seq.num_prompt:
                 seq.state = SeqState.AR if seq.is_ar else SeqState.DENOISE
-            elif row.kind is RowKind.COMMIT:
+            elif row.kind in (RowKind.COMMIT, RowKind.VERIFY):
                 seq.state, seq.draft_to_commit = SeqState.DENOISE, None
+            if effect.accepted is not None:
+                seq.verify_passes += 1
+                seq.accepted_tokens += effect.accepted
+                seq.tokens_since_draft = 0
+                average = seq.accept_average
+                seq.accept_average = (
+                    effect.accepted
+                    if average is None
+                    else (ACCEPT_DECAY * average + (1 - ACCEPT_DECAY) * effect.accepted)
+                )
+            elif row.kind is RowKind.AR and seq.is_hybrid:
+                seq.tokens_since_draft += 1
         if effect.tokens and seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_ids += effect.tokens
@@ -300,6 +351,8 @@ def request_stats(seq: RequestState, now: float) -> RequestStats:
         first_scheduled_time=seq.first_scheduled_time,
         first_token_time=seq.first_token_time,
         finish_time=now,
+        verify_passes=seq.verify_passes,
+        accepted_tokens=seq.accepted_tokens,
     )
 
 

@@ -63,10 +63,14 @@ class RequestStats:
     first_scheduled_time: float | None
     first_token_time: float | None
     finish_time: float
+    verify_passes: int = 0  # hybrid: encoder passes over a draft (counted in encoder_passes)
+    accepted_tokens: int = 0  # hybrid: draft tokens the verifier accepted
 
     @property
     def tokens_per_forward(self) -> float:
-        return tokens_per_forward(self.num_output_tokens, self.decoder_passes, self.encoder_passes)
+        return tokens_per_forward(
+            self.num_output_tokens, self.decoder_passes, self.encoder_passes, self.verify_passes
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,7 @@ class RowKind(str, Enum):
     DENOISE = "denoise"  # decoder over the canvas
     COMMIT = "commit"  # encoder over the finished canvas
     AR = "ar"  # encoder over the last sampled token
+    VERIFY = "verify"  # hybrid: encoder over a draft, its logits accept a prefix of it
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +147,8 @@ class RowResult:
     to its request). `constraint`: the request's grammar state after this row, when it moved."""
 
     token: int | None = None  # ENCODE rows that sample the next token (AR)
+    tokens: list[int] | None = None  # VERIFY: accepted draft tokens, then the verifier's
+    num_accepted: int = 0  # VERIFY: draft tokens accepted (the prefix of `tokens`)
     finished: bool = False  # DENOISE: the canvas converged or hit the step cap
     num_steps: int = 0  # DENOISE: steps taken by the canvas so far
     draft: list[int] | None = None  # DENOISE: the argmax canvas (finished or asked for)
@@ -164,6 +171,10 @@ class RowEffect:
     canvas_steps: int | None = None
     commit: list[int] | None = None
     constraint: object | None = None
+    # VERIFY: positions of the row whose KV stays (the pending token and the accepted draft
+    # tokens; the rest is rolled back), and how many draft tokens were accepted.
+    num_kept: int | None = None
+    accepted: int | None = None
 
 
 @dataclass(slots=True)
@@ -178,6 +189,9 @@ class StepStats:
     grammar_seconds: float = 0.0  # of which: grammars and log-probabilities (engine.postprocess)
     step_seconds: float = 0.0
     canvas_latencies: list[float] = field(default_factory=list)  # committed canvases
+    # Hybrid: per verify pass, the draft tokens accepted, and the draft tokens offered.
+    accepted_lengths: list[int] = field(default_factory=list)
+    num_drafted: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,9 +203,12 @@ class StepResult:
     stats: StepStats
 
 
-def tokens_per_forward(num_tokens: int, decoder_passes: int, encoder_passes: int) -> float:
-    """TPF: generated tokens per decoder pass (AR mode: per encoder pass)."""
-    passes = decoder_passes or encoder_passes
+def tokens_per_forward(
+    num_tokens: int, decoder_passes: int, encoder_passes: int, verify_passes: int = 0
+) -> float:
+    """TPF: generated tokens per decoder pass (AR mode: per encoder pass; hybrid, which has
+    verify passes: per model forward, decoder and encoder passes both counted)."""
+    passes = decoder_passes + encoder_passes if verify_passes else decoder_passes or encoder_passes
     return num_tokens / passes if passes else 0.0
 
 

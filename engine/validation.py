@@ -38,9 +38,13 @@ class ContextLengthError(ParamError):
 
 
 def context_needed(num_prompt: int, params: ResolvedParams, canvas_length: int) -> int:
-    """Positions a request occupies: diffusion canvases are whole even when cut."""
+    """Positions a request occupies: diffusion canvases are whole even when cut; a hybrid
+    draft starts at its pending token (the last one committed, not yet encoded), so its last
+    verify pass writes up to canvas_length - 1 positions past the budget."""
     if params.mode is DecodeMode.AR:
         return num_prompt + params.max_tokens
+    if params.mode is DecodeMode.HYBRID:
+        return num_prompt + params.max_tokens - 1 + canvas_length
     return num_prompt + math.ceil(params.max_tokens / canvas_length) * canvas_length
 
 

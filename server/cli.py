@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine.params import MODE_NAMES
+
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -63,15 +65,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     gen.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-tokens", type=int, default=None)
-    gen.add_argument(
-        "--mode", choices=["diffusion", "ar"], default=None, help="default: the checkpoint's"
-    )
+    gen.add_argument("--mode", choices=MODE_NAMES, default=None, help="default: the checkpoint's")
     gen.add_argument(
         "--temperature",
         type=float,
         default=None,
-        help="diffusion: scales the t_min..t_max schedule (1 = the checkpoint's); AR: sampling "
-        "temperature (0 = greedy)",
+        help="diffusion: scales the t_min..t_max schedule (1 = the checkpoint's); AR and hybrid: "
+        "sampling temperature (0 = greedy)",
     )
     gen.add_argument("--max-denoising-steps", type=int, default=None)
     add_device_arguments(gen)

@@ -17,6 +17,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 STEP_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 TPF_BUCKETS = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 255)
 TOKEN_BUCKETS = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -90,6 +91,15 @@ class Metrics:
         self.positions = counter(
             "canvas:positions_evaluated", "Token positions run through the model"
         )
+        # Hybrid mode: acceptance rate = hybrid_accepted_tokens_sum / hybrid_drafted_tokens.
+        self.accepted = hist(
+            "canvas:hybrid_accepted_tokens",
+            "Draft tokens the verifier accepted, per hybrid verify pass",
+            ACCEPTED_BUCKETS,
+        )
+        self.drafted = counter(
+            "canvas:hybrid_drafted_tokens", "Draft tokens offered to hybrid verify passes"
+        )
 
     def success(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -103,6 +113,9 @@ class Metrics:
         self.positions.inc(step.num_tokens)
         for latency in step.canvas_latencies:
             self.canvas_latency.observe(latency)
+        for accepted in step.accepted_lengths:
+            self.accepted.observe(accepted)
+        self.drafted.inc(step.num_drafted)
 
     def on_finish(self, stats: RequestStats, reason: str, num_tokens: int) -> None:
         self.success(reason)

@@ -122,7 +122,7 @@ class CommonParams(BaseModel):
     t_max: Float | None = None
     stability_threshold: Int | None = None
     confidence_threshold: Float | None = None
-    mode: Literal["diffusion", "ar"] | None = None  # None: the checkpoint's default mode
+    mode: Literal["diffusion", "ar", "hybrid"] | None = None  # None: the checkpoint's default
     stream_drafts: Bool = False
     response_format: ResponseFormat | None = None
     # Unsupported OpenAI parameters are accepted by the schema and rejected by name in

@@ -177,7 +177,7 @@ def _modes(text: str) -> tuple[Any, ...]:
     unknown = [m for m in names if m not in {d.value for d in DecodeMode}]
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown mode(s) {unknown}; expected diffusion, ar (comma-separated)"
+            f"unknown mode(s) {unknown}; expected diffusion, ar, hybrid (comma-separated)"
         )
     return tuple(DecodeMode(m) for m in names)
 
@@ -195,7 +195,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "--modes",
         type=_modes,
         default=d["modes"],
-        help="comma-separated: diffusion, ar (default: both)",
+        help="comma-separated: diffusion, ar, hybrid (default: diffusion, ar, hybrid)",
     )
     ev.add_argument("--max-tokens", type=int, default=d["max_tokens"])
     ev.add_argument("--limit", type=int, default=d["limit"], help="only the first N prompts")

@@ -3,7 +3,9 @@
 For each mode, every prompt of `data/eval_prompts.jsonl` (a short factual question, chat-
 templated when the checkpoint has a template) is generated in one batch; prompt i uses seed
 `seed + i`. Reported per mode:
-- tokens per forward: output tokens / passes (decoder passes; encoder passes in AR mode);
+- tokens per forward: output tokens / passes (decoder passes; encoder passes in AR mode;
+  hybrid: decoder and encoder passes, verify passes included), and in hybrid mode the mean
+  number of draft tokens accepted per verify pass;
 - tokens/s: output tokens / wall-clock seconds of the batch;
 - accuracy: fraction of outputs that contain the answer (or one of its aliases),
   case-insensitive;
@@ -61,7 +63,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         if not self.modes:
-            raise ValueError("--modes: name at least one of diffusion, ar")
+            raise ValueError("--modes: name at least one of diffusion, ar, hybrid")
         if self.max_tokens < 1:
             raise ValueError("--max-tokens must be >= 1")
         if self.limit is not None and self.limit < 1:
@@ -128,7 +130,9 @@ def output_logliks(model: DiffusionLM, outputs: list[RequestOutput]) -> list[flo
 
 def evaluate_mode(
     llm: LLM, source: DiffusionLM, prompts: list[EvalPrompt], mode: DecodeMode, cfg: EvalConfig
-) -> ModeResult:
+) -> tuple[ModeResult, float]:
+    """The mode's result and, for hybrid, the mean number of draft tokens accepted per verify
+    pass (0 for the other modes; reported as `mean_accepted` in hybrid results only)."""
     assert llm.tokenizer is not None
     ids = [question_ids(llm.tokenizer, p.question) for p in prompts]
     params = [
@@ -139,6 +143,7 @@ def evaluate_mode(
     seconds = max(o.seconds for o in outputs)  # each output's clock starts with the batch
     num_tokens = sum(len(o.output_ids) for o in outputs)
     steps = [s for o in outputs for s in o.steps_per_canvas]
+    verify = sum(o.verify_passes for o in outputs)
     correct = sum(p.is_answered_by(o.text) for p, o in zip(prompts, outputs, strict=True))
     logliks = output_logliks(source, outputs)
     mean_loglik = sum(logliks) / len(logliks) if logliks else math.nan
@@ -150,13 +155,13 @@ def evaluate_mode(
         num_output_tokens=num_tokens,
         decoder_passes=(decoder := sum(o.decoder_passes for o in outputs)),
         encoder_passes=(encoder := sum(o.encoder_passes for o in outputs)),
-        tokens_per_forward=tokens_per_forward(num_tokens, decoder, encoder),
+        tokens_per_forward=tokens_per_forward(num_tokens, decoder, encoder, verify),
         tokens_per_second=num_tokens / seconds if seconds > 0 else 0.0,
         seconds=seconds,
         mean_steps_per_canvas=sum(steps) / len(steps) if steps else 0.0,
         mean_loglik=mean_loglik,
         generative_perplexity=math.exp(min(-mean_loglik, 700.0)),  # no OverflowError
-    )
+    ), (sum(o.accepted_tokens for o in outputs) / verify if verify else 0.0)
 
 
 def evaluate(cfg: EvalConfig) -> dict[str, Any]:
@@ -180,7 +185,12 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
                 f"model's {llm.model.cfg.vocab_size}; the source must share the tokenizer"
             )
     prompts = load_eval_prompts(limit=cfg.limit)
-    results = {m.value: asdict(evaluate_mode(llm, source, prompts, m, cfg)) for m in cfg.modes}
+    results = {}
+    for mode in cfg.modes:
+        result, accepted = evaluate_mode(llm, source, prompts, mode, cfg)
+        results[mode.value] = asdict(result)
+        if mode is DecodeMode.HYBRID:
+            results[mode.value]["mean_accepted"] = accepted
     return {
         "model": str(cfg.model_dir),
         "source": str(cfg.source_dir or cfg.model_dir),
@@ -192,16 +202,19 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
 
 
 def choose_default_mode(report: dict[str, Any]) -> str:
-    """The default decoding mode a report argues for: diffusion when it is at least as accurate
-    as AR and produces more tokens per second (on the machine the report was measured on),
-    else AR. Needs both modes in the report."""
+    """The default decoding mode a report argues for: of the modes at least as accurate as AR,
+    the one with the most tokens per second (on the machine the report was measured on); AR
+    when none is faster. Needs AR and at least one other mode in the report."""
     modes = report["modes"]
-    if not {"ar", "diffusion"} <= set(modes):
-        raise ValueError("--set-default-mode needs --modes diffusion,ar")
-    ar, diffusion = modes["ar"], modes["diffusion"]
-    as_good = diffusion["accuracy"] >= ar["accuracy"]
-    faster = diffusion["tokens_per_second"] > ar["tokens_per_second"]
-    return "diffusion" if as_good and faster else "ar"
+    if "ar" not in modes or len(modes) < 2:
+        raise ValueError("--set-default-mode needs --modes diffusion,ar (or ar,hybrid, or all)")
+    ar = modes["ar"]
+    best = "ar"
+    for name, result in modes.items():
+        as_good = result["accuracy"] >= ar["accuracy"]
+        if as_good and result["tokens_per_second"] > modes[best]["tokens_per_second"]:
+            best = name
+    return best
 
 
 def set_default_mode(model_dir: Path, mode: str) -> None:
@@ -226,8 +239,13 @@ COLUMNS = (
 
 def format_table(report: dict[str, Any]) -> str:
     """The report (as `evaluate` returns it) as a plain-text table, one row per mode."""
-    rows = [[fmt.format(r[key]) for _, key, fmt in COLUMNS] for r in report["modes"].values()]
+    results = list(report["modes"].values())
+    rows = [[fmt.format(r[key]) for _, key, fmt in COLUMNS] for r in results]
     header = [name for name, _, _ in COLUMNS]
+    if any("mean_accepted" in r for r in results):  # hybrid: draft tokens accepted per verify
+        header.append("accepted/verify")
+        for row, r in zip(rows, results, strict=True):
+            row.append(f"{r['mean_accepted']:.2f}" if "mean_accepted" in r else "-")
     widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
     lines = [
         "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in [header, *rows]
