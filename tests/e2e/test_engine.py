@@ -31,7 +31,11 @@ def test_concurrent_requests_give_exactly_their_one_at_a_time_outputs(tiny_check
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 40, (16,), generator=gen).tolist()
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lengths]
-    params = [SamplingParams(max_tokens=10 + 7 * i, seed=100 + i) for i in range(16)]
+    # Budgets of 1 to 5 canvases, so requests leave the batch at different steps; a few
+    # denoising steps per canvas (batch invariance does not depend on how many).
+    params = [
+        SamplingParams(max_tokens=6 + 4 * i, seed=100 + i, max_denoising_steps=4) for i in range(16)
+    ]
     together, widest = run_together(llm, prompts, params)
     assert widest == 16  # they really shared forward passes
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -43,9 +47,9 @@ def test_diffusion_and_ar_requests_share_steps(tiny_checkpoint):
     llm = LLM.from_pretrained(tiny_checkpoint("c32-window"), exact=True)
     prompts = [[5, 6, 7], [8, 9], list(range(10, 50))]
     params = [
-        SamplingParams(max_tokens=40, seed=1),
+        SamplingParams(max_tokens=40, seed=1, max_denoising_steps=6),
         SamplingParams(max_tokens=12, mode=DecodeMode.AR),
-        SamplingParams(max_tokens=33, seed=2),
+        SamplingParams(max_tokens=33, seed=2, max_denoising_steps=6),
     ]
     together = llm.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, together, strict=True):
@@ -57,7 +61,7 @@ def test_finished_and_aborted_requests_return_their_pages(tiny_checkpoint):
     llm = LLM.from_pretrained(tiny_checkpoint("c16"), config=config)
     engine = llm.engine
     free = (engine.pages.full.num_free, engine.pages.sliding.num_free)
-    llm.generate([[5, 6], [7, 8, 9]], SamplingParams(max_tokens=40, seed=0))
+    llm.generate([[5, 6], [7, 8, 9]], SamplingParams(max_tokens=40, seed=0, max_denoising_steps=4))
     assert (engine.pages.full.num_free, engine.pages.sliding.num_free) == free
     params = llm.defaults.resolve(SamplingParams(max_tokens=200, seed=0))
     engine.add_request("x", [5, 6, 7], params)
@@ -95,7 +99,7 @@ def test_a_fault_in_one_requests_row_fails_only_that_request(tiny_checkpoint, ex
         return execute(step)
 
     engine.runner.execute = faulty  # type: ignore[method-assign]
-    params = llm.defaults.resolve(SamplingParams(max_tokens=20, seed=3))
+    params = llm.defaults.resolve(SamplingParams(max_tokens=20, seed=3, max_denoising_steps=4))
     results = _generate_all(engine, [[5, 6, 7], [8, poison, 9], [10, 11]], params)
     assert results["r1"] == ([], "internal engine error (RuntimeError)")
     for name in ("r0", "r2"):
@@ -119,7 +123,7 @@ def test_non_finite_logits_fail_only_their_request(tiny_checkpoint):
         return out
 
     engine.runner.execute = nan_for_the_first_canvas  # type: ignore[method-assign]
-    params = llm.defaults.resolve(SamplingParams(max_tokens=20, seed=3))
+    params = llm.defaults.resolve(SamplingParams(max_tokens=20, seed=3, max_denoising_steps=4))
     results = _generate_all(engine, [[5] * 60, [6, 7], [8, 9, 10]], params)
     assert results["r0"] == ([], "the model produced non-finite logits")
     assert all(results[n][1] is None and len(results[n][0]) == 20 for n in ("r1", "r2"))

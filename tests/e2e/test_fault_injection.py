@@ -39,8 +39,8 @@ class Injected(RuntimeError):
     """The fault the tests inject."""
 
 
-def _params(i: int, extra: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(max_tokens=20, seed=i, max_denoising_steps=3, **extra)
+def _params(i: int, extra: dict[str, Any], max_tokens: int = 20) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, seed=i, max_denoising_steps=3, **extra)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["fast", "exact"])
@@ -52,13 +52,16 @@ def _prompt(i: int) -> list[int]:
     return [5 + (i * 7 + k) % 200 for k in range(3 + 2 * i)]
 
 
-def _run(llm: LLM, start: int, count: int) -> dict[str, tuple[list[int], FinishReason, str | None]]:
-    """Requests start..start+count of the mix, all at once; {id: (tokens, reason, error)}."""
+def _run(
+    llm: LLM, start: int, count: int, max_tokens: int = 20
+) -> dict[str, tuple[list[int], FinishReason, str | None]]:
+    """Requests start..start+count of the mix, all at once, each with a budget of max_tokens;
+    {id: (tokens, reason, error)}."""
     eng, results = llm.engine, {}
     tokens: dict[str, list[int]] = {}
     for i in range(start, start + count):
         name, extra, drafts = MIX[i % len(MIX)]
-        params = llm.validator.validate(_prompt(i % 40), _params(i, extra))
+        params = llm.validator.validate(_prompt(i % 40), _params(i, extra, max_tokens))
         eng.add_request(f"{name}-{i}", _prompt(i % 40), params, want_drafts=drafts)
         tokens[f"{name}-{i}"] = []
     while eng.has_work():
@@ -198,7 +201,7 @@ def test_a_fault_in_one_row_fails_only_its_request_and_leaks_nothing(
     assert all(error is None for _, error in results.values()), results
     assert len(results) == len(MIX) - 1
     _assert_nothing_held(llm)
-    after = _run(llm, 100, 100)
+    after = _run(llm, 100, 100, max_tokens=8)  # one canvas each: the engine serves them all
     assert all(error is None and tokens for tokens, _, error in after.values())
     _assert_nothing_held(llm)
 
