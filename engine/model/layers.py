@@ -42,16 +42,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def apply_rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rope` in four half-width passes (fast numerics: the last bit may differ). cos and
-    sin repeat their first half (`DiffusionLM._rope` builds them from cat(freqs, freqs)), so
-    out = (x1 c - x2 s, x2 c + x1 s) with c, s the first halves."""
+    """`apply_rope`'s values bit for bit (both numerics), in half-width passes written into one
+    output, without the rotated copy. cos and sin repeat their first half (`DiffusionLM._rope`
+    builds them from cat(freqs, freqs)), so out = (x1 c - x2 s, x2 c + x1 s) with c, s the
+    first halves. Each
+    product is rounded on its own, as in `apply_rope`: no fused multiply-add (`addcmul` fuses
+    in its vectorised loop but not in its scalar tail, so a value would depend on where the
+    batch's size puts it)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, :, None, :half], sin[:, :, None, :half]
     out = torch.empty_like(x)
-    first, second = out[..., :half], out[..., half:]
-    torch.mul(x1, c, out=first).addcmul_(x2, s, value=-1.0)
-    torch.mul(x2, c, out=second).addcmul_(x1, s)
+    torch.mul(x1, c, out=out[..., :half]).sub_(x2 * s)
+    torch.mul(x2, c, out=out[..., half:]).add_(x1 * s)
     return out
 
 
@@ -112,9 +115,8 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             v = self.v_norm(v)
             k = self.k_norm(k)
-        rope_fn = apply_rope if ks.exact else apply_rope_fused
-        q = rope_fn(q, cos, sin)[0]  # [N, Hq, D]
-        k = rope_fn(k, cos, sin)[0]  # [N, Hkv, D]
+        q = apply_rope_fused(q, cos, sin)[0]  # [N, Hq, D]
+        k = apply_rope_fused(k, cos, sin)[0]  # [N, Hkv, D]
         window = batch.sliding_window if self.spec.is_sliding else 0
         out = cache.attend(ks, layer, q, k, v[0], batch, window, self.scale)  # [N, Hq, D]
         return self._project("o_proj", out.reshape(1, x.shape[1], -1), batch)
