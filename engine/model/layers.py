@@ -52,6 +52,8 @@ def apply_rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, :, None, :half], sin[:, :, None, :half]
+    if torch.is_grad_enabled():  # training: autograd takes no out= and no in-place here
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
     out = torch.empty_like(x)
     torch.mul(x1, c, out=out[..., :half]).sub_(x2 * s)
     torch.mul(x2, c, out=out[..., half:]).add_(x1 * s)
