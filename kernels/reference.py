@@ -212,6 +212,7 @@ class PagedRows:
     uniform: bool = False
     min_start: int = 0  # the smallest `start`, on the host
     all_decode: bool = False  # every row is a DECODE row (bidirectional), on the host
+    no_decode: bool = False  # every row is an ENCODE row (writes its KV first), on the host
     # What the twins derive from these rows once per forward and reuse in every layer of the
     # pool (index tensors and masks, keyed by window); never read by the Triton kernels.
     memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
@@ -247,6 +248,7 @@ class PagedRows:
             uniform=min(num_tokens) == max(num_tokens),
             min_start=min(starts),
             all_decode=all(decode),
+            no_decode=not any(decode),
         )
 
 
@@ -286,48 +288,66 @@ def canvas_attention(
     """Attention of every row's new tokens over its cached prefix and its own new tokens.
 
     q: [N, Hq, D]; k, v: [N, Hkv, D] (the packed new tokens of all rows, Hq a multiple of Hkv);
-    pools: [num_pages, Hkv, page_size, D], read-only here. A row reads its prefix range
+    pools: [num_pages, Hkv, page_size, D], read-only here, holding the ENCODE rows'
+    new keys already (`write_kv`). A row reads its prefix range
     (`prefix_range(start, window)`), then its new keys: all of them for a DECODE row; for an
     ENCODE row a key at position p is visible to a query at position q iff p <= q and (sliding
     layers) p > q - window. Returns [N, Hq, D].
 
     All rows in one attention call: rows are padded to the longest prefix range and the longest
-    row, every row's keys gathered from its pages by index tensors, and a boolean mask hides the
-    padding (tensor ops only, no loop over rows). The index tensors and the mask depend only on
-    the rows and the window, so they are built once per forward (`rows.memo`) and reused by
-    every layer; rows of equal length are viewed, not gathered.
+    row, every row's keys gathered from its pages by one row copy per key and head, and a
+    boolean mask hides the padding (tensor ops only, no loop over rows). The index tensors and
+    the mask depend only on the rows and the window, so they are built once per forward
+    (`rows.memo`) and reused by every layer; rows of equal length are viewed, not gathered.
+    When every row is an ENCODE row, its new keys are read from the pool as well (the engine
+    calls `write_kv` first, so they are there): one gather, nothing concatenated.
     """
     size = k_pool.shape[2]
-    key = ("canvas_attention", window, size)
+    key = ("canvas_attention", window, size, k_pool.shape[1])
     plan = rows.memo.get(key)
     if plan is None:
-        plan = rows.memo[key] = _AttentionPlan.build(rows, window, size, q.shape[0])
+        plan = rows.memo[key] = _AttentionPlan.build(
+            rows, window, k_pool.shape[1], size, q.shape[0]
+        )
     assert isinstance(plan, _AttentionPlan)
-    keys, values = plan.pack(k), plan.pack(v)  # [R, T, Hkv, D]
-    if plan.page is not None:
-        prefix_k = k_pool[plan.page, :, plan.slot]  # [R, S, Hkv, D]
-        prefix_v = v_pool[plan.page, :, plan.slot]
+    if plan.gather is None:  # no prefix: the new keys alone
+        keys, values = plan.pack(k).transpose(1, 2), plan.pack(v).transpose(1, 2)
+    else:
+        keys, values = plan.read(k_pool), plan.read(v_pool)  # [R, Hkv, S(+T), D]
         if plan.hide is not None:  # padding reads page 0: zero it (pages may hold NaN)
-            prefix_k.masked_fill_(plan.hide, 0.0)
-            prefix_v.masked_fill_(plan.hide, 0.0)
-        keys, values = torch.cat([prefix_k, keys], 1), torch.cat([prefix_v, values], 1)
+            keys.masked_fill_(plan.hide, 0.0)
+            values.masked_fill_(plan.hide, 0.0)
+        if not plan.from_pool:
+            keys = torch.cat([keys, plan.pack(k).transpose(1, 2)], 2)
+            values = torch.cat([values, plan.pack(v).transpose(1, 2)], 2)
     queries = plan.pack(q).transpose(1, 2)  # [R, Hq, T, D]
-    out = attention(queries, keys.transpose(1, 2), values.transpose(1, 2), plan.visible, scale)
+    out = attention(queries, keys, values, plan.visible, scale)
     return plan.unpack(out.transpose(1, 2))  # [N, Hq, D]
 
 
 @dataclass(frozen=True, slots=True)
 class _AttentionPlan:
-    """`canvas_attention`'s index tensors and mask for one set of rows, one window and one
-    page size: built once per forward, used by every layer of the pool."""
+    """`canvas_attention`'s index tensors and mask for one set of rows, one window, one number
+    of KV heads and one page size: built once per forward, used by every layer of the pool."""
 
     num_rows: int
-    page: torch.Tensor | None  # [R, S] page of each padded prefix key (None: no prefix)
-    slot: torch.Tensor | None  # [R, S] its slot in the page
-    hide: torch.Tensor | None  # [R, S, 1, 1] padding among the prefix keys (None: none)
+    # [R * Hkv * S] row of the pool viewed as [P * Hkv * page, D] for each key a row reads, in
+    # [R, Hkv, S] order (one row copy per key and head; None: no prefix)
+    gather: torch.Tensor | None
+    # the gathered keys are all of a row's keys, its new ones included (every row is an ENCODE
+    # row, whose new keys `write_kv` has stored): nothing to concatenate
+    from_pool: bool
+    hide: torch.Tensor | None  # [R, 1, S, 1] padding among the prefix keys (None: none)
     token: torch.Tensor | None  # [R, T] packed index of each padded new token (None: uniform)
     unpad: tuple[torch.Tensor, torch.Tensor] | None  # (row, column) of each packed token
     visible: torch.Tensor | None  # [R, 1, T, S+T] the keys each query sees (None: all)
+
+    def read(self, pool: torch.Tensor) -> torch.Tensor:
+        """The gathered keys (or values) of every row from pool [P, Hkv, page, D]:
+        [R, Hkv, S, D], contiguous (SDPA's layout)."""
+        assert self.gather is not None
+        flat = pool.view(-1, pool.shape[-1]).index_select(0, self.gather)
+        return flat.view(self.num_rows, pool.shape[1], -1, pool.shape[-1])
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """Packed [N, H, D] -> padded [R, T, H, D] (a view when the rows are uniform)."""
@@ -342,7 +362,7 @@ class _AttentionPlan:
         return out[self.unpad]
 
     @staticmethod
-    def build(rows: PagedRows, window: int, size: int, num_new: int) -> _AttentionPlan:
+    def build(rows: PagedRows, window: int, heads: int, size: int, num_new: int) -> _AttentionPlan:
         dev = rows.start.device
         num_rows = rows.start.shape[0]
         start, count = rows.start.long(), rows.num_tokens.long()
@@ -350,25 +370,32 @@ class _AttentionPlan:
         prefix_len = rows.max_prefix(window)
         prefix_pos = lo[:, None] + torch.arange(prefix_len, device=dev)  # [R, S]
         prefix_ok = prefix_pos < start[:, None]
+        t = torch.arange(rows.max_tokens, device=dev)
+        new_ok = t < count[:, None]  # [R, T]
         # No padding among the prefix keys: every row reads prefix_len of them.
         cap = window - 1 if window > 0 else rows.max_start
         padded_prefix = min(rows.min_start, cap) != prefix_len
-        page = slot = hide = None
+        # Rows with a prefix and only ENCODE rows: read the new keys from the pool too.
+        from_pool = bool(prefix_len) and rows.no_decode
+        gather = hide = None
         if prefix_len:
+            pos, ok = prefix_pos, prefix_ok
+            if from_pool:
+                pos = torch.cat([prefix_pos, start[:, None] + t], 1)
+                ok = torch.cat([prefix_ok, new_ok], 1)
             # Padding keys read one of the row's own keys (masked out of the scores, and finite
             # unless the row's own values are not): its first prefix key, or for a row without
             # a prefix (an ENCODE row at 0) its first new key, written before attention. Only a
             # DECODE row at 0 has neither; then padding reads page 0 and is zeroed (any page
             # may hold NaN from an earlier request, and 0 x NaN would leak into the row).
             own = torch.where(start > 0, lo, start)[:, None]  # [R, 1]
-            pos = torch.where(prefix_ok, prefix_pos, own)
+            pos = torch.where(ok, pos, own)
             page = rows.page_table.long().gather(1, pos // size)
-            slot = pos % size
             if padded_prefix and bool(((start == 0) & rows.decode.bool()).any()):
-                page = torch.where(prefix_ok, page, 0)
-                hide = ~prefix_ok[:, :, None, None]
-        t = torch.arange(rows.max_tokens, device=dev)
-        new_ok = t < count[:, None]  # [R, T]
+                page = torch.where(ok, page, 0)
+                hide = ~ok[:, None, :, None]
+            head = torch.arange(heads, device=dev)[None, :, None]
+            gather = ((page[:, None] * heads + head) * size + (pos % size)[:, None]).reshape(-1)
         token = unpad = None
         if not rows.uniform:
             token = torch.where(new_ok, rows.offset.long()[:, None] + t, 0)
@@ -387,7 +414,7 @@ class _AttentionPlan:
             vis = key_ok & (vis | rows.decode.bool()[:, None, None])  # [R, T, S+T]
             # Padding queries see every real key (never an all-masked row: SDPA would give NaN).
             visible = torch.where(new_ok[:, :, None], vis, key_ok)[:, None]
-        return _AttentionPlan(num_rows, page, slot, hide, token, unpad, visible)
+        return _AttentionPlan(num_rows, gather, from_pool, hide, token, unpad, visible)
 
 
 def canvas_attention_rowwise(

@@ -51,6 +51,8 @@ SCENARIOS = {
         (9, 14, 20), (8, 8, 8), (True, True, True), window=6
     ),
     "encode-uniform-sliding": Scenario((4, 0, 9), (5, 5, 5), (False, False, False), window=6),
+    # Only ENCODE rows (AR decoding, prefills): every key, new ones too, read from the pages.
+    "encode-ragged-sliding": Scenario((4, 0, 9, 2), (3, 5, 1, 1), (False,) * 4, window=6),
 }
 
 
@@ -101,7 +103,11 @@ def make_inputs(sc: Scenario, device: torch.device, dtype: torch.dtype = torch.f
 
 
 def run(impl: object, x: Inputs, sc: Scenario) -> torch.Tensor:
-    return impl.canvas_attention(x.q, x.k, x.v, x.k_pool, x.v_pool, x.rows, sc.window, 1.0)
+    """Attention as the engine calls it: the ENCODE rows' new keys stored first (`write_kv`,
+    into copies of the pools), which the batched twin then reads back with the prefix."""
+    k_pool, v_pool = x.k_pool.clone(), x.v_pool.clone()
+    impl.write_kv(x.k, x.v, k_pool, v_pool, x.rows)
+    return impl.canvas_attention(x.q, x.k, x.v, k_pool, v_pool, x.rows, sc.window, 1.0)
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -154,7 +160,8 @@ def test_batched_twin_matches_the_row_by_row_twin(name: str) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # Its index tensors and mask are built once per rows and window, then reused (every layer
     # of a forward): the second call reads them back and gives the same values.
-    assert list(x.rows.memo) == [("canvas_attention", sc.window, sc.page_size)]
+    plans = [key for key in x.rows.memo if key[0] == "canvas_attention"]
+    assert plans == [("canvas_attention", sc.window, sc.page_size, sc.num_kv_heads)]
     assert torch.equal(run(reference, x, sc), got)
 
 
