@@ -251,11 +251,19 @@ class BatchedSampler:
         return new, [finished.long(), num_steps, draft.view(-1), failed.long()]
 
     def sample_ar(
-        self, logits: torch.Tensor, slots: torch.Tensor, token_index: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        token_index: torch.Tensor,
+        all_greedy: bool = False,
     ) -> list[torch.Tensor]:
         """Next tokens [R] of AR rows from their logits [R, V] fp32: greedy at temperature 0,
         else a draw at counter `token_index` [R] (the output position) of the request's stream;
-        and failed [R] (non-finite logits)."""
+        and failed [R] (non-finite logits). `all_greedy` (every row at temperature 0, known on
+        the host): the argmax alone, without random numbers or a softmax."""
+        if all_greedy:
+            failed = ~torch.isfinite(torch.logsumexp(logits, dim=-1))
+            return [logits.argmax(dim=-1), failed.long()]
         s = self.state
         temperature = s.temperature[slots]
         greedy = temperature <= 0

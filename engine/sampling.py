@@ -142,7 +142,10 @@ class BatchedSampling:
             assert ar_logits is not None
             slots = self._slots(ar)
             index = torch.tensor([len(r.output_ids) for r in ar]).to(self.device)
-            parts += self.sampler.sample_ar(self._filtered(ar_logits, slots, ar, 1), slots, index)
+            # The slots' temperatures as `BatchedSampler.admit` sets them, read on the host.
+            greedy = all(r.params.temperature <= 0 or not r.params.mode.samples_tokens for r in ar)
+            logits = self._filtered(ar_logits, slots, ar, 1)
+            parts += self.sampler.sample_ar(logits, slots, index, all_greedy=greedy)
         host = to_host(parts)
         ar_tokens, ar_failed = (host[-2], [bool(f) for f in host[-1]]) if ar else ([], [])
         if not denoise:

@@ -23,7 +23,7 @@ from engine.batched_sampler import (
 from engine.kv_pages import KVPages, PageGeometry
 from engine.model import DiffusionLM, ForwardBatch, Mode, PagedKVCache, Row, load_model
 from engine.model.config import LayerType
-from engine.params import DecodingDefaults
+from engine.params import DecodeMode, DecodingDefaults
 from kernels.reference import philox_uniform
 
 REL_TOL = 1e-4
@@ -220,6 +220,26 @@ def test_a_requests_draws_are_the_same_alone_and_in_a_batch_of_16():
         denoise_step(alone, slot, logits[r], True)
         assert torch.equal(alone.state.canvas[0], batch.state.canvas[slots[r]])
         assert torch.equal(alone.state.soft[0], batch.state.soft[slots[r]])
+
+
+def test_greedy_ar_rows_skip_the_draw_and_keep_its_tokens_and_failures():
+    """All rows greedy (known on the host): argmax alone, the same tokens and failure flags as
+    the general path at temperature 0 — ties to the lowest index, masked (-inf) logits are not
+    a failure, NaN is."""
+    vocab = 40
+    sampler = make_sampler(4, 8, vocab, hidden=8)
+    slots = bind_all(
+        sampler, [resolved(3 + r, temperature=0.0, mode=DecodeMode.AR) for r in range(4)]
+    )
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(2))
+    logits[0, 5] = logits[0, 9] = 50.0  # a tie
+    logits[1, :30] = float("-inf")  # filtered (top-k, a grammar)
+    logits[2, 7] = float("nan")
+    index = torch.tensor([0, 3, 5, 9])
+    general = sampler.sample_ar(logits, slots, index)
+    fast = sampler.sample_ar(logits, slots, index, all_greedy=True)
+    assert [t.tolist() for t in fast] == [t.tolist() for t in general]
+    assert fast[1].tolist() == [0, 0, 1, 0] and int(fast[0][0]) == 5
 
 
 # -- generation --------------------------------------------------------------------------------
