@@ -18,6 +18,7 @@ on its prompt, parameters and seed only.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -229,12 +230,16 @@ class Engine:
         except Exception:
             logger.exception("a step of %d rows failed; running them one at a time", len(plan.rows))
         effects: list[RowEffect] = []
-        for row in plan.rows:
+        # A request's rows stay together (a canvas's first step reads the KV that the commit
+        # pass before it writes in the same forward).
+        for seq_id, group in itertools.groupby(plan.rows, key=lambda row: row.seq_id):
+            rows = list(group)
             try:
-                effects += self._run([row], stats)
+                effects += self._run(rows, stats)
             except Exception as exc:
-                logger.warning("request %s failed alone: %r", row.seq_id, exc)
-                effects.append(RowEffect(error=f"internal engine error ({type(exc).__name__})"))
+                logger.warning("request %s failed alone: %r", seq_id, exc)
+                error = f"internal engine error ({type(exc).__name__})"
+                effects += [RowEffect(error=error) for _ in rows]
         return effects
 
     def _run(self, rows: list[ScheduledRow], stats: StepStats) -> list[RowEffect]:

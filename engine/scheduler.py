@@ -1,9 +1,11 @@
 """Step-level continuous batching and the one owner of a request's life (pure Python, no torch).
 
-Each step the scheduler picks rows for one forward pass: for every running sequence at most one
-row — a commit pass, a denoising step, an AR token or a prefill chunk — then admits waiting
+Each step the scheduler picks rows for one forward pass: for every running sequence one row —
+a commit pass, a denoising step, an AR token or a prefill chunk — then admits waiting
 sequences while pages, sampler slots and the row/token budgets allow. A sequence whose canvas
-converged goes on to its commit pass at the next step; nothing waits for slower rows.
+converged goes on to its commit pass at the next step; nothing waits for slower rows. A
+diffusion request's commit pass (or its prompt's last chunk) takes the next canvas's first
+denoising step along in the same forward (`first_step_along`): its second row.
 
 States: WAITING → PREFILL → (DENOISE → COMMIT → DENOISE …) | AR | (DENOISE → VERIFY → DENOISE …)
 → FINISHED. Hybrid requests draft a canvas (DENOISE, a few steps) and verify it (VERIFY: the
@@ -176,8 +178,7 @@ class Scheduler:
                 continue
             if rows and row.num_tokens > budget:
                 continue  # does not fit this step; it keeps its place for the next
-            rows.append(row)
-            budget -= row.num_tokens
+            budget = self._add(rows, row, budget - row.num_tokens)
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if not self.pages.can_allocate(seq.context):
@@ -190,9 +191,19 @@ class Scheduler:
                 continue
             row = self._plan_row(seq, budget, ended, admitted=True)
             if row is not None:
-                rows.append(row)
-                budget -= row.num_tokens
+                budget = self._add(rows, row, budget - row.num_tokens)
         return StepPlan(tuple(rows), now, tuple(ended))
+
+    @staticmethod
+    def _add(rows: list[ScheduledRow], row: ScheduledRow, budget: int) -> int:
+        """Append `row` and, where it ends the prefix of a diffusion request's next canvas,
+        that canvas's first denoising step right after it; returns the budget left."""
+        rows.append(row)
+        follow = first_step_along(row)
+        if follow is not None and follow.num_tokens <= budget:
+            rows.append(follow)
+            budget -= follow.num_tokens
+        return budget
 
     def _plan_row(
         self, seq: RequestState, budget: int, ended: list[StepOutput], admitted: bool = False
@@ -338,6 +349,26 @@ class Scheduler:
         _check_pool("sampler slots", self.slots, [[s.slot] for s in running])  # type: ignore[list-item]
         _check_pool("full pages", self.pages.full, [s.pages.full for s in running])  # type: ignore[union-attr]
         _check_pool("sliding pages", self.pages.sliding, [s.pages.ring for s in running])  # type: ignore[union-attr]
+
+
+def first_step_along(row: ScheduledRow) -> ScheduledRow | None:
+    """The first denoising step of the canvas that begins where `row` ends, to run in the
+    same forward pass, when `row` is the ENCODE pass that completes that canvas's prefix (a
+    commit pass, or a prompt's last chunk) of a diffusion request; else None.
+
+    It reads its prefix in the very forward that writes it: in every layer the ENCODE rows
+    store their KV before any row attends, so the canvas sees the committed tokens' KV of
+    that layer, the same values a later forward would read (exact numerics stay the
+    reference's: every row's arithmetic is its own). One forward per canvas is saved — on a
+    GPU at small batch, one pass over the weights. AR and hybrid requests sample their next
+    token from the ENCODE pass (a hybrid draft starts with it), so they wait for it."""
+    seq = row.req
+    if seq.params.mode.samples_tokens:
+        return None
+    end = row.start + row.num_tokens
+    if row.kind is RowKind.COMMIT or (row.kind is RowKind.PREFILL and end == seq.num_prompt):
+        return ScheduledRow(seq, RowKind.DENOISE, end, seq.canvas_length, starts_canvas=True)
+    return None
 
 
 def request_stats(seq: RequestState, now: float) -> RequestStats:

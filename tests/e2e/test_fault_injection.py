@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine import engine as engine_module
 from engine import postprocess as postprocess_module
 from engine import scheduler as scheduler_module
 from engine.llm import LLM
@@ -32,6 +33,7 @@ MIX: list[tuple[str, dict[str, Any], bool]] = [
     ("ar-json", {"mode": DecodeMode.AR, "json_schema": SCHEMA}, False),
     ("diffusion-logprobs-drafts", {"mode": DecodeMode.DIFFUSION, "logprobs": 2}, True),
     ("ar-logprobs-sampled", {"mode": DecodeMode.AR, "logprobs": 2, "temperature": 0.7}, False),
+    ("hybrid", {"mode": DecodeMode.HYBRID}, False),  # drafts, then VERIFY rows
 ]
 
 
@@ -117,7 +119,7 @@ def inject(llm: LLM, stage: str, victim: str, monkeypatch: pytest.MonkeyPatch) -
         wrap(eng.pages, "allocate", lambda ctx: ctx == context())
     elif stage == "inputs":
         wrap(eng.sampling, "canvas_inputs", lambda reqs, _: _victim_reqs(reqs, victim))
-        for kind in (RowKind.PREFILL, RowKind.AR, RowKind.COMMIT):
+        for kind in (RowKind.PREFILL, RowKind.AR, RowKind.COMMIT, RowKind.VERIFY):
             wrap(ROW_KINDS[kind], "encode_input", lambda row: row.seq_id == victim)
     elif stage == "forward":
         held = lambda step: [*step.denoise_pages, *(e.pages for e in step.encode)]  # noqa: E731
@@ -148,6 +150,8 @@ def inject(llm: LLM, stage: str, victim: str, monkeypatch: pytest.MonkeyPatch) -
             raise Injected("grammar fault")
 
         monkeypatch.setattr(req().constraint, "fork", fork_raises)
+    elif stage == "verify":  # judging the victim's hybrid draft (its VERIFY row) raises
+        wrap(engine_module, "verify_draft", lambda seq, *a: seq.request_id == victim)
     elif stage == "post-process":  # only the victim asks for log-probabilities
         wrap(postprocess_module, "token_logprobs", lambda *a: True)
     elif stage == "output":  # building the victim's final output
@@ -172,6 +176,7 @@ STAGES = {
     "sampler": range(len(MIX)),
     "grammar": [1, 3],
     "post-process": [4, 5],
+    "verify": [6],
     "output": range(len(MIX)),
 }
 

@@ -80,16 +80,38 @@ def run_rows(sched: Scheduler, converged: set[str] = frozenset()) -> list:
     return list(plan.rows)
 
 
+def kinds(rows: list) -> list[tuple[RowKind, int, int, bool]]:
+    return [(r.kind, r.start, r.num_tokens, r.starts_canvas) for r in rows]
+
+
 def test_a_request_goes_prefill_denoise_commit_denoise():
+    """A canvas's first denoising step rides along with the pass that ends its prefix: the
+    prompt's last chunk, then each commit pass (the same forward; one row each)."""
     sched = Scheduler(SchedulerConfig(max_prefill_chunk=4), KVPages(geometry(), 100, 100))
     sched.add(seq("a", prompt=6))
-    kinds = [(r.kind, r.start, r.num_tokens) for r in run_rows(sched)]
-    assert kinds == [(RowKind.PREFILL, 0, 4)]
-    assert [(r.kind, r.start, r.num_tokens) for r in run_rows(sched)] == [(RowKind.PREFILL, 4, 2)]
-    assert [(r.kind, r.start) for r in run_rows(sched)] == [(RowKind.DENOISE, 6)]
-    assert [(r.kind, r.start) for r in run_rows(sched, {"a"})] == [(RowKind.DENOISE, 6)]
-    assert [(r.kind, r.start, r.num_tokens) for r in run_rows(sched)] == [(RowKind.COMMIT, 6, 8)]
-    assert [(r.kind, r.start) for r in run_rows(sched)] == [(RowKind.DENOISE, 14)]
+    assert kinds(run_rows(sched)) == [(RowKind.PREFILL, 0, 4, False)]
+    assert kinds(run_rows(sched)) == [(RowKind.PREFILL, 4, 2, False), (RowKind.DENOISE, 6, 8, True)]
+    assert kinds(run_rows(sched, {"a"})) == [(RowKind.DENOISE, 6, 8, False)]  # converges
+    assert kinds(run_rows(sched)) == [(RowKind.COMMIT, 6, 8, False), (RowKind.DENOISE, 14, 8, True)]
+    assert sched.requests["a"].num_computed == 14 and sched.requests["a"].in_canvas
+    assert kinds(run_rows(sched)) == [(RowKind.DENOISE, 14, 8, False)]
+
+
+@pytest.mark.parametrize("mode", [DecodeMode.AR, DecodeMode.HYBRID])
+def test_modes_that_sample_from_the_encoder_wait_for_it(mode: DecodeMode):
+    """AR and hybrid requests take their next token from the ENCODE pass: nothing rides along."""
+    sched = Scheduler(SchedulerConfig(), KVPages(geometry(), 100, 100))
+    params = DecodingDefaults().resolve(SamplingParams(mode=mode))
+    sched.add(RequestState("a", [0] * 6, params, context=22, canvas_length=8))
+    assert [r.kind for r in run_rows(sched)] == [RowKind.PREFILL]
+
+
+def test_a_first_step_that_does_not_fit_the_budget_waits_for_the_next_forward():
+    config = SchedulerConfig(max_num_batched_tokens=10)
+    sched = Scheduler(config, KVPages(geometry(), 100, 100))
+    sched.add(seq("a", prompt=6))
+    assert kinds(run_rows(sched)) == [(RowKind.PREFILL, 0, 6, False)]
+    assert kinds(run_rows(sched)) == [(RowKind.DENOISE, 6, 8, True)]
 
 
 def test_ar_request_goes_prefill_then_one_token_rows():
@@ -104,10 +126,14 @@ def test_converged_canvas_leaves_without_waiting_for_slower_rows():
     sched = Scheduler(SchedulerConfig(), KVPages(geometry(), 100, 100))
     for name in "ab":
         sched.add(seq(name))
-    run_rows(sched)  # both prefill
+    run_rows(sched)  # both prefill (and take their first denoising step)
     run_rows(sched, converged={"a"})  # a converges, b does not
     rows = run_rows(sched)
-    assert {(r.seq_id, r.kind) for r in rows} == {("a", RowKind.COMMIT), ("b", RowKind.DENOISE)}
+    assert [(r.seq_id, r.kind, r.start) for r in rows] == [
+        ("a", RowKind.COMMIT, 6),
+        ("a", RowKind.DENOISE, 14),
+        ("b", RowKind.DENOISE, 6),
+    ]
 
 
 def test_admission_waits_for_pages_and_finish_frees_them():
