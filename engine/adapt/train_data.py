@@ -34,7 +34,7 @@ import torch
 from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from engine.llm import LLM
+    from engine.llm import LLM, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def self_distill(
     ]
     logger.info("Self-distillation: %d AR completions of up to %d tokens", len(prompts), max_tokens)
     chunk = len(prompts) if deadline is None else DISTILL_CHUNK
-    outputs = []
+    outputs: list[RequestOutput] = []
     for first in range(0, len(prompts), max(chunk, 1)):
         if outputs and deadline is not None and time.monotonic() >= deadline:
             logger.warning("Distillation budget spent: %d of %d prompts", first, len(prompts))
