@@ -10,6 +10,7 @@ on-disk cache like any JIT compile; a cold cache costs about 20 s of CPU here.""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -17,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from kernels import TRITON_MODULES
 
 pytest.importorskip("triton")
 from loadtest.gpu_compile import SHARED_LIMITS, Compiled, problems  # noqa: E402
@@ -45,6 +48,16 @@ def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
         timeout=300,
         check=False,
     )
+
+
+def test_the_compiled_set_covers_every_triton_kernel_of_the_project() -> None:
+    defined = {
+        name
+        for module in TRITON_MODULES
+        for name in vars(importlib.import_module(module))
+        if name.endswith("_kernel")
+    }
+    assert defined == REAL_KERNELS
 
 
 def test_real_shape_bf16_kernels_compile_for_sm90_in_its_shared_memory_without_spills(
