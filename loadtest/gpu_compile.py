@@ -71,7 +71,7 @@ class Compiled:
     stack: int  # bytes per thread
     local: int
     num_warps: int
-    seconds: float
+    seconds: float  # 0 when an earlier variant compiled the same specialisation
     error: str = ""
 
 
@@ -163,32 +163,20 @@ def compile_only(arch: int, record: list[tuple[str, Any, float]]) -> Iterator[No
 def compile_variant(variant: Variant, arch: int) -> list[Compiled]:
     """Compile every kernel of one launcher call for sm_`arch`."""
     record: list[tuple[str, Any, float]] = []
-    start = time.perf_counter()
     try:
         with compile_only(arch, record):
             variant.launch()
-    except Exception as exc:  # a kernel that does not compile: the check's finding
+    except Exception as exc:  # a kernel that does not compile (or a launcher that refused)
         last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
         name = record[-1][0] if record else "(no kernel)"
         return [Compiled(variant.name, name, arch, 0, 0, 0, 0, 0, 0.0, last)]
     out = []
     for name, kernel, seconds in record:
-        usage = resource_usage(kernel.asm["cubin"])
-        meta = kernel.metadata
-        out.append(
-            Compiled(
-                variant.name,
-                name,
-                arch,
-                meta.shared,
-                usage["REG"],
-                usage["STACK"],
-                usage["LOCAL"],
-                meta.num_warps,
-                seconds,
-            )  # fmt: skip
-        )
-    assert out, f"{variant.name} compiled no kernel (time {time.perf_counter() - start:.1f} s)"
+        usage, meta = resource_usage(kernel.asm["cubin"]), kernel.metadata
+        regs, stack, local = usage["REG"], usage["STACK"], usage["LOCAL"]
+        shared, warps = meta.shared, meta.num_warps
+        out.append(Compiled(variant.name, name, arch, shared, regs, stack, local, warps, seconds))
+    assert out, f"{variant.name} compiled no kernel"
     return out
 
 
