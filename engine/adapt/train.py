@@ -76,7 +76,9 @@ class TrainConfig:
     adapter: bool = False  # train a decoder adapter only (engine.adapt.train_adapter)
     adapter_rank: int = 8
     adapter_shift: bool = True
-    max_seconds: float = 0.0  # --adapter: stop (and save) once training ran this long; 0 = off
+    # --adapter: the run's wall-clock limit, distillation included (it starts no new prompts
+    # after half of it); training stops and saves at it; 0 = off
+    max_seconds: float = 0.0
     resume: bool = False
     device: str = "auto"  # cuda when available, else cpu
     dtype: str = "float32"
@@ -301,10 +303,15 @@ def truncate_log(log: Path, step: int) -> None:
 
 
 def load_sequences(
-    cfg: TrainConfig, model: DiffusionLM, spec: DataSpec, defaults: DecodingDefaults
+    cfg: TrainConfig,
+    model: DiffusionLM,
+    spec: DataSpec,
+    defaults: DecodingDefaults,
+    distill_deadline: float | None = None,
 ) -> list[TrainSequence]:
     """The training sequences; self-distilled data is generated once and kept in OUT, so that
-    a resumed run trains on the same completions (not on those of the half-trained model)."""
+    a resumed run trains on the same completions (not on those of the half-trained model).
+    Distillation starts no new chunk of prompts after `distill_deadline` (`time.monotonic()`)."""
     from engine.llm import LLM, has_tokenizer
     from engine.tokenizer import Tokenizer
 
@@ -324,7 +331,12 @@ def load_sequences(
         llm = LLM(model, tokenizer, defaults)
         extra = generated_prompts(cfg.distill_prompts, cfg.seed)
         records = self_distill(
-            llm, cfg.distill_max_tokens, cfg.distill_temperature, cfg.seed, extra_prompts=extra
+            llm,
+            cfg.distill_max_tokens,
+            cfg.distill_temperature,
+            cfg.seed,
+            extra_prompts=extra,
+            deadline=distill_deadline,
         )
         del llm  # frees the engine's KV pools before training
         model.bind_kernels(trained)

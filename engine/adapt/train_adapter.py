@@ -183,6 +183,8 @@ def save_adapter_checkpoint(
 
 def train_adapter(cfg: TrainConfig) -> Path:
     """Run `cfg` (with `cfg.adapter`); returns OUT/adapter."""
+    started = time.monotonic()  # `max_seconds` counts the load and the distillation too
+    deadline = started + cfg.max_seconds if cfg.max_seconds else None
     resume_from = _start(cfg)
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -204,7 +206,8 @@ def train_adapter(cfg: TrainConfig) -> Path:
             f"canvas length ({model.config.canvas_length})"
         )
     # Distilled with the bare source (before the adapter is attached; AR mode is unaffected).
-    sampler = ExampleSampler(load_sequences(cfg, model, spec, defaults), spec)
+    distill_deadline = started + cfg.max_seconds / 2 if cfg.max_seconds else None
+    sampler = ExampleSampler(load_sequences(cfg, model, spec, defaults, distill_deadline), spec)
     logger.info("Training an adapter on %d examples", len(sampler.pairs))
     if resume_from is not None:
         load_adapter(model, resume_from / ADAPTER_OUT)
@@ -224,7 +227,6 @@ def train_adapter(cfg: TrainConfig) -> Path:
     temps = TemperatureRange(defaults.t_min, defaults.t_max)
     prefixes = EncoderPrefixes(model, sampler)
     bar = tqdm(total=cfg.steps, initial=step, desc="canvas train", disable=not cfg.progress)
-    deadline = time.monotonic() + cfg.max_seconds if cfg.max_seconds else None
     with log.open("a") as log_file:
         while step < cfg.steps:
             step += 1

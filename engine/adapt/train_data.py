@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,12 +34,13 @@ import torch
 from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from engine.llm import LLM
+    from engine.llm import LLM, RequestOutput
 
 logger = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).parent / "data"
 DISTILL_PROMPTS = DATA_DIR / "distill_prompts.jsonl"
+DISTILL_CHUNK = 64  # prompts per `generate` call when distillation has a deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,10 +179,13 @@ def self_distill(
     seed: int,
     path: Path = DISTILL_PROMPTS,
     extra_prompts: list[str] | None = None,
+    deadline: float | None = None,
 ) -> list[dict[str, Any]]:
     """The model's own AR completions of the shipped chat prompts (and `extra_prompts`), as
     {"prompt_ids", "completion_ids", "finished"} records (`llm`: an `engine.LLM` with a
-    tokenizer)."""
+    tokenizer). With a `deadline` (`time.monotonic()`), prompts go in chunks of
+    `DISTILL_CHUNK` and no chunk starts after it: the shipped prompts first, at least one
+    chunk."""
     from engine.params import DecodeMode, SamplingParams
 
     if llm.tokenizer is None:
@@ -194,7 +199,13 @@ def self_distill(
         for i in range(len(prompts))
     ]
     logger.info("Self-distillation: %d AR completions of up to %d tokens", len(prompts), max_tokens)
-    outputs = llm.generate(prompts, params)
+    chunk = len(prompts) if deadline is None else DISTILL_CHUNK
+    outputs: list[RequestOutput] = []
+    for first in range(0, len(prompts), max(chunk, 1)):
+        if outputs and deadline is not None and time.monotonic() >= deadline:
+            logger.warning("Distillation budget spent: %d of %d prompts", first, len(prompts))
+            break
+        outputs += llm.generate(prompts[first : first + chunk], params[first : first + chunk])
     return [
         {
             "prompt_ids": o.prompt_ids,

@@ -1,0 +1,172 @@
+"""The launcher calls `loadtest.gpu_compile` compiles: each Triton kernel of Canvas at the real
+26B-A4B shapes in bf16 (engine/testing.py REAL_26B_A4B_TEXT_CONFIG), its edge specialisations
+(one token, one AR row, a page table of width 1, short canvases), the shapes of the gpu tests,
+and the fp32 paths (gpu-train's evaluation of SmolLM2, toy engines).
+
+Tensors are CPU `torch.empty` with the engine's layouts: q, k, v contiguous [N, heads, D]
+(norm and RoPE outputs), KV pools [pages, kv heads, page, D], contiguous weights. Only the
+token count is small (it changes no specialisation unless it is 1). Import after
+TRITON_INTERPRET is known to be unset: the launchers choose their block sizes from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.testing import REAL_26B_A4B_CANVAS_LENGTH, REAL_26B_A4B_TEXT_CONFIG
+from kernels.reference import PagedRows
+from loadtest.gpu_compile import Variant
+
+REAL = REAL_26B_A4B_TEXT_CONFIG
+CANVAS = REAL_26B_A4B_CANVAS_LENGTH
+BF16, FP32 = torch.bfloat16, torch.float32
+PAGE = 16  # EngineConfig.page_size
+
+
+def _rows(prefixes: list[int], lengths: list[int], decode: list[bool], page: int) -> PagedRows:
+    tables, used = [], 0
+    for prefix, length in zip(prefixes, lengths, strict=True):
+        n = -(-(prefix + length) // page)
+        tables.append(list(range(used, used + n)))
+        used += n
+    return PagedRows.build(prefixes, lengths, decode, tables)
+
+
+def attention(
+    head_dim: int,
+    kv_heads: int,
+    window: int,
+    dtype: torch.dtype,
+    heads: int = 16,
+    prefixes: tuple[int, ...] = (2048,),
+    lengths: tuple[int, ...] = (CANVAS,),
+    decode: bool = True,
+    page: int = PAGE,
+    write: bool = False,
+) -> Callable[[], object]:
+    """`canvas_attention` (or `write_kv` with `write`) over rows after `prefixes` cached
+    positions; DECODE rows, or ENCODE rows (a commit or prefill) when not `decode`."""
+
+    def launch() -> object:
+        from kernels import triton_attention
+
+        rows = _rows(list(prefixes), list(lengths), [decode] * len(lengths), page)
+        n, pages = sum(lengths), int(rows.page_table.max()) + 1
+        q = torch.empty(n, heads, head_dim, dtype=dtype)
+        k, v = (torch.empty(n, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+        pools = [torch.empty(pages, kv_heads, page, head_dim, dtype=dtype) for _ in range(2)]
+        if write:
+            return triton_attention.write_kv(k, v, *pools, rows)
+        return triton_attention.canvas_attention(q, k, v, *pools, rows, window, head_dim**-0.5)
+
+    return launch
+
+
+def moe(
+    num_tokens: int,
+    dtype: torch.dtype,
+    hidden: int = REAL["hidden_size"],
+    experts: int = REAL["num_experts"],
+    top_k: int = REAL["top_k_experts"],
+    inter: int = REAL["moe_intermediate_size"],
+    misaligned: bool = False,
+    route: bool = True,
+) -> Callable[[], object]:
+    """The router (`route`) or the experts (`fused_moe`: gate_up with GeGLU, down weighted).
+    `misaligned`: hidden rows of a wider tensor at a 4-byte offset, as test_moe gives them."""
+
+    def launch() -> object:
+        from kernels import triton_moe
+
+        x = torch.empty(num_tokens, hidden + 5, dtype=dtype)[:, 2 : 2 + hidden]
+        x = x if misaligned else x.contiguous()
+        if route:
+            proj = torch.empty(experts, hidden, dtype=dtype)
+            scale, pes = torch.empty(hidden, dtype=dtype), torch.empty(experts, dtype=dtype)
+            return triton_moe.route_experts(x, scale, proj, pes, top_k, 1e-6)
+        gate_up = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
+        down = torch.empty(experts, hidden, inter, dtype=dtype)
+        ids = torch.arange(num_tokens * top_k).view(num_tokens, top_k) % experts
+        weights = torch.empty(num_tokens, top_k)
+        return triton_moe.fused_moe(x, gate_up, down, weights, ids)
+
+    return launch
+
+
+def sampler(
+    vocab: int, hidden: int, dtype: torch.dtype, positions: int = 16
+) -> Callable[[], object]:
+    """`sample_and_embed` (fused_sample, then soft_embedding on its lse)."""
+
+    def launch() -> object:
+        from kernels import triton_sampler
+
+        logits = torch.empty(positions, vocab)
+        temp, uniform = torch.empty(positions), torch.empty(positions)
+        weight = torch.empty(vocab, hidden, dtype=dtype)
+        return triton_sampler.sample_and_embed(logits, temp, uniform, weight, hidden**0.5)
+
+    return launch
+
+
+def accept(length: int, rows: int = 4) -> Callable[[], object]:
+    def launch() -> object:
+        from kernels import triton_sampler
+
+        return triton_sampler.entropy_accept(torch.empty(rows, length), torch.empty(rows))
+
+    return launch
+
+
+def _real() -> list[Variant]:
+    d, kv = REAL["head_dim"], REAL["num_key_value_heads"]
+    d_full, kv_full = REAL["global_head_dim"], REAL["num_global_key_value_heads"]
+    window = REAL["sliding_window"]
+    return [
+        Variant("attention sliding D=256", "real", attention(d, kv, window, BF16)),
+        Variant("attention full D=512", "real", attention(d_full, kv_full, 0, BF16)),
+        Variant("write_kv D=256", "real", attention(d, kv, window, BF16, write=True)),
+        Variant("write_kv D=512", "real", attention(d_full, kv_full, 0, BF16, write=True)),
+        Variant("router", "real", moe(CANVAS, BF16)),
+        Variant("experts", "real", moe(CANVAS, BF16, route=False)),
+        Variant("sample_and_embed", "real", sampler(REAL["vocab_size"], REAL["hidden_size"], BF16)),
+        Variant("entropy_accept L=256", "real", accept(CANVAS)),
+    ]
+
+
+def _others() -> list[Variant]:
+    d, kv = REAL["head_dim"], REAL["num_key_value_heads"]
+    d_full, kv_full = REAL["global_head_dim"], REAL["num_global_key_value_heads"]
+    window = REAL["sliding_window"]
+    ar = {"prefixes": (5,), "lengths": (1,)}  # one AR row: one token, a page table of width 1
+    mixed = {"prefixes": (3000, 700, 0), "lengths": (256, 256, 300), "page": 64}
+    return [
+        Variant("AR row, sliding", "edge", attention(d, kv, window, BF16, **ar)),
+        Variant("AR row, full", "edge", attention(d_full, kv_full, 0, BF16, **ar)),
+        Variant(
+            "AR row, write_kv",
+            "edge",
+            attention(d, kv, window, BF16, decode=False, write=True, **ar),
+        ),
+        Variant("one-token router", "edge", moe(1, BF16)),
+        Variant("one-token experts", "edge", moe(1, BF16, route=False)),
+        Variant("entropy_accept L=1", "edge", accept(1)),
+        Variant("entropy_accept L=37", "edge", accept(37)),
+        Variant("test_attention sliding", "test", attention(d, kv, window, BF16, **mixed)),
+        Variant("test_attention full", "test", attention(d_full, kv_full, 0, BF16, **mixed)),
+        Variant("test_moe router", "test", moe(4096, BF16, misaligned=True)),
+        Variant("test_moe experts", "test", moe(4096, BF16, misaligned=True, route=False)),
+        # gpu-train's evaluation: SmolLM2-135M (9 heads, 3 KV heads of 64, vocab 49,152).
+        Variant("SmolLM2 attention fp32", "fp32", attention(64, 3, 0, FP32, heads=9)),
+        Variant("SmolLM2 sample_and_embed fp32", "fp32", sampler(49_152, 576, FP32)),
+        Variant("toy experts fp32", "fp32", moe(64, FP32, 64, 8, 2, 32, route=False)),
+    ]
+
+
+SETS = {"make-test": _real, "all": lambda: _real() + _others()}
+
+
+def variants(which: str) -> list[Variant]:
+    return SETS[which]()

@@ -1,0 +1,122 @@
+"""Every real-shape bf16 Triton kernel compiles for sm_90 on this CPU-only machine (Triton's
+bundled ptxas), within sm_90's shared memory and without register spills; and the check
+catches a kernel that does not compile, one that needs too much shared memory and one that
+spills (`loadtest.gpu_compile`; `make gpu-compile` runs the full matrix: every variant,
+sm_80 too, and the GPU image's Triton).
+
+Compiles run in a subprocess: the kernels must be defined with TRITON_INTERPRET unset (this
+session interprets them), and the check replaces Triton's active driver. They use Triton's
+on-disk cache like any JIT compile; a cold cache costs about 20 s of CPU here."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import TRITON_MODULES
+
+pytest.importorskip("triton")
+from loadtest.gpu_compile import SHARED_LIMITS, Compiled, problems  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+REAL_KERNELS = {
+    "_canvas_attention_kernel",
+    "_write_kv_kernel",
+    "_router_kernel",
+    "_expert_gemm_kernel",
+    "_sample_kernel",
+    "_soft_embedding_kernel",
+    "_accept_kernel",
+}
+
+
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", module, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_the_compiled_set_covers_every_triton_kernel_of_the_project() -> None:
+    defined = {
+        name
+        for module in TRITON_MODULES
+        for name in vars(importlib.import_module(module))
+        if name.endswith("_kernel")
+    }
+    assert defined == REAL_KERNELS
+
+
+def test_real_shape_bf16_kernels_compile_for_sm90_in_its_shared_memory_without_spills(
+    tmp_path: Path,
+) -> None:
+    result = run_module("loadtest.gpu_compile", "--json", str(tmp_path / "sm90.json"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "sm90.json").read_text())
+    compiled = report["compiled"]
+    assert {c["kernel"] for c in compiled} == REAL_KERNELS
+    assert report["problems"] == []
+    for c in compiled:
+        assert c["arch"] == 90 and not c["error"], c
+        assert c["shared"] <= SHARED_LIMITS[90] and c["registers"] <= 255, c
+        assert c["stack"] == 0 and c["local"] == 0, c
+    # The largest: full attention at head_dim 512 (two 32-row tiles of 512, 3 stages).
+    attention = [c for c in compiled if c["variant"] == "attention full D=512"]
+    assert [c["shared"] for c in attention] == [165_888]
+
+
+def test_the_check_catches_a_kernel_that_does_not_compile_is_too_large_or_spills() -> None:
+    """Deliberately bad kernels (tests/kernels/bad_kernels.py), compiled for sm_90."""
+    result = run_module("tests.kernels.bad_kernels")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = [
+        json.loads(line)["problem"] for line in result.stdout.splitlines() if "problem" in line
+    ]
+    assert len(found) == 3, found
+    retyped, shared, spills = found
+    assert "retyped accumulator: _retyped_accumulator_kernel on sm_90 does not compile" in retyped
+    assert "Loop-carried variable acc" in retyped
+    assert "tiles too large for shared memory: _tile_kernel on sm_90 needs" in shared
+    assert "(limit 232448)" in shared
+    assert "accumulator too large for registers: _tile_kernel on sm_90 spills" in spills
+
+
+def test_the_interpreter_runs_the_kernel_the_compiler_rejects() -> None:
+    from kernels import interpreting
+    from tests.kernels.bad_kernels import retyped_accumulator
+
+    if not interpreting():
+        pytest.skip("the interpreter runs only without a GPU")
+    assert retyped_accumulator().tolist()[:2] == [0 + 16 + 32, 1 + 17 + 33]
+
+
+def compiled(arch: int = 90, shared: int = 0, stack: int = 0, error: str = "") -> Compiled:
+    return Compiled("v", "_k", arch, shared, 128, stack, 0, 4, 1.0, error)
+
+
+def test_problems_name_the_limit_and_allow_spills_only_where_told() -> None:
+    assert problems(compiled(shared=SHARED_LIMITS[90]), False) == []
+    assert problems(compiled(shared=SHARED_LIMITS[90] + 1), False) == [
+        "v: _k on sm_90 needs 232449 B of shared memory (limit 232448)"
+    ]
+    assert problems(compiled(arch=80, shared=200_000), False) == [
+        "v: _k on sm_80 needs 200000 B of shared memory (limit 166912)"
+    ]
+    assert problems(compiled(stack=64), True) == []
+    assert problems(compiled(stack=64), False) == [
+        "v: _k on sm_90 spills: 64 B stack, 0 B local per thread"
+    ]
+    assert problems(compiled(error="boom"), True) == ["v: _k on sm_90 does not compile: boom"]
