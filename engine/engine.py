@@ -156,6 +156,7 @@ class Engine:
             max_fit_positions=lo,
             numerics=self.model.kernels.numerics,
             kernels=self.model.kernels.backend,
+            prefix_caching=self.pages.cache is not None,
         )
 
     # -- requests -------------------------------------------------------------------------------

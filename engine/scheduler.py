@@ -159,8 +159,7 @@ class Scheduler:
         then reuses what it computes."""
         first = seq.page_names[:1]
         return bool(first) and any(
-            r.state is SeqState.PREFILL and r.page_names[:1] == first
-            for r in self.running.values()
+            r.state is SeqState.PREFILL and r.page_names[:1] == first for r in self.running.values()
         )
 
     def reset_prefix_cache(self) -> int:

@@ -234,6 +234,7 @@ class EngineLimits:
     max_fit_positions: int
     numerics: str = "fast"  # "fast" | "exact"
     kernels: str = "twins"  # "triton" | "twins"
+    prefix_caching: bool = False  # complete prefix pages are reused across requests
 
     def __post_init__(self) -> None:
         if min(self.max_context_positions, self.vocab_size, self.canvas_length) < 1:
@@ -294,6 +295,11 @@ class EngineClient(Protocol):
         ...
 
     def abort(self, request_id: str) -> None: ...
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix page (running requests keep theirs); returns how many
+        pages were forgotten. RuntimeError when the step loop is not running."""
+        ...
 
     def fail_all_inflight(self, error: Exception) -> int:
         """Fail every request in flight with `error` and abort it; returns how many (call on

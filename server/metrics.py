@@ -41,6 +41,18 @@ class Metrics:
         self.kv_usage = gauge(
             "vllm:kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)"
         )
+        self.prefix_cache_usage = gauge(
+            "canvas:prefix_cache_usage_perc",
+            "Fraction of KV cache pages cached and idle, reclaimable on demand (0..1)",
+        )
+        # vLLM's prefix-cache counters, in tokens: hit rate = hits / queries.
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache"
+        )
+        self._prefix_seen = (0, 0)  # the engine's totals at the last render
         self.slots_used = gauge(
             "canvas:sampler_slots_used", "Sampler slots held (one per running request)"
         )
@@ -135,4 +147,10 @@ class Metrics:
         self.waiting.set(engine.num_waiting)
         self.kv_usage.set(engine.kv_usage)
         self.slots_used.set(engine.num_slots_used)
+        self.prefix_cache_usage.set(engine.prefix_cache_usage)
+        queries, hits = engine.prefix_cache_queries, engine.prefix_cache_hits
+        seen_queries, seen_hits = self._prefix_seen
+        self.prefix_cache_queries.inc(max(0, queries - seen_queries))
+        self.prefix_cache_hits.inc(max(0, hits - seen_hits))
+        self._prefix_seen = (max(queries, seen_queries), max(hits, seen_hits))
         return generate_latest(self.registry)
