@@ -14,11 +14,12 @@ ever preempted; they return to the pool when it finishes or is aborted.
 With prefix caching (`engine.prefix_cache`), a sequence's complete prefix pages are registered
 under their content's name as soon as they are computed. Full pages are shared by reference
 (counted: `refs`); a sequence that finds its prompt's first pages cached starts after them. A
-sliding page is never shared: an admitted sequence gets the window before its reuse point
-*copied* into its own ring (`CacheHit.copies`), and a registered sliding page that its ring is
-about to overwrite is swapped for a fresh one first (`before_write`), so its content stays
-cached. Registered pages nobody holds are *idle*: still cached, taken back (least recently
-released first) when a pool runs out of free pages. Per pool: free + held + idle = capacity.
+sliding page is never shared: an admitted sequence takes the window before its reuse point into
+its own ring — an idle cached page as it is, one that another ring holds as a copy
+(`CacheHit.copies`) — and a registered sliding page that a ring is about to overwrite is
+swapped for a fresh one first (`before_write`), so its content stays cached. Registered pages
+nobody holds are *idle*: still cached, taken back (least recently released first) when a pool
+runs out of free pages. Per pool: free + held + idle = capacity.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class PageTables:
 class CacheHit:
     """What admission found cached for a sequence: the full pages of its first `num_pages`
     logical pages (shared), and (logical page, cached sliding page) for each page of the
-    sliding window before them (copied into the sequence's own ring)."""
+    sliding window before them (taken into the sequence's own ring, or copied there)."""
 
     full: tuple[int, ...]
     window: tuple[tuple[int, int], ...]
@@ -119,9 +120,11 @@ class CacheHit:
         return len(self.full)
 
     def copies(self, tables: PageTables) -> list[tuple[int, int]]:
-        """(source, destination) sliding pages that give `tables`' ring the window."""
+        """(source, destination) sliding pages that give `tables`' ring the window (the
+        pages it took as they are need none)."""
         ring = tables.ring
-        return [(src, ring[logical % len(ring)]) for logical, src in self.window]
+        slots = [(src, ring[logical % len(ring)]) for logical, src in self.window]
+        return [(src, dst) for src, dst in slots if src != dst]
 
 
 class KVPages:
@@ -170,6 +173,8 @@ class KVPages:
         return None
 
     def can_allocate(self, context: int, hit: CacheHit | None = None) -> bool:
+        """Whether a sequence of `context` positions (reusing `hit`) can be admitted now. A
+        hit never needs more than no hit: its idle pages are its own."""
         g, cache = self.geometry, self.cache
         need_full, need_sliding = g.full_pages(context), g.sliding_ring(context)
         idle_full = idle_sliding = 0
@@ -178,7 +183,8 @@ class KVPages:
             if hit is not None:
                 need_full -= hit.num_pages
                 idle_full -= sum(1 for p in hit.full if p in cache.idle_full)
-                idle_sliding -= sum(1 for _, p in hit.window if p in cache.idle_sliding)
+                taken = sum(1 for _, p in hit.window if p in cache.idle_sliding)
+                need_sliding, idle_sliding = need_sliding - taken, idle_sliding - taken
         return (
             need_full <= self.full.num_free + idle_full
             and need_sliding <= self.sliding.num_free + idle_sliding
@@ -195,11 +201,18 @@ class KVPages:
         for page in shared:
             self._hold(page)
         fresh = self._take_full(g.full_pages(context) - len(shared))
-        keep = frozenset(src for _, src in hit.window) if hit is not None else frozenset()
-        ring = [self._take_sliding(keep) for _ in range(g.sliding_ring(context))]
         for page in fresh:
             self.refs[page] = 1
-        return PageTables(shared + fresh, ring, ceil_div(context, g.page_size))
+        size = g.sliding_ring(context)
+        ring: list[int | None] = [None] * size
+        window = hit.window if hit is not None else ()
+        keep = frozenset(src for _, src in window)
+        for logical, src in window:  # idle window pages join the ring as they are
+            if self.cache is not None and src in self.cache.idle_sliding:
+                del self.cache.idle_sliding[src]
+                ring[logical % size] = src
+        ring = [self._take_sliding(keep) if p is None else p for p in ring]
+        return PageTables(shared + fresh, ring, ceil_div(context, g.page_size))  # type: ignore[arg-type]
 
     def _hold(self, page: int) -> None:
         self.refs[page] = self.refs.get(page, 0) + 1

@@ -155,11 +155,12 @@ class Scheduler:
         self.running[seq.request_id] = seq
 
     def _waits_for_prefix(self, seq: RequestState) -> bool:
-        """A running request is prefilling the waiting `seq`'s first page: `seq` waits and
-        then reuses what it computes."""
-        first = seq.page_names[:1]
-        return bool(first) and any(
-            r.state is SeqState.PREFILL and r.page_names[:1] == first for r in self.running.values()
+        """A running request is prefilling pages that begin the waiting `seq`'s prompt and are
+        not cached yet: `seq` waits, then reuses them."""
+        names = seq.page_names
+        return any(
+            r.state is SeqState.PREFILL and r.num_registered < _num_common(names, r.page_names)
+            for r in self.running.values()
         )
 
     def reset_prefix_cache(self) -> int:
@@ -436,6 +437,16 @@ def request_stats(seq: RequestState, now: float) -> RequestStats:
         accepted_tokens=seq.accepted_tokens,
         num_cached_tokens=seq.num_cached,
     )
+
+
+def _num_common(a: list[bytes], b: list[bytes]) -> int:
+    """The length of the common prefix of two lists of page names."""
+    num = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        num += 1
+    return num
 
 
 def _require(ok: bool, message: str) -> None:
