@@ -68,7 +68,7 @@ def test_every_case_gives_the_tokens_of_caching_off_for_20_seeds(cached: LLM, un
     assert [o.num_cached_tokens for o in on] == [n for *_, n in probes]
     mismatched = [
         (s, c)
-        for (s, c, *_), a, b in zip(probes, on, off, strict=False)
+        for (s, c, *_), a, b in zip(probes, on, off, strict=True)
         if a.output_ids != b.output_ids
     ]
     assert not mismatched
