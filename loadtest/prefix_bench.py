@@ -8,7 +8,9 @@ servers on one checkpoint, one with prefix caching (the default) and one with
 - shared system prompt: `--concurrency` clients, each request the same fresh system prompt and
   its own question: requests/s and output tokens/s;
 - multi-turn chat: `--conversations` conversations at once, each `--turns` turns that resend the
-  whole history (system prompt, questions, answers): each conversation's total latency.
+  whole history (system prompt, questions, answers): each conversation's total latency;
+- nothing shared: `--concurrency` clients, every request its own 500-token prompt: what
+  caching costs when it never hits (requests/s).
 
 Every workload runs once per server as warm-up (other prompts), then `--repeats` rounds; in
 each round both servers run it back to back on the same fresh prompts (the cache is reset
@@ -150,11 +152,20 @@ async def second_request(client: httpx.AsyncClient, s: Settings, seed: int) -> d
 
 
 async def shared_system(
-    client: httpx.AsyncClient, s: Settings, seed: int, concurrency: int, num_requests: int
+    client: httpx.AsyncClient,
+    s: Settings,
+    seed: int,
+    concurrency: int,
+    num_requests: int,
+    shared_tokens: int = 2000,
 ) -> dict[str, float]:
+    """`num_requests` requests from `concurrency` clients, each a system prompt of
+    `shared_tokens` (the same for all; 0: each its own of 500) and its own question."""
     rng = random.Random(seed)
-    shared = system(rng, 2000)
-    bodies = [[shared, question(rng)] for _ in range(num_requests)]
+    shared = system(rng, shared_tokens)
+    bodies = [
+        [shared if shared_tokens else system(rng, 500), question(rng)] for _ in range(num_requests)
+    ]
     queue = iter(bodies)
     replies: list[Reply] = []
 
@@ -195,11 +206,12 @@ async def multi_turn(
     }
 
 
-WORKLOADS = ("second_request", "shared_system", "multi_turn")
+WORKLOADS = ("second_request", "shared_system", "multi_turn", "no_sharing")
 RATIOS = {  # the ratio each workload is judged by: (metric, caching on / off)
     "second_request": "warm_ttft",
     "shared_system": "requests_per_s",
     "multi_turn": "mean_conversation_s",
+    "no_sharing": "requests_per_s",
 }
 
 
@@ -210,6 +222,8 @@ async def run_workload(
         return await second_request(client, s, seed)
     if name == "shared_system":
         return await shared_system(client, s, seed, args.concurrency, args.num_requests)
+    if name == "no_sharing":
+        return await shared_system(client, s, seed, args.concurrency, args.num_requests, 0)
     return await multi_turn(client, s, seed, args.conversations, args.turns)
 
 
