@@ -75,6 +75,13 @@ def test_every_case_gives_the_tokens_of_caching_off_for_20_seeds(cached: LLM, un
     assert all(o.num_cached_tokens == 0 for o in off)
 
 
+def test_choices_of_one_prompt_submitted_together_compute_it_once(cached: LLM):
+    prompt = _tokens(random.Random(55), 40)
+    params = [SamplingParams(mode=DecodeMode.AR, max_tokens=2, seed=i) for i in range(3)]
+    outs = cached.generate([prompt] * 3, params)
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32]
+
+
 @contextmanager
 def _first_denoise_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
     """Collects the denoise logits of every forward that has any."""
