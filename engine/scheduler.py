@@ -28,6 +28,7 @@ that share a system prompt, then compute it once).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -159,7 +160,8 @@ class Scheduler:
         not cached yet: `seq` waits, then reuses them."""
         names = seq.page_names
         return any(
-            r.state is SeqState.PREFILL and r.num_registered < _num_common(names, r.page_names)
+            r.state is SeqState.PREFILL
+            and r.num_registered < len(os.path.commonprefix([names, r.page_names]))
             for r in self.running.values()
         )
 
@@ -437,16 +439,6 @@ def request_stats(seq: RequestState, now: float) -> RequestStats:
         accepted_tokens=seq.accepted_tokens,
         num_cached_tokens=seq.num_cached,
     )
-
-
-def _num_common(a: list[bytes], b: list[bytes]) -> int:
-    """The length of the common prefix of two lists of page names."""
-    num = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        num += 1
-    return num
 
 
 def _require(ok: bool, message: str) -> None:
