@@ -170,6 +170,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of a start-up error"
     )
+    _add_engine_switches(parser)
+
+
+def _add_engine_switches(parser: argparse.ArgumentParser) -> None:
+    """The engine's on/off flags (their defaults: EngineConfig's)."""
     parser.add_argument(
         "--no-prefix-caching",
         action="store_true",
