@@ -304,6 +304,12 @@ class KVPages:
         self.sliding.release(sliding)
         return count
 
+    def num_unheld(self) -> tuple[int, int]:
+        """Pages of each pool (full, sliding) that no running sequence holds: free, or cached
+        and idle."""
+        idle_full, idle_sliding = self.idle_ids()
+        return self.full.num_free + len(idle_full), self.sliding.num_free + len(idle_sliding)
+
     def idle_ids(self) -> tuple[list[int], list[int]]:
         """The idle cached pages of each pool (full, sliding), for accounting checks."""
         if self.cache is None:
