@@ -13,7 +13,7 @@ STAMP   := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 BENCH_ARGS  ?=
 
-.PHONY: venv serve test lint bench bench-structured soak fuzz clean gpu-compile
+.PHONY: venv serve test lint bench bench-prefix bench-structured soak fuzz clean gpu-compile
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,6 +43,11 @@ bench: $(BENCH_STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.bench $(BENCH_ARGS)
 
 # What JSON-schema constraints cost a step that mixes constrained and free requests (default model).
+# Prefix caching on vs off (loadtest/prefix_bench.py): a second request over a shared
+# 2,000-token system prompt, 16 clients sharing one, 4-turn chats; report in bench-out/prefix.
+bench-prefix: $(BENCH_STAMP)
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.prefix_bench $(BENCH_ARGS)
+
 bench-structured: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.structured_bench
 

@@ -12,6 +12,7 @@ and the event loop never runs model code.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -42,6 +43,11 @@ class _Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class _ResetPrefixCache:
+    done: concurrent.futures.Future[int]
+
+
+@dataclass(frozen=True, slots=True)
 class EngineFailure:
     """Put on a request's queue when the engine could not run it; `error` is re-raised."""
 
@@ -58,6 +64,9 @@ class _LoopCounters:
     num_waiting: int = 0
     kv_usage: float = 0.0
     num_slots_used: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_usage: float = 0.0
 
 
 class AsyncEngine:
@@ -68,7 +77,9 @@ class AsyncEngine:
         self.stall_seconds = stall_seconds
         self.limits = engine.limits
         self._counters = _LoopCounters(last_step_time=time.monotonic())
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _ResetPrefixCache | None] = (
+            queue.SimpleQueue()
+        )
         self._queues: dict[str, asyncio.Queue[StepOutput | EngineFailure]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -108,6 +119,9 @@ class AsyncEngine:
             kv_usage=c.kv_usage,
             num_slots_used=c.num_slots_used,
             num_steps=c.num_steps,
+            prefix_cache_queries=c.prefix_cache_queries,
+            prefix_cache_hits=c.prefix_cache_hits,
+            prefix_cache_usage=c.prefix_cache_usage,
         )
 
     @property
@@ -179,6 +193,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix page, on the loop thread between two steps (running
+        requests keep theirs); returns how many pages were forgotten."""
+        if self._died or self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("step loop is not running")
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._commands.put(_ResetPrefixCache(done))
+        return await asyncio.wrap_future(done)
+
     # -- the loop thread --
 
     def _run(self) -> None:
@@ -234,6 +257,12 @@ class AsyncEngine:
                 if self.engine.abort(cmd.request_id):
                     logger.info("request %s aborted", cmd.request_id)
                 continue
+            if isinstance(cmd, _ResetPrefixCache):
+                try:
+                    cmd.done.set_result(self.engine.reset_prefix_cache())
+                except Exception as exc:  # reported to the caller, never fatal to the loop
+                    cmd.done.set_exception(exc)
+                continue
             try:
                 self.engine.add_request(
                     cmd.request_id, cmd.prompt_ids, cmd.params, cmd.want_drafts, cmd.constraint
@@ -249,6 +278,9 @@ class AsyncEngine:
         c.num_waiting = sched.num_waiting
         c.kv_usage = self.engine.pages.usage()
         c.num_slots_used = sched.slots.num_pages - sched.slots.num_free
+        c.prefix_cache_queries = sched.num_queried_tokens
+        c.prefix_cache_hits = sched.num_cached_tokens
+        c.prefix_cache_usage = self.engine.pages.cache_usage()
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):

@@ -65,6 +65,10 @@ class EngineConfig:
     # (CANVAS_CHECK_INVARIANTS=1) and `canvas serve --check-invariants` turn it on; it costs
     # O(pages) per step.
     check_invariants: bool = CHECK_INVARIANTS
+    # Automatic prefix caching (`engine.prefix_cache`): complete prefix pages stay cached for
+    # the next request that starts with the same tokens (`canvas serve --no-prefix-caching`;
+    # exact numerics never cache).
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
@@ -95,8 +99,15 @@ class Engine:
         )
         num_full = self.config.kv_cache_tokens // self.config.page_size
         num_sliding = sched.max_num_seqs * geometry.sliding_ring(cfg.max_position_embeddings)
-        self.pages = KVPages(geometry, num_full, num_sliding)
-        self.scheduler = Scheduler(sched, self.pages)
+        # Exact numerics never reuse a prefix: their values depend on how a prompt is cut into
+        # passes (GEMMs under SMALL_ROWS rows, per-request expert groups), so a reused prefix
+        # could not give the tokens recomputing it gives (README "Prefix caching").
+        caching = self.config.prefix_caching and not model.kernels.exact
+        self.pages = KVPages(geometry, num_full, num_sliding, caching)
+        # Everything besides the tokens that the KV depends on and that is fixed per engine.
+        adapter = "adapter" if model.adapter is not None else "no adapter"
+        salt = f"{model.kernels.describe()}|{model.embed_tokens.weight.dtype}|{adapter}"
+        self.scheduler = Scheduler(sched, self.pages, salt)
         cache = PagedKVCache(
             cfg,
             {LayerType.FULL: max(num_full, 1), LayerType.SLIDING: max(num_sliding, 1)},
@@ -146,6 +157,7 @@ class Engine:
             max_fit_positions=lo,
             numerics=self.model.kernels.numerics,
             kernels=self.model.kernels.backend,
+            prefix_caching=self.pages.cache is not None,
         )
 
     # -- requests -------------------------------------------------------------------------------
@@ -162,10 +174,12 @@ class Engine:
         params: ResolvedParams,
         want_drafts: bool = False,
         constraint: Constraint | None = None,
+        cache_key: str = "",
     ) -> None:
         """Queue a request. Raises ParamError (bad prompt, too long, bad schema) or QueueFull.
         A structured-output request brings its `constraint` (`build_constraint`) or has it
-        built here."""
+        built here. `cache_key`: whatever besides the token ids its KV depends on (hashes of
+        its media inputs); only requests with the same key share cached pages."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validator.check_prompt(prompt_ids)  # callers validated: a cheap second look
@@ -179,6 +193,7 @@ class Engine:
             seed=params.seed if params.seed is not None else new_seed(),
             want_drafts=want_drafts,
             constraint=constraint or self.build_constraint(params),
+            cache_key=cache_key,
         )
         self.scheduler.add(req)
 
@@ -189,6 +204,14 @@ class Engine:
         if self.config.check_invariants:
             self.scheduler.check()
         return ended
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix page (running requests keep theirs); returns how many
+        pages were forgotten."""
+        forgotten = self.scheduler.reset_prefix_cache()
+        if self.config.check_invariants:
+            self.scheduler.check()
+        return forgotten
 
     @property
     def numerics(self) -> str:
@@ -202,6 +225,8 @@ class Engine:
     def step(self) -> StepResult:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
+        if plan.copies:
+            self.runner.copy_sliding_pages(plan.copies)
         stats = StepStats(num_rows=len(plan.rows), num_tokens=plan.num_tokens)
         effects = self._execute(plan, stats)
         outputs = [*plan.ended, *self.scheduler.update(plan, effects)]

@@ -36,6 +36,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
     verify_passes: int = 0  # hybrid: encoder passes over a draft (in encoder_passes too)
     accepted_tokens: int = 0  # hybrid: draft tokens the verifier accepted
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def tokens_per_forward(self) -> float:
@@ -159,4 +160,5 @@ class LLM:
             logprobs=logprobs,
             verify_passes=stats.verify_passes,
             accepted_tokens=stats.accepted_tokens,
+            num_cached_tokens=stats.num_cached_tokens,
         )

@@ -41,6 +41,13 @@ class RequestState:
     # scheduling
     state: SeqState = SeqState.WAITING
     num_computed: int = 0  # positions whose KV is written
+    # Prefix caching: `cache_key` joins the tokens in naming the KV (media hashes); the names
+    # of the full pages known so far (the prompt's, then each completed one), how many are
+    # registered, and how many prompt positions admission found cached.
+    cache_key: str = ""
+    page_names: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
+    num_cached: int = 0
     # What it holds while running: KV pages and a sampler slot (acquired at admission and
     # released at its end, together, by the scheduler).
     pages: PageTables | None = None

@@ -67,6 +67,12 @@ class ModelRunner:
         self.canvas_length = model.config.canvas_length
 
     @torch.inference_mode()
+    def copy_sliding_pages(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Copy (source, destination) pages of every sliding layer's pool (values moved, not
+        computed: exact in both numerics)."""
+        self.cache.copy_pages(LayerType.SLIDING, [s for s, _ in copies], [d for _, d in copies])
+
+    @torch.inference_mode()
     def execute(self, step: StepInputs) -> RunOutput:
         batch = self._batch(step)
         encode_ids = [t for e in step.encode for t in e.tokens]

@@ -19,17 +19,25 @@ pages and sampler slot, acquired together), `update` (the step's effects, the on
 progress is written) and `end` (every way out — finish, failure, abort, drain — releases what
 it holds exactly once). `check` verifies the accounting (free + held = capacity, every request
 in exactly one place).
+
+Prefix caching (`engine.kv_pages`, `engine.prefix_cache`): `add` names a prompt's full pages;
+admission starts a request after the longest usable cached prefix (`num_cached`); `update`
+names each page a request completes, so the next request can reuse it. A waiting request whose
+first page a running request is still prefilling waits for it (`n > 1` choices, and requests
+that share a system prompt, then compute it once).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.kv_pages import IdPool, KVPages
+from engine.kv_pages import CacheHit, IdPool, KVPages
+from engine.prefix_cache import chain_hashes, root_hash
 from engine.request import RequestState, SeqState
 from engine.types import (
     FinishReason,
@@ -94,9 +102,14 @@ class InvariantError(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pages: KVPages) -> None:
+    def __init__(self, config: SchedulerConfig, pages: KVPages, cache_salt: str = "") -> None:
         self.config = config
         self.pages = pages
+        self.cache_salt = cache_salt  # what else names a page's KV: numerics, adapter
+        # Prefix cache counters (tokens, since start): prompt tokens of admitted requests, and
+        # of those, the ones found cached.
+        self.num_queried_tokens = 0
+        self.num_cached_tokens = 0
         self.slots = IdPool(config.max_num_seqs)  # sampler slots: one per running request
         self.requests: dict[str, RequestState] = {}  # every request known: waiting or running
         self.waiting: deque[RequestState] = deque()
@@ -115,12 +128,18 @@ class Scheduler:
                 f"{len(self.running)} requests running and {len(self.waiting)} waiting "
                 f"(max_num_seqs + max_queue = {capacity})"
             )
+        if self.pages.cache is not None:
+            root = root_hash(self.cache_salt, seq.cache_key)
+            seq.page_names = chain_hashes(root, seq.prompt_ids, self.pages.geometry.page_size)
         self.waiting.append(seq)
         self.requests[seq.request_id] = seq
 
-    def _admit(self, seq: RequestState, now: float) -> None:
-        """Acquire what a running request holds (KV pages, a sampler slot), together."""
-        pages = self.pages.allocate(seq.context)
+    def _admit(
+        self, seq: RequestState, now: float, hit: CacheHit | None, copies: list[tuple[int, int]]
+    ) -> None:
+        """Acquire what a running request holds (KV pages, a sampler slot), together; a cache
+        hit's pages are shared and the window before them is copied (`copies`)."""
+        pages = self.pages.allocate(seq.context, hit)
         try:
             (slot,) = self.slots.allocate(1)
         except MemoryError:
@@ -130,7 +149,27 @@ class Scheduler:
         seq.pages, seq.slot = pages, slot
         seq.state = SeqState.PREFILL
         seq.first_scheduled_time = now
+        if hit is not None:
+            copies += hit.copies(pages)
+            seq.num_registered = hit.num_pages
+            seq.num_computed = seq.num_cached = hit.num_pages * self.pages.geometry.page_size
+        self.num_queried_tokens += seq.num_prompt if self.pages.cache is not None else 0
+        self.num_cached_tokens += seq.num_cached
         self.running[seq.request_id] = seq
+
+    def _waits_for_prefix(self, seq: RequestState) -> bool:
+        """A running request is prefilling pages that begin the waiting `seq`'s prompt and are
+        not cached yet: `seq` waits, then reuses them."""
+        names = seq.page_names
+        return any(
+            r.state is SeqState.PREFILL
+            and r.num_registered < len(os.path.commonprefix([names, r.page_names]))
+            for r in self.running.values()
+        )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page (running requests keep theirs); returns how many."""
+        return self.pages.reset_cache()
 
     def end(self, seq_id: str) -> RequestState | None:
         """Remove a request (finished, failed or aborted) and release what it holds; None if
@@ -171,6 +210,7 @@ class Scheduler:
         now = time.monotonic()
         rows: list[ScheduledRow] = []
         ended: list[StepOutput] = []
+        copies: list[tuple[int, int]] = []
         budget = self.config.max_num_batched_tokens
         for seq in list(self.running.values()):
             row = self._plan_row(seq, budget if rows else max(budget, 1), ended)
@@ -181,10 +221,11 @@ class Scheduler:
             budget = self._add(rows, row, budget - row.num_tokens)
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            if not self.pages.can_allocate(seq.context):
+            hit = self.pages.find(seq.page_names, seq.num_prompt)
+            if self._waits_for_prefix(seq) or not self.pages.can_allocate(seq.context, hit):
                 break  # FCFS: later requests do not overtake the head of the queue
             try:
-                self._admit(seq, now)
+                self._admit(seq, now, hit, copies)
             except Exception as exc:  # its own fault: it ends, the queue moves on
                 logger.exception("admitting request %s failed", seq.request_id)
                 ended.append(self._fault(seq, "admission", exc))
@@ -192,7 +233,7 @@ class Scheduler:
             row = self._plan_row(seq, budget, ended, admitted=True)
             if row is not None:
                 budget = self._add(rows, row, budget - row.num_tokens)
-        return StepPlan(tuple(rows), now, tuple(ended))
+        return StepPlan(tuple(rows), now, tuple(ended), tuple(copies))
 
     @staticmethod
     def _add(rows: list[ScheduledRow], row: ScheduledRow, budget: int) -> int:
@@ -209,7 +250,10 @@ class Scheduler:
         self, seq: RequestState, budget: int, ended: list[StepOutput], admitted: bool = False
     ) -> ScheduledRow | None:
         try:
-            return self.row_for(seq, budget, admitted)
+            row = self.row_for(seq, budget, admitted)
+            if row is not None and row.kind is not RowKind.DENOISE and seq.pages is not None:
+                self.pages.before_write(seq.pages, row.start, row.num_tokens)
+            return row
         except Exception as exc:
             logger.exception("planning request %s failed", seq.request_id)
             ended.append(self._fault(seq, "scheduling", exc))
@@ -305,6 +349,8 @@ class Scheduler:
         if effect.tokens and seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_ids += effect.tokens
+        if row.kind is not RowKind.DENOISE:
+            self._name_pages(seq)
         if effect.finish_reason is not None:
             self.end(seq.request_id)
             stats = request_stats(seq, now)
@@ -316,12 +362,33 @@ class Scheduler:
                 stats,
                 None,
                 effect.logprobs,
+                seq.num_cached,
             )
         if effect.tokens or effect.draft is not None:
             return StepOutput(
-                seq.request_id, effect.tokens, draft=effect.draft, logprobs=effect.logprobs
+                seq.request_id,
+                effect.tokens,
+                draft=effect.draft,
+                logprobs=effect.logprobs,
+                num_cached_tokens=seq.num_cached,
             )
         return None
+
+    def _name_pages(self, seq: RequestState) -> None:
+        """Register the pages `seq` has completed since the last time (prompt, then committed
+        tokens: every position below `num_computed` holds the KV of prompt + output there)."""
+        size = self.pages.geometry.page_size
+        complete = seq.num_computed // size
+        if self.pages.cache is None or complete <= seq.num_registered or seq.pages is None:
+            return
+        names = seq.page_names
+        if len(names) < complete:
+            tokens = seq.prompt_ids + seq.output_ids
+            parent = names[-1] if names else root_hash(self.cache_salt, seq.cache_key)
+            names += chain_hashes(parent, tokens[len(names) * size : complete * size], size)
+        first = seq.num_registered
+        self.pages.register(seq.pages, names[first:complete], first, seq.num_computed)
+        seq.num_registered = complete
 
     # -- accounting ---------------------------------------------------------------------------
 
@@ -347,8 +414,25 @@ class Scheduler:
             "a running request lacks its pages or slot",
         )
         _check_pool("sampler slots", self.slots, [[s.slot] for s in running])  # type: ignore[list-item]
-        _check_pool("full pages", self.pages.full, [s.pages.full for s in running])  # type: ignore[union-attr]
-        _check_pool("sliding pages", self.pages.sliding, [s.pages.ring for s in running])  # type: ignore[union-attr]
+        holders = Counter(p for s in running for p in s.pages.full)  # type: ignore[union-attr]
+        _require(dict(holders) == self.pages.refs, "full pages: reference counts != holders")
+        rings = [p for s in running for p in s.pages.ring]  # type: ignore[union-attr]
+        idle_full, idle_sliding = self.pages.idle_ids()
+        # free + held + cached (idle) = capacity, nothing in two places
+        _check_pool("full pages", self.pages.full, [list(holders), idle_full])
+        _check_pool("sliding pages", self.pages.sliding, [rings, idle_sliding])
+        cache = self.pages.cache
+        if cache is not None:
+            _require(
+                set(cache.name_of_full) <= set(holders) | set(idle_full)
+                and set(idle_full) <= set(cache.name_of_full),
+                "full pages: a named page is neither held nor idle, or an idle one is unnamed",
+            )
+            _require(
+                set(cache.name_of_sliding) <= set(rings) | set(idle_sliding)
+                and set(idle_sliding) <= set(cache.name_of_sliding),
+                "sliding pages: a named page is neither held nor idle, or an idle one is unnamed",
+            )
 
 
 def first_step_along(row: ScheduledRow) -> ScheduledRow | None:
@@ -384,6 +468,7 @@ def request_stats(seq: RequestState, now: float) -> RequestStats:
         finish_time=now,
         verify_passes=seq.verify_passes,
         accepted_tokens=seq.accepted_tokens,
+        num_cached_tokens=seq.num_cached,
     )
 
 

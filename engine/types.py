@@ -65,6 +65,7 @@ class RequestStats:
     finish_time: float
     verify_passes: int = 0  # hybrid: encoder passes over a draft (counted in encoder_passes)
     accepted_tokens: int = 0  # hybrid: draft tokens the verifier accepted
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def tokens_per_forward(self) -> float:
@@ -95,6 +96,7 @@ class StepOutput:
     stats: RequestStats | None = None
     error: str | None = None  # the request failed (finish_reason ABORT); the rest carry on
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (once run)
 
 
 # -- the step's values: plan → results → effects (scheduler ↔ engine ↔ row kinds) ---------------
@@ -135,6 +137,9 @@ class StepPlan:
     rows: tuple[ScheduledRow, ...]
     time: float = 0.0  # time.monotonic() when planned
     ended: tuple[StepOutput, ...] = ()
+    # (source, destination) sliding pages to copy before the forward: the cached window before
+    # an admitted request's reuse point, into its own ring (`engine.kv_pages.CacheHit`)
+    copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -229,6 +234,7 @@ class EngineLimits:
     max_fit_positions: int
     numerics: str = "fast"  # "fast" | "exact"
     kernels: str = "twins"  # "triton" | "twins"
+    prefix_caching: bool = False  # complete prefix pages are reused across requests
 
     def __post_init__(self) -> None:
         if min(self.max_context_positions, self.vocab_size, self.canvas_length) < 1:
@@ -251,6 +257,9 @@ class EngineStats:
     kv_usage: float  # 0..1
     num_steps: int
     num_slots_used: int = 0  # sampler slots held (= running requests when nothing leaks)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    prefix_cache_usage: float = 0.0  # 0..1: pages cached and idle (reclaimable)
 
 
 StepListener = Callable[[StepStats, list[StepOutput]], None]
@@ -286,6 +295,11 @@ class EngineClient(Protocol):
         ...
 
     def abort(self, request_id: str) -> None: ...
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix page (running requests keep theirs); returns how many
+        pages were forgotten. RuntimeError when the step loop is not running."""
+        ...
 
     def fail_all_inflight(self, error: Exception) -> int:
         """Fail every request in flight with `error` and abort it; returns how many (call on

@@ -21,6 +21,41 @@ ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 255)
 TOKEN_BUCKETS = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+class PrefixCacheMetrics:
+    """vLLM's prefix-cache counters, in tokens (hit rate = hits / queries), fed from the
+    engine's running totals, and the share of pages cached and idle."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+        self.queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            labels,
+            registry=registry,
+        ).labels(model_name)
+        self.hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            labels,
+            registry=registry,
+        ).labels(model_name)
+        self.usage = Gauge(
+            "canvas:prefix_cache_usage_perc",
+            "Fraction of KV cache pages cached and idle, reclaimable on demand (0..1)",
+            labels,
+            registry=registry,
+        ).labels(model_name)
+        self._seen = (0, 0)  # the engine's totals at the last update
+
+    def update(self, engine: EngineStats) -> None:
+        queries, hits = engine.prefix_cache_queries, engine.prefix_cache_hits
+        seen_queries, seen_hits = self._seen
+        self.queries.inc(max(0, queries - seen_queries))
+        self.hits.inc(max(0, hits - seen_hits))
+        self._seen = (max(queries, seen_queries), max(hits, seen_hits))
+        self.usage.set(engine.prefix_cache_usage)
+
+
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -41,6 +76,7 @@ class Metrics:
         self.kv_usage = gauge(
             "vllm:kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)"
         )
+        self.prefix_cache = PrefixCacheMetrics(r, model_name)
         self.slots_used = gauge(
             "canvas:sampler_slots_used", "Sampler slots held (one per running request)"
         )
@@ -135,4 +171,5 @@ class Metrics:
         self.waiting.set(engine.num_waiting)
         self.kv_usage.set(engine.kv_usage)
         self.slots_used.set(engine.num_slots_used)
+        self.prefix_cache.update(engine)
         return generate_latest(self.registry)

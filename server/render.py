@@ -40,11 +40,14 @@ def canvas_stats(stats: RequestStats | None) -> dict[str, Any] | None:
     }
 
 
-def usage(num_prompt: int, num_completion: int) -> dict[str, int]:
+def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `num_cached`: prompt tokens whose KV came from the prefix
+    cache."""
     return {
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,
         "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
     }
 
 
@@ -62,7 +65,9 @@ class Renderer:
         self.include_usage = include_usage
         self.created = int(time.time())
 
-    def response(self, choices: list[ChoiceResult], num_prompt: int) -> dict[str, Any]:
+    def response(
+        self, choices: list[ChoiceResult], num_prompt: int, num_cached: int = 0
+    ) -> dict[str, Any]:
         items = [
             {
                 "index": c.index,
@@ -74,7 +79,7 @@ class Renderer:
             for c in choices
         ]
         body = {**self._head(self.object), "choices": items}
-        return {**body, "usage": self._usage(num_prompt, choices)}
+        return {**body, "usage": self._usage(num_prompt, choices, num_cached)}
 
     def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         """Chunks sent before any output."""
@@ -97,12 +102,16 @@ class Renderer:
             item["canvas_stats"] = canvas_stats(event.stats)
         return self._chunk([item])
 
-    def usage_chunk(self, num_prompt: int, choices: list[ChoiceResult]) -> dict[str, Any]:
+    def usage_chunk(
+        self, num_prompt: int, choices: list[ChoiceResult], num_cached: int = 0
+    ) -> dict[str, Any]:
         body = {**self._head(self.chunk_object), "choices": []}
-        return {**body, "usage": self._usage(num_prompt, choices)}
+        return {**body, "usage": self._usage(num_prompt, choices, num_cached)}
 
-    def _usage(self, num_prompt: int, choices: list[ChoiceResult]) -> dict[str, Any]:
-        return usage(num_prompt, sum(c.num_tokens for c in choices))
+    def _usage(
+        self, num_prompt: int, choices: list[ChoiceResult], num_cached: int
+    ) -> dict[str, Any]:
+        return usage(num_prompt, sum(c.num_tokens for c in choices), num_cached)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
@@ -178,10 +187,12 @@ class ChatRenderer(Renderer):
             body["tool_calls"] = [piece.openai() for piece in _coalesce(delta.tool_calls)]
         return {"delta": body}
 
-    def _usage(self, num_prompt: int, choices: list[ChoiceResult]) -> dict[str, Any]:
+    def _usage(
+        self, num_prompt: int, choices: list[ChoiceResult], num_cached: int
+    ) -> dict[str, Any]:
         reasoning = sum(c.num_reasoning_tokens for c in choices)
         details = {"completion_tokens_details": {"reasoning_tokens": reasoning}}
-        return {**super()._usage(num_prompt, choices), **details}
+        return {**super()._usage(num_prompt, choices, num_cached), **details}
 
 
 def _coalesce(pieces: list[ToolCallDelta]) -> list[ToolCallDelta]:

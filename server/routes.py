@@ -51,9 +51,30 @@ def ops_router(state: ServerState) -> APIRouter:
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @router.get("/version")
-    async def version() -> dict[str, str]:
+    async def version() -> dict[str, Any]:
         limits = state.engine.limits
-        return {"version": VERSION, "numerics": limits.numerics, "kernels": limits.kernels}
+        return {
+            "version": VERSION,
+            "numerics": limits.numerics,
+            "kernels": limits.kernels,
+            "prefix_caching": limits.prefix_caching,
+        }
+
+    return router
+
+
+def admin_router(state: ServerState) -> APIRouter:
+    """Operator routes that change the engine (they need the API key when one is set)."""
+    router = APIRouter()
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's route: forget every cached prefix page (running requests keep theirs)."""
+        try:
+            forgotten = await state.engine.reset_prefix_cache()
+        except RuntimeError as exc:
+            raise APIError(503, f"cannot reset the prefix cache: {exc}") from None
+        return JSONResponse({"status": "ok", "pages_forgotten": forgotten})
 
     return router
 

@@ -51,6 +51,7 @@ class Choice:
     parsed: Parsed = field(default_factory=Parsed)
     finish_reason: str | None = None
     stats: RequestStats | None = None
+    num_cached: int = 0  # prompt tokens its engine request found in the prefix cache
     last_output_time: float = field(default_factory=time.monotonic)
     texts: TokenTexts | None = None  # set when the request asked for log-probabilities
     received: list[TokenLogprob] = field(default_factory=list)
@@ -154,6 +155,16 @@ class RequestRun:
     def num_prompt_tokens(self) -> int:
         return sum(len(p.ids) for p in self.prompts)
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Per prompt (counted once, as its tokens are), the most of it any of its choices
+        found in the prefix cache."""
+        best: dict[int, int] = {}
+        for c in self.choices:
+            key = id(c.prompt)
+            best[key] = max(best.get(key, 0), c.num_cached)
+        return sum(best.values())
+
     @staticmethod
     def _choice_params(choice: Choice) -> ResolvedParams:
         """Choice i of a prompt samples with seed + i, so n > 1 gives n different,
@@ -216,6 +227,8 @@ class RequestRun:
 
     def _take(self, choice: Choice, out: StepOutput, sink: OutputCollector | None) -> None:
         """Fold one engine output into `choice`; put what the client should see into `sink`."""
+        if out.num_cached_tokens is not None:
+            choice.num_cached = out.num_cached_tokens
         delta = choice.text.add(out.new_token_ids, final=out.finish_reason is not None)
         if choice.text.stopped:
             choice.finish_reason = FinishReason.STOP
@@ -277,7 +290,7 @@ class RequestRun:
             watcher.cancel()
             await _cancel_all(tasks)
         results = [c.result() for c in self.choices]
-        return self.renderer.response(results, self.num_prompt_tokens)
+        return self.renderer.response(results, self.num_prompt_tokens, self.num_cached_tokens)
 
     async def _feed(self, choice: Choice, sink: OutputCollector) -> None:
         try:
@@ -311,7 +324,8 @@ class RequestRun:
                     yield sse(render.chunk(event, draft, cells))
             if render.include_usage:
                 results = [c.result() for c in self.choices]
-                yield sse(render.usage_chunk(self.num_prompt_tokens, results))
+                usage = render.usage_chunk(self.num_prompt_tokens, results, self.num_cached_tokens)
+                yield sse(usage)
         except Exception as exc:
             logger.warning("request %s failed mid-stream: %s", self.response_id, exc)
             yield sse(to_api_error(exc, self.response_id, render.prompt_param).body())

@@ -170,6 +170,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of a start-up error"
     )
+    _add_engine_switches(parser)
+
+
+def _add_engine_switches(parser: argparse.ArgumentParser) -> None:
+    """The engine's on/off flags (their defaults: EngineConfig's)."""
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="recompute every prompt (default: complete prefix pages are cached and reused; "
+        "exact numerics never cache)",
+    )
     check = "verify pages, sampler slots and request sets after every step"
     parser.add_argument("--check-invariants", action="store_true", help=check)
 
@@ -241,6 +252,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         ),
         kv_cache_tokens=args.kv_cache_tokens,
         check_invariants=args.check_invariants or CHECK_INVARIANTS,
+        prefix_caching=not args.no_prefix_caching,
     )
     engine = AsyncEngine(Engine(model, defaults, config, tokenizer))
     name = args.served_model_name or model_dir.name
@@ -250,7 +262,8 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         f"  canvas length {model.config.canvas_length}, {model.cfg.num_layers} layers, "
         f"dtype {next(model.parameters()).dtype}, device {args.device}, "
         f"{model.kernels.describe()}",
-        f"  decoder adapter: {'attached' if model.adapter is not None else 'none'}",
+        f"  decoder adapter: {'attached' if model.adapter is not None else 'none'}, "
+        f"prefix caching {'on' if engine.limits.prefix_caching else 'off'}",
         f"  max-num-seqs {args.max_num_seqs}, max-queue {args.max_queue}, "
         f"auth {'on' if api_key else 'off'}",
         f"  http://{args.host}:{args.port}/v1  (docs: /docs, metrics: /metrics)",

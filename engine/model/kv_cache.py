@@ -182,3 +182,14 @@ class PagedKVCache:
         k_pool, v_pool = self.keys[layer], self.values[layer]
         kernels.write_kv(k, v, k_pool, v_pool, rows)
         return kernels.canvas_attention(q, k, v, k_pool, v_pool, rows, window, scale)
+
+    def copy_pages(self, layer_type: LayerType, src: list[int], dst: list[int]) -> None:
+        """Copy pages src[i] -> dst[i] in every layer of `layer_type` (all sources are read
+        before any destination is written)."""
+        device = self.keys[0].device
+        src_index = torch.tensor(src, dtype=torch.long, device=device)
+        dst_index = torch.tensor(dst, dtype=torch.long, device=device)
+        for layer, kind in enumerate(self.layer_types):
+            if kind is layer_type:
+                for pool in (self.keys[layer], self.values[layer]):
+                    pool.index_copy_(0, dst_index, pool.index_select(0, src_index))

@@ -15,6 +15,7 @@ const ui = {
   canvasIndex: $("canvas-index"), canvasStep: $("canvas-step"), canvases: $("canvases"),
   statSteps: $("stat-steps"), statTpf: $("stat-tpf"), statPasses: $("stat-passes"),
   statTokens: $("stat-tokens"),
+  statCached: $("stat-cached"),
 };
 
 const chat = { history: [], model: null, controller: null };
@@ -163,11 +164,16 @@ function showStats(stats, usage) {
     ui.statTpf.textContent = stats.tokens_per_forward.toFixed(2);
     ui.statPasses.textContent = String(stats.decoder_passes);
   }
-  if (usage) ui.statTokens.textContent = `${usage.prompt_tokens} / ${usage.completion_tokens}`;
+  if (usage) {
+    ui.statTokens.textContent = `${usage.prompt_tokens} / ${usage.completion_tokens}`;
+    const details = usage.prompt_tokens_details;
+    ui.statCached.textContent = String(details ? details.cached_tokens : 0);
+  }
 }
 
 function clearStats() {
-  for (const el of [ui.statSteps, ui.statTpf, ui.statPasses, ui.statTokens]) el.textContent = "–";
+  const stats = [ui.statSteps, ui.statTpf, ui.statPasses, ui.statTokens, ui.statCached];
+  for (const el of stats) el.textContent = "–";
 }
 
 // ---- the conversation ------------------------------------------------------------------

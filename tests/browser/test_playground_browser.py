@@ -155,6 +155,7 @@ def test_a_conversation_keeps_its_history_and_system_prompt_without_streaming(
     ask(browser, "second")
     second_prompt = int(by_id(browser, "stat-tokens").text.split(" / ")[0])
     assert second_prompt > first_prompt  # the first turn and its answer were sent again
+    assert int(by_id(browser, "stat-cached").text) >= 16  # and found cached (a page at least)
     assert len(browser.find_elements(By.CSS_SELECTOR, ".message.assistant")) == 2
     assert by_id(browser, "stat-steps").text == "– (AR mode)"
     by_id(browser, "temperature").send_keys("7")

@@ -61,16 +61,16 @@ def test_finished_and_aborted_requests_return_their_pages(tiny_checkpoint):
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4), kv_cache_tokens=4096)
     llm = LLM.from_pretrained(tiny_checkpoint("c16"), config=config)
     engine = llm.engine
-    free = (engine.pages.full.num_free, engine.pages.sliding.num_free)
+    free = engine.pages.num_unheld()
     llm.generate([[5, 6], [7, 8, 9]], SamplingParams(max_tokens=40, seed=0, max_denoising_steps=4))
-    assert (engine.pages.full.num_free, engine.pages.sliding.num_free) == free
+    assert engine.pages.num_unheld() == free
     params = llm.defaults.resolve(SamplingParams(max_tokens=200, seed=0))
     engine.add_request("x", [5, 6, 7], params)
     engine.step()
     engine.step()
     assert engine.pages.usage() > 0 and engine.scheduler.num_running == 1
     assert engine.abort("x")
-    assert (engine.pages.full.num_free, engine.pages.sliding.num_free) == free
+    assert engine.pages.num_unheld() == free
     assert not engine.has_work() and engine.step().outputs == []
 
 

@@ -116,7 +116,7 @@ def inject(llm: LLM, stage: str, victim: str, monkeypatch: pytest.MonkeyPatch) -
         wrap(eng.scheduler, "row_for", lambda seq, *a: seq.request_id == victim)
     elif stage == "admission":
         context = lambda: req().context if req() else -1  # noqa: E731
-        wrap(eng.pages, "allocate", lambda ctx: ctx == context())
+        wrap(eng.pages, "allocate", lambda ctx, *_: ctx == context())
     elif stage == "inputs":
         wrap(eng.sampling, "canvas_inputs", lambda reqs, _: _victim_reqs(reqs, victim))
         for kind in (RowKind.PREFILL, RowKind.AR, RowKind.COMMIT, RowKind.VERIFY):

@@ -47,6 +47,19 @@ def start_server(checkpoint: str | None, *flags: str) -> tuple[LiveServer, Calla
 
 @pytest.fixture(scope="session")
 def live_server(tiny_checkpoint) -> Iterator[LiveServer]:
+    """Without prefix caching: its tests compare requests that repeat a prompt and a seed, and
+    with caching the repeat would run over a cached prompt, whose last bits differ from a
+    computed one's (fast numerics; a canvas can turn that into other tokens)."""
+    server, stop = start_server(
+        str(tiny_checkpoint("c16")), "--served-model-name", "tiny", "--no-prefix-caching"
+    )
+    yield server
+    stop()
+
+
+@pytest.fixture(scope="session")
+def cached_server(tiny_checkpoint) -> Iterator[LiveServer]:
+    """The same checkpoint with prefix caching (the default)."""
     server, stop = start_server(str(tiny_checkpoint("c16")), "--served-model-name", "tiny")
     yield server
     stop()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.params import DecodingDefaults, ParamError, ResolvedParams
@@ -125,6 +125,10 @@ class FakeEngine:
     submitted: list[Submitted] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     failed_all: list[Exception] = field(default_factory=list)
+    prefix_cache_resets: int = 0
+    num_cached: int = 0  # prompt tokens every request reports found in the prefix cache
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     on_step: list[StepListener] = field(default_factory=list)
 
     @property
@@ -138,6 +142,8 @@ class FakeEngine:
             num_inflight=max(self.num_inflight, full),
             kv_usage=self.kv_usage,
             num_steps=0,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -148,6 +154,10 @@ class FakeEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    async def reset_prefix_cache(self) -> int:
+        self.prefix_cache_resets += 1
+        return 0
 
     def fail_all_inflight(self, error: Exception) -> int:
         self.failed_all.append(error)
@@ -223,9 +233,8 @@ class FakeEngine:
                     finish_time=arrival + 2.0,
                 )
             logprobs = _logprobs(cut, params.logprobs) if params.logprobs is not None else None
-            yield await self._pace(
-                StepOutput(request_id, cut, reason, stats=stats, logprobs=logprobs)
-            )
+            out = StepOutput(request_id, cut, reason, stats=stats, logprobs=logprobs)
+            yield await self._pace(replace(out, num_cached_tokens=self.num_cached))
             if reason is not None:
                 return
 

@@ -23,6 +23,7 @@ BODIES = {
     "tokenize": b'{"prompt": "a"}',
     "detokenize": b'{"tokens": [97]}',
     "models": b"",
+    "reset": b"",
 }
 # Each spelling of a keyed route, and the body that route would accept.
 KEYED_SPELLINGS = [
@@ -57,6 +58,9 @@ KEYED_SPELLINGS = [
     ("/%74okenize", "tokenize"),
     ("/detokenize", "detokenize"),
     ("/detokenize/", "detokenize"),
+    ("/reset_prefix_cache", "reset"),
+    ("//reset_prefix_cache", "reset"),
+    ("/reset_prefix_cache/", "reset"),
     ("/nothing", "models"),
 ]
 HOSTILE_HEADERS = [
@@ -115,6 +119,7 @@ def test_no_spelling_of_a_keyed_path_runs_without_the_key(keyed, target, kind, h
     status = raw(address, _method(kind), target, headers, BODIES[kind])
     assert status == 401, (target, headers, status)
     assert len(server.engine.submitted) == before  # the route never ran
+    assert server.engine.prefix_cache_resets == 0
 
 
 @pytest.mark.parametrize(("target", "kind"), KEYED_SPELLINGS, ids=[t for t, _ in KEYED_SPELLINGS])

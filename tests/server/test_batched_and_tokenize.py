@@ -22,7 +22,12 @@ def test_a_batch_of_prompts_gets_n_choices_each_indexed_by_prompt(fake):
     ]
     # Choice i of each prompt samples with seed + i, as a single prompt's choices do.
     assert [c["text"] for c in body["choices"]] == ["bcde", "cdef", "bcde", "cdef"]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 16, "total_tokens": 21}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 16,
+        "total_tokens": 21,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_token_id_prompts_single_and_batched(fake):

@@ -47,7 +47,7 @@ def test_sixteen_concurrent_requests_equal_their_one_at_a_time_outputs(exact_ser
 
 def test_client_disconnect_aborts_the_request_and_frees_its_pages(live_server):
     engine = live_server.state.engine.engine
-    free_before = (engine.pages.full.num_free, engine.pages.sliding.num_free)
+    free_before = engine.pages.num_unheld()
     body = {
         "model": "tiny",
         "prompt": "abc",
@@ -67,12 +67,12 @@ def test_client_disconnect_aborts_the_request_and_frees_its_pages(live_server):
     while time.monotonic() < deadline:
         if (
             live_server.metric("vllm:num_requests_running") == 0
-            and (engine.pages.full.num_free, engine.pages.sliding.num_free) == free_before
+            and engine.pages.num_unheld() == free_before
         ):
             break
         time.sleep(0.1)
     assert live_server.metric("vllm:num_requests_running") == 0
-    assert (engine.pages.full.num_free, engine.pages.sliding.num_free) == free_before
+    assert engine.pages.num_unheld() == free_before
     assert not engine.requests
 
 

@@ -11,6 +11,7 @@ import pytest
 from engine import LLM, SamplingParams
 
 CHAT = [{"role": "user", "content": "Tell me something."}]
+AR = {"mode": "ar"}
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +228,42 @@ def test_health_ready_metrics_and_request_id(live_server):
         assert name in text, name
     assert httpx.get(f"{live_server.url}/docs").status_code == 200
     assert json.loads(httpx.get(f"{live_server.url}/openapi.json").text)["paths"]
+
+
+def test_a_repeated_prompt_reports_cached_tokens_on_both_routes_until_the_cache_is_reset(
+    cached_server,
+):
+    live_server = cached_server
+    client = openai.OpenAI(base_url=live_server.v1, api_key="unused", max_retries=0)
+    prompt = list(range(300, 340))  # 40 token ids no other test sends: 2 full pages reusable
+    first = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, seed=1, extra_body=AR
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    stream = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=2,
+        seed=1,
+        extra_body=AR,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert list(stream)[-1].usage.prompt_tokens_details.cached_tokens == 32
+    chat = [{"role": "user", "content": "A long question that no other test asks. " * 3}]
+    client.chat.completions.create(model="tiny", messages=chat, max_tokens=2, seed=1, extra_body=AR)
+    repeat = client.chat.completions.create(
+        model="tiny", messages=chat, max_tokens=2, seed=1, extra_body=AR
+    )
+    assert repeat.usage.prompt_tokens_details.cached_tokens >= 16
+    text = httpx.get(f"{live_server.url}/metrics").text
+    hits = [line for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
+    assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 32 + 16
+    assert "vllm:prefix_cache_queries_total" in text and "canvas:prefix_cache_usage_perc" in text
+    reset = httpx.post(f"{live_server.url}/reset_prefix_cache")
+    assert reset.status_code == 200 and reset.json()["pages_forgotten"] > 0
+    after = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, seed=1, extra_body=AR
+    )
+    assert after.usage.prompt_tokens_details.cached_tokens == 0
+    assert after.choices[0].text == first.choices[0].text

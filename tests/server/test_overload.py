@@ -121,7 +121,7 @@ def test_a_burst_of_streams_over_a_small_queue_gets_whole_streams_or_429s(small_
 
 def test_a_non_streaming_client_that_leaves_aborts_its_request(live_server):
     engine = live_server.state.engine
-    free_before = (engine.engine.pages.full.num_free, engine.engine.pages.sliding.num_free)
+    free_before = engine.engine.pages.num_unheld()
     aborts_before = _abort_count(live_server)
     body = {"model": "tiny", "prompt": "abc", "max_tokens": 4000, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
@@ -130,16 +130,9 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(live_server):
     while engine.num_inflight and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.num_inflight == 0
-    while (
-        time.monotonic() < deadline
-        and (
-            engine.engine.pages.full.num_free,
-            engine.engine.pages.sliding.num_free,
-        )
-        != free_before
-    ):
+    while time.monotonic() < deadline and engine.engine.pages.num_unheld() != free_before:
         time.sleep(0.05)
-    assert (engine.engine.pages.full.num_free, engine.engine.pages.sliding.num_free) == free_before
+    assert engine.engine.pages.num_unheld() == free_before
     assert _abort_count(live_server) == aborts_before + 1
     assert live_server.state.admission.num_admitted == 0
 

@@ -27,7 +27,12 @@ def test_completion_returns_the_engines_tokens_as_text(fake):
     (choice,) = body["choices"]
     assert choice["text"] == "abcdef" and choice["finish_reason"] == "length"
     assert choice["canvas_stats"]["steps_per_canvas"] == [3, 3]
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 6,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_completions_default_to_sixteen_tokens(fake):
@@ -122,6 +127,34 @@ def test_gauges_come_from_the_engine_stats(fake):
     assert fake.metric("vllm:kv_cache_usage_perc") == 0.25
 
 
+def test_prefix_cache_counters_follow_the_engines_totals(fake):
+    fake.engine.prefix_cache_queries, fake.engine.prefix_cache_hits = 100, 40
+    assert fake.metric("vllm:prefix_cache_queries_total") == 100
+    assert fake.metric("vllm:prefix_cache_hits_total") == 40
+    fake.engine.prefix_cache_queries, fake.engine.prefix_cache_hits = 130, 40
+    assert fake.metric("vllm:prefix_cache_queries_total") == 130
+    assert fake.metric("canvas:prefix_cache_usage_perc") == 0.0
+
+
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_cached_tokens_are_reported_once_per_prompt_on_both_routes(fake, path, stream):
+    fake.engine.num_cached = 3
+    prompt = {"prompt": "abcdef"} if path == "/completions" else {"messages": CHAT}
+    body = {**prompt, "max_tokens": 4, "n": 2}
+    if stream:
+        *_, usage, _ = fake.sse(path, stream_options={"include_usage": True}, **body)
+    else:
+        usage = fake.post(path, **body).json()
+    assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
+
+
+def test_reset_prefix_cache_reaches_the_engine(fake):
+    r = fake.client.post("/reset_prefix_cache")
+    assert r.status_code == 200 and r.json() == {"status": "ok", "pages_forgotten": 0}
+    assert fake.engine.prefix_cache_resets == 1
+
+
 def test_step_listeners_feed_the_step_metrics(fake):
     fake.engine.step(StepStats(num_rows=2, num_tokens=10, num_committed=4, canvas_latencies=[0.1]))
     assert fake.metric("canvas:positions_evaluated_total") == 10
@@ -141,6 +174,7 @@ def test_version_reports_the_engines_numerics_and_kernels(fake):
         "version": "0.1.0",
         "numerics": "fast",
         "kernels": "twins",
+        "prefix_caching": False,
     }
 
 

@@ -59,6 +59,7 @@ def test_the_usage_chunk_comes_last_and_earlier_chunks_carry_null_usage(fake):
         "prompt_tokens": 9,
         "completion_tokens": 6,
         "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 0},
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
     assert all(c["usage"] is None for c in content)
