@@ -256,7 +256,10 @@ def measure(
     tokenizer = Tokenizer(checkpoint)  # the server's own tokenizer: the same prompt ids
     prompt_ids = [(p.name, tokenizer.apply_chat_template(p.chat_messages())) for p in prompts]
     widest = max((*config.concurrency, *config.ar_concurrency, *config.exact_concurrency))
-    flags = ["--max-num-seqs", str(widest), "--dtype", "float32"]
+    # Warm-up and every round send the same prompts: a prefix cache would skip their prefill
+    # from the second time on while the reference recomputes them, so the comparison runs
+    # without one (`make bench-prefix` measures caching).
+    flags = ["--max-num-seqs", str(widest), "--dtype", "float32", "--no-prefix-caching"]
     with contextlib.ExitStack() as stack:
         servers = {"fast": stack.enter_context(serve_in_thread(checkpoint, flags))}
         if config.exact_concurrency:
