@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 from engine.params import ParamError, ResolvedParams
 
 if TYPE_CHECKING:
+    from engine.images import PreparedImage
     from engine.request import RequestState
 
 __all__ = [
@@ -278,6 +279,7 @@ class EngineClient(Protocol):
         prompt_ids: list[int],
         params: ResolvedParams,
         want_drafts: bool = False,
+        images: tuple[PreparedImage, ...] = (),
     ) -> AsyncGenerator[StepOutput, None]: ...
 
     async def prepare(self, params: ResolvedParams) -> None:
