@@ -388,7 +388,7 @@ def make_tiny(
 
     text = {**preset_text_config(preset), **(text_overrides or {})}
     spec = PRESETS[preset]
-    image_ids = {}
+    image_ids: dict[str, Any] = {}
     if vision:
         first = len(SPECIAL_TOKENS) + 256 + len(MARKUP_TOKENS)  # after the chat markup
         names = ("boi_token_id", "image_token_id", "eoi_token_id")

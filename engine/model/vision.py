@@ -49,6 +49,11 @@ class ClippableLinear(nn.Module):
     """A bias-free linear layer (`*.linear.weight`), its input and output clamped to stored
     bounds when the checkpoint says `use_clipped_linears`."""
 
+    input_min: torch.Tensor
+    input_max: torch.Tensor
+    output_min: torch.Tensor
+    output_max: torch.Tensor
+
     def __init__(self, cfg: VisionConfig, in_features: int, out_features: int) -> None:
         super().__init__()
         self.clipped = cfg.use_clipped_linears
@@ -128,6 +133,10 @@ class MLP(nn.Module):
 
 
 class EncoderLayer(nn.Module):
+    input_layernorm: Norm
+    post_attention_layernorm: Norm
+    pre_feedforward_layernorm: Norm
+    post_feedforward_layernorm: Norm
     NORMS = (
         "input_layernorm",
         "post_attention_layernorm",
@@ -186,59 +195,73 @@ class Encoder(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta**exponent)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, P, D]: x's frequencies twice, then y's twice (the reference's
         H-H-W-W layout)."""
         freqs = positions[..., None].float() * self.inv_freq.float()  # [B, P, 2, D/4]
-        out = []
-        for table in (freqs.cos() * 1.0, freqs.sin() * 1.0):
-            fx, fy = table[:, :, 0], table[:, :, 1]
-            out.append(torch.cat([fx, fx, fy, fy], dim=-1).to(dtype))
-        return tuple(out)
+        cos, sin = (
+            torch.cat([t[:, :, 0], t[:, :, 0], t[:, :, 1], t[:, :, 1]], dim=-1).to(dtype)
+            for t in (freqs.cos() * 1.0, freqs.sin() * 1.0)
+        )
+        return cos, sin
+
+
+class Tower(nn.Module):
+    """`model.encoder.vision_tower.*`: patch embedder, encoder, the optional standardisation."""
+
+    std_bias: torch.Tensor
+    std_scale: torch.Tensor
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.patch_embedder = PatchEmbedder(cfg)
+        self.encoder = Encoder(cfg)
+        if cfg.standardize:
+            self.register_buffer("std_bias", torch.zeros(cfg.hidden_size))
+            self.register_buffer("std_scale", torch.ones(cfg.hidden_size))
+
+
+class Projection(nn.Module):
+    """`model.encoder.embed_vision.*`: soft tokens into the text embedding space."""
+
+    def __init__(self, cfg: VisionConfig, text_hidden_size: int) -> None:
+        super().__init__()
+        self.embedding_projection = nn.Linear(cfg.hidden_size, text_hidden_size, bias=False)
 
 
 class VisionTower(nn.Module):
     """The Gemma 4 vision encoder and the `embed_vision` projection (see the module docstring).
     `forward` returns the soft tokens of a batch of images, in image order."""
 
-    std_bias: torch.Tensor
-    std_scale: torch.Tensor
-
     def __init__(self, cfg: VisionConfig, text_hidden_size: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tower = nn.Module()
-        self.tower.patch_embedder = PatchEmbedder(cfg)
-        self.tower.encoder = Encoder(cfg)
-        if cfg.standardize:
-            self.tower.register_buffer("std_bias", torch.zeros(cfg.hidden_size))
-            self.tower.register_buffer("std_scale", torch.ones(cfg.hidden_size))
-        self.projection = nn.Module()
-        self.projection.embedding_projection = nn.Linear(
-            cfg.hidden_size, text_hidden_size, bias=False
-        )
+        self.tower = Tower(cfg)
+        self.projection = Projection(cfg, text_hidden_size)
 
     def init_rope(self, device: torch.device | str | None = None) -> None:
-        self.tower.encoder.init_rope(self.cfg, device)  # type: ignore[operator]
+        self.tower.encoder.init_rope(self.cfg, device)
 
     def forward(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """pixels [B, P, 3·p²], positions [B, P, 2] (long; -1 = padding) →
         [sum of soft tokens, text hidden] in the embedding dtype."""
-        cfg = self.cfg
+        cfg, tower = self.cfg, self.tower
         padding = (positions == -1).all(dim=-1)  # [B, P]
-        x = self.tower.patch_embedder(pixels, positions, padding)
+        x = tower.patch_embedder(pixels, positions, padding)
         mask = None
         if bool(padding.any()):  # the reference builds a mask only when something is padded
             b, p = padding.shape
             mask = (~padding)[:, None, None, :].expand(b, 1, p, p).contiguous()
-        rope = self.tower.encoder.rope(positions, x.dtype)
-        for layer in self.tower.encoder.layers:
+        rope = tower.encoder.rope(positions, x.dtype)
+        for layer in tower.encoder.layers:
             x = layer(x, rope, mask)
         length = pixels.shape[-2] // cfg.pooling_kernel_size**2  # soft tokens per image
         pooled, valid = self._pool(x, positions, padding, length)
         soft = pooled[valid]
         if cfg.standardize:
-            soft = (soft - self.tower.std_bias.float()) * self.tower.std_scale.float()
+            soft = (soft - tower.std_bias.float()) * tower.std_scale.float()
         soft = soft.to(x.dtype)
         normed = rms_norm(soft, None, cfg.rms_norm_eps)
         return self.projection.embedding_projection(normed)
