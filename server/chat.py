@@ -303,7 +303,7 @@ def content_text(
         if part.type in MEDIA_PARTS:
             kind = MEDIA_PARTS[part.type]
             hint = " (send images as 'image_url' parts)" if kind == "image" else ""
-            raise ParamError(f"{where}.type", f"{kind} parts are not supported{hint}")
+            raise ParamError(f"{where}.type", f"{kind} input is not supported{hint}")
         if part.type != "text":
             raise ParamError(
                 f"{where}.type",

@@ -98,16 +98,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
 
 
 def chat_prompt(
-    model_dir: str, tokenizer: Any, text: str, image_paths: list[str]
+    model_dir: str, tokenizer: Any, text: str, image_files: dict[str, bytes]
 ) -> tuple[list[int], list[Any]]:
-    """A user turn of `image_paths`' images, then `text`, through the chat template, with its
-    images (decoded and preprocessed as the server does); ParamError naming the image."""
+    """A user turn of the images (file name → bytes), then `text`, through the chat template,
+    with its images (decoded and preprocessed as the server does); ParamError naming the
+    image."""
     from engine.images import ImageProcessor, expand_image_tokens
 
-    if not image_paths:
+    if not image_files:
         return tokenizer.apply_chat_template([{"role": "user", "content": text}]), []
     processor = ImageProcessor(model_dir)
-    images = [processor.prepare(Path(p).read_bytes(), f"--image {p}") for p in image_paths]
+    images = [processor.prepare(data, f"--image {name}") for name, data in image_files.items()]
     parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
     ids = tokenizer.apply_chat_template([{"role": "user", "content": parts}])
     return expand_image_tokens(ids, images, processor.vision, "image"), images
@@ -118,6 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.model import CheckpointError
 
     try:
+        image_files = {path: Path(path).read_bytes() for path in args.image}  # before the model
         llm = LLM.from_pretrained(
             args.model,
             dtype=args.dtype,
@@ -141,7 +143,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         elif args.chat or args.image:
             if llm.tokenizer is None:
                 raise ParamError("prompt", "this checkpoint has no tokenizer")
-            prompt, images = chat_prompt(args.model, llm.tokenizer, args.prompt, args.image)
+            prompt, images = chat_prompt(args.model, llm.tokenizer, args.prompt, image_files)
         else:
             prompt = args.prompt
         (out,) = llm.generate(prompt, params, images=[images])

@@ -48,10 +48,7 @@ def tokenize_router(state: ServerState) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(state, body.model)
-        images: tuple[PreparedImage, ...] = ()
-        if body.messages is not None and body.prompt is None:
-            refs = _chat_inputs(state, body).images if state.tokenizer is not None else []
-            images = await prepare_images(state, refs)
+        images = await _images(state, body)
         tokens = await asyncio.to_thread(_encode, state, body, images)
         limit = state.engine.limits.max_context_positions
         return {"count": len(tokens), "max_model_len": limit, "tokens": tokens}
@@ -78,6 +75,20 @@ def _tokenizer(state: ServerState, param: str) -> Any:
     if state.tokenizer is None:
         raise APIError(400, "This model has no tokenizer", param)
     return state.tokenizer
+
+
+async def _images(state: ServerState, body: TokenizeRequest) -> tuple[PreparedImage, ...]:
+    """The images of the messages' image parts (none when the body is one `_encode` refuses:
+    it reports that, in its own order)."""
+    if body.messages is None or body.prompt is not None or body.add_special_tokens:
+        return ()
+    if state.tokenizer is None:
+        return ()
+    try:
+        refs = _chat_inputs(state, body).images
+    except APIError:
+        return ()
+    return await prepare_images(state, refs)
 
 
 def _chat_inputs(state: ServerState, body: TokenizeRequest) -> ChatInputs:
