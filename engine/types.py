@@ -261,7 +261,8 @@ class EngineClient(Protocol):
     """The engine as the server sees it. `generate` yields a request's outputs until the one
     with a finish reason, the first one empty once the engine has queued the request (what it
     refuses raises before: the server starts a response only after it); it raises ParamError
-    (a request the engine cannot run), QueueFull (too many in flight) or RuntimeError (an
+    (a request the engine cannot run, image tokens in `prompt_ids` that are not exactly its
+    `images`' soft tokens included), QueueFull (too many in flight) or RuntimeError (an
     engine fault); closing the iterator early aborts the request. `on_step` listeners run on
     the engine's thread after every step that ran."""
 

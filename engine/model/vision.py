@@ -24,15 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import VisionConfig
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Gemma 4's RMSNorm in fp32: x · (mean(x²) + eps)^-0.5 · weight (weight used as is)."""
-    h = x.float()
-    h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    if weight is not None:
-        h = h * weight.float()
-    return h.type_as(x)
+from kernels.reference import rms_norm  # Gemma 4's RMSNorm, the reference's operations
 
 
 class Norm(nn.Module):
