@@ -98,6 +98,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.engine import EngineConfig
     from engine.model.loader import DEVICE_HELP, DTYPE_CHOICES, resolve_device
     from engine.scheduler import SchedulerConfig
+    from server.media import add_media_arguments
 
     scheduler, engine = SchedulerConfig(), EngineConfig()
     model = parser.add_mutually_exclusive_group()
@@ -167,13 +168,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="require this bearer key on /v1 (default: $CANVAS_API_KEY, which keeps it out of "
         "the process list; unset: no auth; empty: an error)",
     )
-    parser.add_argument(
-        "--debug", action="store_true", help="show the traceback of a start-up error"
-    )
+    parser.add_argument("--debug", action="store_true", help="traceback of a start-up error")
     check = "verify pages, sampler slots and request sets after every step"
     parser.add_argument("--check-invariants", action="store_true", help=check)
-    from server.media import add_media_arguments
-
     add_media_arguments(parser)
 
 
