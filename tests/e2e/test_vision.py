@@ -12,8 +12,10 @@ import torch
 from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
 
 from engine import LLM, SamplingParams
+from engine.engine import EngineConfig
 from engine.images import ImageProcessor, PreparedImage, expand_image_tokens
 from engine.params import ParamError
+from engine.scheduler import SchedulerConfig
 from tests.media import encode, noise_image
 
 # (height, width): padded to the patch budget, exactly the budget (70 soft tokens, no padding:
@@ -132,6 +134,18 @@ def test_image_prompts_match_reference_generate_alone_and_batched(vision, refere
         images=[images for _, images, _ in references],
     )
     assert [out.output_ids for out in batched] == [wanted for _, _, wanted in references]
+
+
+def test_prompt_chunks_that_split_images_match_reference_generate(vision, references):
+    """Prefill chunks of 29 tokens: images start, end and span chunk boundaries (the tower's
+    output for an image is computed once and kept for its next chunks)."""
+    llm = vision.llm
+    config = EngineConfig(scheduler=SchedulerConfig(max_prefill_chunk=29))
+    chunked = LLM(llm.model, llm.tokenizer, llm.defaults, config)
+    for seed in (1, 2):
+        ids, images, wanted = references[seed]
+        (out,) = chunked.generate(ids, params(seed), images=[images])
+        assert out.output_ids == wanted, f"layout {seed}"
 
 
 def params(seed: int) -> SamplingParams:
