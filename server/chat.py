@@ -327,13 +327,16 @@ IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's `detail`: accepted, ignored
 
 
 def image_url(param: str, part: ContentPart) -> str:
-    """The URL of an `image_url` part ({"url": ..., "detail": ...}), checked."""
+    """The URL of an `image_url` part ({"url": ..., "detail": ...}, or the URL alone as some
+    clients send it), checked."""
     extra = dict(part.model_extra or {})
     value = extra.pop("image_url", None)
     for name in extra:
         raise ParamError(f"{param}.{name}", "is not a field of an image_url part")
     if part.text is not None:
         raise ParamError(f"{param}.text", "is not a field of an image_url part")
+    if isinstance(value, str):
+        value = {"url": value}
     if not isinstance(value, dict):
         raise ParamError(f"{param}.image_url", 'must be an object {"url": ...}')
     url = value.get("url")
@@ -342,6 +345,6 @@ def image_url(param: str, part: ContentPart) -> str:
     for key in value:
         if key not in ("url", "detail"):
             raise ParamError(f"{param}.image_url.{key}", "is not a field of image_url")
-    if value.get("detail", "auto") not in IMAGE_DETAILS:
+    if (value.get("detail") or "auto") not in IMAGE_DETAILS:
         raise ParamError(f"{param}.image_url.detail", f"must be one of {list(IMAGE_DETAILS)}")
     return url

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import base64
 import binascii
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -29,8 +30,9 @@ from engine.params import ParamError
 if TYPE_CHECKING:  # loads transformers; the server only calls it
     from engine.images import ImageProcessor, PreparedImage
 
+logger = logging.getLogger(__name__)
 DATA_URL = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),", re.IGNORECASE)
-WHITESPACE = str.maketrans("", "", " \t\r\n")
+WHITESPACE = re.compile(r"[ \t\r\n]")  # some clients wrap base64 lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +150,9 @@ def decode_data_url(url: str, param: str, max_bytes: int) -> bytes:
         )
     if "base64" not in (p.strip().lower() for p in match["params"].split(";")):
         raise ParamError(param, "must be base64-encoded (data:image/png;base64,...)")
-    payload = url[match.end() :].translate(WHITESPACE)
+    payload = url[match.end() :]
+    if WHITESPACE.search(payload):
+        payload = WHITESPACE.sub("", payload)
     if len(payload) // 4 * 3 > max_bytes + 2:  # decoded size, checked before decoding
         raise ParamError(param, f"image is more than the {max_bytes} bytes allowed")
     try:
@@ -194,8 +198,6 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
 def build_media(args: argparse.Namespace, model_dir: Path, has_vision: bool) -> Media | None:
     """Image input for a checkpoint with a vision tower and an image processor config (None
     otherwise: image parts are then refused with a 400)."""
-    import logging
-
     from engine.images import ImageProcessor
 
     if not has_vision:
@@ -209,9 +211,7 @@ def build_media(args: argparse.Namespace, model_dir: Path, has_vision: bool) -> 
     try:
         processor = ImageProcessor(model_dir, policy.limits)
     except ValueError as exc:
-        logging.getLogger(__name__).warning("image input is off: %s", exc)
+        logger.warning("image input is off: %s", exc)
         return None
-    logging.getLogger(__name__).info(
-        "image input on (processor loaded in %.2fs)", time.perf_counter() - start
-    )
+    logger.info("image input on (processor loaded in %.2fs)", time.perf_counter() - start)
     return Media(processor, policy)

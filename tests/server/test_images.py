@@ -172,7 +172,8 @@ def test_malformed_parts_and_too_many_images_are_400s(vision_server):
         (user(*[png] * (MAX_IMAGES + 1)), "messages.0.content.3.image_url", "more than the 3"),
         (user(image_part(data_url(PNG), detail="huge")), "detail", "must be one of"),
         (user({"type": "image_url", "image_url": {}}), "url", "non-empty string"),
-        (user({"type": "image_url", "image_url": "x"}), "image_url", "must be an object"),
+        (user({"type": "image_url", "image_url": 5}), "image_url", "must be an object"),
+        (user({"type": "image_url", "image_url": "x:y"}), "image_url", "data: URL"),
         ([{"role": "system", "content": [png]}, *user(text("hi"))], "type", "user messages"),
         (user({"type": "input_audio"}), "type", "audio input is not supported"),
     ]
