@@ -7,7 +7,9 @@ sampler needs: every canvas position of the DENOISE rows, the last position of r
 prompt in AR or hybrid mode or carry an AR token, and every position of a verify pass. Fast
 numerics: one LM-head GEMM over all of them; exact numerics: the canvases in one GEMM and each
 other position on its own (a one-row GEMM's rounding depends on the rows it shares, which
-exact numerics never lets happen).
+exact numerics never lets happen). Prompt chunks with image tokens take their images' soft tokens
+from the vision tower (`engine.vision_cache`: one batch for the step's new images), which the
+model merges into those tokens' embeddings.
 
 Exact numerics run a verify pass as one-token rows, one per position, in the same forward:
 every row writes its KV before any row attends, so position i reads position i-1's KV written
