@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from engine.engine import Engine
+from engine.images import PreparedImage
 from engine.params import ResolvedParams
 from engine.structured import Constraint
 from engine.types import EngineStats, QueueFull, StepListener, StepOutput
@@ -35,6 +36,7 @@ class _Add:
     params: ResolvedParams
     want_drafts: bool
     constraint: Constraint | None = None
+    images: tuple[PreparedImage, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +138,10 @@ class AsyncEngine:
         prompt_ids: list[int],
         params: ResolvedParams,
         want_drafts: bool = False,
+        images: tuple[PreparedImage, ...] = (),
     ) -> AsyncGenerator[StepOutput, None]:
-        """Run one request (validated by `engine.validation`); yields its outputs until the one
+        """Run one request (validated by `engine.validation`; `images`: its images, whose image
+        tokens `prompt_ids` holds); yields its outputs until the one
         with a finish reason, the first one empty once the engine has queued it. Raises
         QueueFull when too many are in flight, and what the engine refused (ParamError) or
         failed with (RuntimeError, also once the step loop has died). Cancelling the iteration
@@ -157,7 +161,7 @@ class AsyncEngine:
         out_queue: asyncio.Queue[StepOutput | EngineFailure] = asyncio.Queue()
         self._queues[request_id] = out_queue
         self._inflight += 1
-        self._commands.put(_Add(request_id, prompt_ids, params, want_drafts, constraint))
+        self._commands.put(_Add(request_id, prompt_ids, params, want_drafts, constraint, images))
         finished = False
         try:
             while True:
@@ -265,7 +269,12 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(
-                    cmd.request_id, cmd.prompt_ids, cmd.params, cmd.want_drafts, cmd.constraint
+                    cmd.request_id,
+                    cmd.prompt_ids,
+                    cmd.params,
+                    cmd.want_drafts,
+                    cmd.constraint,
+                    cmd.images,
                 )
             except (ValueError, QueueFull) as exc:  # ParamError is a ValueError
                 self._publish(cmd.request_id, EngineFailure(exc))

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.batched_sampler import new_seed
+from engine.images import PreparedImage, image_token_positions
 from engine.kv_pages import KVPages, PageGeometry
 from engine.model import DiffusionLM, PagedKVCache
 from engine.model.config import LayerType
@@ -175,15 +176,18 @@ class Engine:
         want_drafts: bool = False,
         constraint: Constraint | None = None,
         cache_key: str = "",
+        images: tuple[PreparedImage, ...] = (),
     ) -> None:
-        """Queue a request. Raises ParamError (bad prompt, too long, bad schema) or QueueFull.
-        A structured-output request brings its `constraint` (`build_constraint`) or has it
-        built here. `cache_key`: whatever besides the token ids its KV depends on (hashes of
-        its media inputs); only requests with the same key share cached pages."""
+        """Queue a request. Raises ParamError (bad prompt, too long, bad schema, image tokens
+        that are not exactly the `images`' soft tokens) or QueueFull. A structured-output
+        request brings its `constraint` (`build_constraint`) or has it built here.
+        `cache_key`: whatever besides the token ids its KV depends on; the images' content
+        hashes are added to it, so only requests with the same images share cached pages."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validator.check_prompt(prompt_ids)  # callers validated: a cheap second look
         self.validator.check_context(len(prompt_ids), params)
+        image_positions = image_token_positions(prompt_ids, images, self.model.config.vision)
         req = RequestState(
             request_id,
             list(prompt_ids),
@@ -193,7 +197,9 @@ class Engine:
             seed=params.seed if params.seed is not None else new_seed(),
             want_drafts=want_drafts,
             constraint=constraint or self.build_constraint(params),
-            cache_key=cache_key,
+            cache_key="|".join((cache_key, *(image.digest for image in images))),
+            images=tuple(images),
+            image_positions=image_positions,
         )
         self.scheduler.add(req)
 

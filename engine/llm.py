@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.engine import Engine, EngineConfig
+from engine.images import PreparedImage
 from engine.model import DiffusionLM, load_model
 from engine.params import DecodingDefaults, ParamError, SamplingParams
 from engine.tokenizer import Tokenizer
@@ -98,10 +99,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
+        images: Sequence[Sequence[PreparedImage]] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs in prompt order. Parameters are
         checked and interpreted exactly as the server does (`engine.validation`): ParamError
-        names the bad one before anything runs."""
+        names the bad one before anything runs. `images`: each prompt's images (`engine.images`),
+        whose image tokens the prompt's ids hold already (`expand_image_tokens`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[assignment]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -109,12 +112,15 @@ class LLM:
             raise ParamError("params", f"{len(plist)} parameter sets for {len(prompts)} prompts")
         ids = [self.prompt_ids(p) for p in prompts]  # type: ignore[arg-type]
         resolved = [self.validator.validate(i, p) for i, p in zip(ids, plist, strict=True)]
+        per_prompt = [tuple(i) for i in images] if images is not None else [()] * len(ids)
+        if len(per_prompt) != len(ids):
+            raise ParamError("images", f"{len(per_prompt)} image lists for {len(ids)} prompts")
         start = time.perf_counter()
         names = []
-        for prompt, p in zip(ids, resolved, strict=True):
+        for prompt, p, imgs in zip(ids, resolved, per_prompt, strict=True):
             name = f"offline-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(name, prompt, p)
+            self.engine.add_request(name, prompt, p, images=imgs)
             names.append(name)
         tokens: dict[str, list[int]] = {n: [] for n in names}
         logprobs: dict[str, list[TokenLogprob]] = {n: [] for n in names}

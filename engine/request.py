@@ -15,6 +15,7 @@ from engine.params import DecodeMode, ResolvedParams
 from engine.types import FinishReason
 
 if TYPE_CHECKING:
+    from engine.images import PreparedImage
     from engine.structured import Constraint
 
 
@@ -69,6 +70,16 @@ class RequestState:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     constraint: Constraint | None = None  # the request's grammar state (structured output)
+    # image input: the images in prompt order, and the prompt positions of their image tokens
+    # (the k-th takes the k-th soft token of the images in order)
+    images: tuple[PreparedImage, ...] = ()
+    image_positions: tuple[int, ...] = ()
+
+    @property
+    def media_hashes(self) -> tuple[str, ...]:
+        """The content hashes of the request's images, in prompt order (two prompts with the
+        same ids share a prefix's KV only when these agree too)."""
+        return tuple(image.digest for image in self.images)
 
     @property
     def remaining(self) -> int:

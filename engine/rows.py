@@ -10,12 +10,14 @@ the sampler for all of them at once; every other kind is an ENCODE row that feed
 
 from __future__ import annotations
 
+import bisect
 from typing import Protocol
 
 from engine.kv_pages import PageTables
-from engine.request import first_cut
+from engine.request import RequestState, first_cut
 from engine.runner import EncodeInput
 from engine.types import FinishReason, RowEffect, RowKind, RowResult, ScheduledRow
+from engine.vision_cache import ImageTokens
 
 
 class RowSpec(Protocol):
@@ -58,12 +60,23 @@ class PrefillRow(_EncodeRow):
     """Encoder over a prompt chunk; in AR mode the last chunk samples the first token."""
 
     def encode_input(self, row: ScheduledRow) -> EncodeInput:
-        tokens = row.req.prompt_ids[row.start : row.start + row.num_tokens]
-        return EncodeInput(row.start, tokens, _pages(row), self.wants_token(row))
+        end = row.start + row.num_tokens
+        tokens = row.req.prompt_ids[row.start : end]
+        images = _image_tokens(row.req, row.start, end)
+        return EncodeInput(row.start, tokens, _pages(row), self.wants_token(row), images=images)
 
     def wants_token(self, row: ScheduledRow) -> bool:
         end = row.start + row.num_tokens
         return row.req.params.mode.samples_tokens and end == row.req.num_prompt
+
+
+def _image_tokens(req: RequestState, start: int, end: int) -> ImageTokens | None:
+    """The image tokens among prompt positions [start, end), or None."""
+    positions = req.image_positions
+    lo, hi = bisect.bisect_left(positions, start), bisect.bisect_left(positions, end)
+    if lo == hi:
+        return None
+    return ImageTokens(req.images, lo, tuple(p - start for p in positions[lo:hi]))
 
 
 class CommitRow(_EncodeRow):

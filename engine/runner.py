@@ -7,7 +7,9 @@ sampler needs: every canvas position of the DENOISE rows, the last position of r
 prompt in AR or hybrid mode or carry an AR token, and every position of a verify pass. Fast
 numerics: one LM-head GEMM over all of them; exact numerics: the canvases in one GEMM and each
 other position on its own (a one-row GEMM's rounding depends on the rows it shares, which
-exact numerics never lets happen).
+exact numerics never lets happen). Prompt chunks with image tokens take their images' soft tokens
+from the vision tower (`engine.vision_cache`: one batch for the step's new images), which the
+model merges into those tokens' embeddings.
 
 Exact numerics run a verify pass as one-token rows, one per position, in the same forward:
 every row writes its KV before any row attends, so position i reads position i-1's KV written
@@ -24,9 +26,10 @@ import torch
 
 from engine.kv_pages import PageTables
 from engine.model import DiffusionLM, ForwardBatch, Mode, PagedKVCache
-from engine.model.base import SoftEmbeds
+from engine.model.base import ImageEmbeds, SoftEmbeds
 from engine.model.config import LayerType
 from engine.model.kv_cache import Row
+from engine.vision_cache import ImageTokens, VisionEncoder
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,7 @@ class EncodeInput:
     pages: PageTables
     wants_last_logits: bool  # the last position is sampled (AR)
     verify: bool = False  # a hybrid verify pass: the logits of every position are wanted
+    images: ImageTokens | None = None  # a prompt chunk's image tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,7 @@ class ModelRunner:
         self.cache = cache
         self.device = model.embed_tokens.weight.device
         self.canvas_length = model.config.canvas_length
+        self.vision = VisionEncoder(model.vision, self.device) if model.vision is not None else None
 
     @torch.inference_mode()
     def copy_sliding_pages(self, copies: tuple[tuple[int, int], ...]) -> None:
@@ -80,10 +85,11 @@ class ModelRunner:
         if encode_ids:
             parts.append(torch.tensor(encode_ids, dtype=torch.long).to(self.device))
         ids = torch.cat(parts) if len(parts) > 1 else parts[0]
-        start = time.perf_counter()
-        hidden = self.model(ids, step.soft_embeds, batch, self.cache)  # [N, H]
         num_canvas = len(step.denoise_starts) * self.canvas_length
         offsets = self._encode_offsets(step, num_canvas)
+        start = time.perf_counter()
+        images = self._image_embeds(offsets)
+        hidden = self.model(ids, step.soft_embeds, batch, self.cache, images)  # [N, H]
         last = [o + len(e.tokens) - 1 for o, e in offsets if e.wants_last_logits and not e.verify]
         spans = [(o, len(e.tokens)) for o, e in offsets if e.verify]
         last += [i for first, n in spans for i in range(first, first + n)]
@@ -112,6 +118,17 @@ class ModelRunner:
         rows = torch.cat([hidden[:num_canvas], hidden[index]]) if num_canvas else hidden[index]
         logits = head(rows)  # one GEMM over every position that is sampled
         return (logits[:num_canvas] if num_canvas else None), logits[num_canvas:]
+
+    def _image_embeds(self, offsets: list[tuple[int, EncodeInput]]) -> ImageEmbeds | None:
+        """The soft tokens of the prompt chunks' image tokens, at their packed indices: the
+        vision tower runs once over every image of the step that is not encoded yet."""
+        rows = [(offset, e.images) for offset, e in offsets if e.images is not None]
+        if not rows:
+            return None
+        assert self.vision is not None, "image tokens reach only a model with a vision tower"
+        features = self.vision.features([tokens for _, tokens in rows])  # [M, H]
+        index = [offset + i for offset, tokens in rows for i in tokens.index]
+        return torch.tensor(index, dtype=torch.long).to(self.device), features
 
     @staticmethod
     def _encode_offsets(step: StepInputs, first: int) -> list[tuple[int, EncodeInput]]:

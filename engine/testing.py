@@ -6,7 +6,9 @@ real `diffusion_gemma` checkpoint directory (config.json, generation_config.json
 model.safetensors, an offline byte-level tokenizer with a chat template) that both Canvas and
 `DiffusionGemmaForBlockDiffusion.from_pretrained` load. Weights are random but shaped so that
 the denoiser is confident (peaky logits): canvases converge before the step cap, as a trained
-model's do. The vision tower is shrunk to one tiny layer.
+model's do. The vision tower is shrunk to one tiny layer; with `vision=True` it is a working
+one (two layers, 4x4-pixel patches, random weights), with image tokens in the tokenizer and an
+image processor config, for image input tests.
 
 `bench-small` is the CPU benchmark checkpoint: the real model's layer pattern, attention
 geometry and MoE structure scaled down to a few tens of millions of parameters.
@@ -77,7 +79,10 @@ CHAT_TEMPLATE = """\
 {%- if m.get('reasoning_content') and m.get('tool_calls') -%}
 <|channel>thought\n{{ m['reasoning_content'] }}<channel|>
 {%- endif -%}
-{{ m['content'] or '' }}
+{%- if m['content'] is string or not m['content'] -%}{{ m['content'] or '' }}
+{%- else -%}{%- for p in m['content'] -%}
+{{ p['text'] if p['type'] == 'text' else '<|image|>' }}
+{%- endfor -%}{%- endif -%}
 {%- for call in m.get('tool_calls') or [] -%}
 <|tool_call>call:{{ call['function']['name'] }}{{ fmt(call['function']['arguments']) }}<tool_call|>
 {%- endfor -%}
@@ -116,6 +121,20 @@ TINY_VISION_CONFIG: dict[str, Any] = {
     "num_key_value_heads": 2,
     "head_dim": 8,
 }
+
+# `make_tiny(vision=True)`: a tower that runs in milliseconds (4x4-pixel patches, so an image
+# becomes at most 70 soft tokens of 3x3 patches: about 100x100 pixels), GQA 2:1, two layers;
+# image markup in the tokenizer's unused slots (Gemma 4's spellings).
+VISION_TOKENS = ("<|image>", "<|image|>", "<image|>")  # begin-of-image, image, end-of-image
+VISION_TOKEN_NAMES = {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>"}
+TINY_VISION_TEST_CONFIG: dict[str, Any] = {
+    **TINY_VISION_CONFIG,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 1,
+    "patch_size": 4,
+    "position_embedding_size": 256,
+}
+TINY_MAX_SOFT_TOKENS = 70  # the smallest budget transformers' Gemma 4 processor allows
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,13 +298,15 @@ def real_26b_a4b_config() -> Any:
     )
 
 
-def build_tokenizer(vocab_size: int) -> Any:
-    """A byte-level tokenizer that works offline, padded with unused tokens to `vocab_size`."""
+def build_tokenizer(vocab_size: int, vision: bool = False) -> Any:
+    """A byte-level tokenizer that works offline, padded with unused tokens to `vocab_size`
+    (`vision`: with the image markup tokens after the chat markup)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens = list(SPECIAL_TOKENS) + alphabet + list(MARKUP_TOKENS)
+    markup = MARKUP_TOKENS + (VISION_TOKENS if vision else ())
+    tokens = list(SPECIAL_TOKENS) + alphabet + list(markup)
     tokens += [f"<unused{i}>" for i in range(vocab_size - len(tokens))]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     model = models.BPE(vocab=vocab, merges=[], unk_token="<unk>")
@@ -298,7 +319,8 @@ def build_tokenizer(vocab_size: int) -> Any:
         eos_token="<eos>",
         bos_token="<bos>",
         unk_token="<unk>",
-        additional_special_tokens=list(SPECIAL_TOKENS[4:] + MARKUP_TOKENS),
+        additional_special_tokens=list(SPECIAL_TOKENS[4:] + markup),
+        **(VISION_TOKEN_NAMES if vision else {}),
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -329,14 +351,32 @@ def _perturb(model: Any, spec: TinyPreset, seed: int) -> None:
                 buf.copy_(torch.empty(buf.shape).uniform_(0.6, 1.4, generator=gen))
 
 
+def _perturb_vision(model: Any, seed: int) -> None:
+    """Non-trivial vision-tower weights: norms around 1, the position table and projections
+    scaled to keep activations O(1) (a separate stream: the text weights stay the preset's)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "vision" not in name:
+                continue
+            if param.ndim == 1:
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+
+
 def make_tiny(
     out_dir: str | Path,
     preset: str = DEFAULT_PRESET,
     seed: int = 0,
     text_overrides: dict[str, Any] | None = None,
+    vision: bool = False,
 ) -> Path:
     """Write a tiny checkpoint for `preset` (its text_config updated with `text_overrides`, for
-    a config variant under test) into `out_dir` and return the path."""
+    a config variant under test) into `out_dir` and return the path. `vision`: with a working
+    vision tower, image tokens and an image processor config (see TINY_VISION_TEST_CONFIG)."""
     import torch
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
@@ -348,12 +388,22 @@ def make_tiny(
 
     text = {**preset_text_config(preset), **(text_overrides or {})}
     spec = PRESETS[preset]
+    image_ids: dict[str, Any] = {}
+    if vision:
+        first = len(SPECIAL_TOKENS) + 256 + len(MARKUP_TOKENS)  # after the chat markup
+        names = ("boi_token_id", "image_token_id", "eoi_token_id")
+        image_ids = {name: first + i for i, name in enumerate(names)}
     config = DiffusionGemmaConfig(
-        text_config=text, vision_config=dict(TINY_VISION_CONFIG), canvas_length=spec.canvas_length
+        text_config=text,
+        vision_config=dict(TINY_VISION_TEST_CONFIG if vision else TINY_VISION_CONFIG),
+        canvas_length=spec.canvas_length,
+        **image_ids,
     )
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(config)
     _perturb(model, spec, seed)
+    if vision:
+        _perturb_vision(model, seed)
     defaults = DecodingDefaults()  # the reference's generation defaults
     model.generation_config = DiffusionGemmaGenerationConfig(
         max_new_tokens=defaults.max_new_tokens,
@@ -370,5 +420,15 @@ def make_tiny(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    build_tokenizer(text["vocab_size"]).save_pretrained(out)
+    build_tokenizer(text["vocab_size"], vision).save_pretrained(out)
+    if vision:
+        from transformers.models.gemma4.image_processing_pil_gemma4 import (
+            Gemma4ImageProcessorPil,
+        )
+
+        patch_size = TINY_VISION_TEST_CONFIG["patch_size"]
+        processor = Gemma4ImageProcessorPil(
+            patch_size=patch_size, max_soft_tokens=TINY_MAX_SOFT_TOKENS
+        )
+        processor.save_pretrained(out)
     return out

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 from engine.params import ParamError, ResolvedParams
 
 if TYPE_CHECKING:
+    from engine.images import PreparedImage
     from engine.request import RequestState
 
 __all__ = [
@@ -269,7 +270,8 @@ class EngineClient(Protocol):
     """The engine as the server sees it. `generate` yields a request's outputs until the one
     with a finish reason, the first one empty once the engine has queued the request (what it
     refuses raises before: the server starts a response only after it); it raises ParamError
-    (a request the engine cannot run), QueueFull (too many in flight) or RuntimeError (an
+    (a request the engine cannot run, image tokens in `prompt_ids` that are not exactly its
+    `images`' soft tokens included), QueueFull (too many in flight) or RuntimeError (an
     engine fault); closing the iterator early aborts the request. `on_step` listeners run on
     the engine's thread after every step that ran."""
 
@@ -287,6 +289,7 @@ class EngineClient(Protocol):
         prompt_ids: list[int],
         params: ResolvedParams,
         want_drafts: bool = False,
+        images: tuple[PreparedImage, ...] = (),
     ) -> AsyncGenerator[StepOutput, None]: ...
 
     async def prepare(self, params: ResolvedParams) -> None:

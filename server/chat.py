@@ -2,7 +2,11 @@
 parser of its output, checked with errors that name the parameter.
 
 Content given as parts is joined to one text (text parts, separated by a newline, as vLLM joins
-them); parts of other kinds (images, audio, files) are refused: Canvas serves text only.
+them). A user message's `image_url` parts (a data: URL, or an http(s) URL the server may fetch:
+`server.media`) are kept in place: the template is given the message's parts, text and image,
+and writes one image placeholder per image (expanded to the image's soft tokens later, by
+`engine.images`); the images are collected in conversation order. Audio, video and file parts
+are refused.
 Assistant tool calls in the history reach the template with their arguments parsed (templates
 write them out in the model's own syntax); a tool message gets the name of the call it answers.
 A template that cannot render tools still serves a forced tool choice (a named function or
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.params import ParamError
+from server.media import ImageRef
 from server.parsers import (
     Gemma4Parser,
     NamedCallParser,
@@ -38,7 +43,6 @@ from server.protocol import (
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 TOOL_FIELDS = ("name", "description", "parameters")  # what the preamble shows of a function
 MEDIA_PARTS = {
-    "image_url": "image",
     "image": "image",
     "input_image": "image",
     "input_audio": "audio",
@@ -67,12 +71,14 @@ class ChatInputs:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     template_kwargs: dict[str, Any]
+    images: list[ImageRef]  # the image parts, in conversation order
 
 
 def chat_inputs(request: ChatCompletionRequest, template: ChatTemplateInfo) -> ChatInputs:
     """The template inputs of `request`; ParamError naming the parameter when a message, a
     tool or a template switch is invalid or the checkpoint's template cannot honour it."""
-    messages = template_messages(request.messages)
+    images: list[ImageRef] = []
+    messages = template_messages(request.messages, images)
     tools = template_tools(request, template)
     if tools is not None and not template.template_knows_tools:
         messages = with_tools_preamble(messages, tools, request.tool_choice)
@@ -99,7 +105,7 @@ def chat_inputs(request: ChatCompletionRequest, template: ChatTemplateInfo) -> C
             "thinking (enable_thinking / reasoning_effort)",
         )
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
-    return ChatInputs(messages, tools, kwargs)
+    return ChatInputs(messages, tools, kwargs, images)
 
 
 def is_forced(choice: ToolChoice) -> bool:
@@ -218,17 +224,22 @@ def check_parameters(param: str, schema: dict[str, Any] | None) -> None:
         raise ParamError(f"{param}.required", "must be a list of argument names")
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The conversation for the template, checked."""
+def template_messages(
+    messages: list[ChatMessage], images: list[ImageRef] | None = None
+) -> list[dict[str, Any]]:
+    """The conversation for the template, checked; user messages' image parts are appended to
+    `images` (refused when it is None)."""
     if not messages:
         raise ParamError("messages", "must contain at least one message")
     call_names: dict[str, str] = {}  # tool call id -> function name, from the history
-    return [_message(f"messages.{i}", m, call_names) for i, m in enumerate(messages)]
+    return [_message(f"messages.{i}", m, call_names, images) for i, m in enumerate(messages)]
 
 
-def _message(param: str, m: ChatMessage, call_names: dict[str, str]) -> dict[str, Any]:
+def _message(
+    param: str, m: ChatMessage, call_names: dict[str, str], images: list[ImageRef] | None
+) -> dict[str, Any]:
     role = "system" if m.role == "developer" else m.role
-    text = content_text(f"{param}.content", m.content)
+    text = content_text(f"{param}.content", m.content, images if role == "user" else None)
     if role != "assistant":
         for name in ("tool_calls", "reasoning_content"):
             if getattr(m, name) is not None:
@@ -269,30 +280,71 @@ def _history_call(param: str, call: ToolCallItem, call_names: dict[str, str]) ->
     return {"id": call.id, "type": "function", "function": function}
 
 
-def content_text(param: str, content: str | list[ContentPart] | None) -> str | None:
-    """A message's text: the string, or its text parts joined by newlines."""
+def content_text(
+    param: str, content: str | list[ContentPart] | None, images: list[ImageRef] | None = None
+) -> str | list[dict[str, str]] | None:
+    """A message's content for the template: the string, or its text parts joined by
+    newlines; with image parts (accepted where `images` is given: they are appended to it),
+    the list of its parts ({"type": "text", "text"} and {"type": "image"}) in order."""
     if content is None:
         return None
     if isinstance(content, str):
         check_text(param, content)
         return content
-    texts = []
+    parts: list[dict[str, str]] = []
     for j, part in enumerate(content):
         where = f"{param}.{j}"
+        if part.type == "image_url":
+            if images is None:
+                raise ParamError(f"{where}.type", "image parts are accepted in user messages only")
+            images.append(ImageRef(f"{where}.image_url", image_url(f"{where}", part)))
+            parts.append({"type": "image"})
+            continue
         if part.type in MEDIA_PARTS:
-            raise ParamError(
-                f"{where}.type",
-                f"{MEDIA_PARTS[part.type]} input is not supported: Canvas serves text only, "
-                "so only text content parts are supported",
-            )
+            kind = MEDIA_PARTS[part.type]
+            hint = " (send images as 'image_url' parts)" if kind == "image" else ""
+            raise ParamError(f"{where}.type", f"{kind} input is not supported{hint}")
         if part.type != "text":
             raise ParamError(
-                f"{where}.type", f"unknown part type {part.type!r}; only 'text' is supported"
+                f"{where}.type",
+                f"unknown part type {part.type!r}; expected 'text' or 'image_url'",
             )
         if not isinstance(part.text, str):
             raise ParamError(f"{where}.text", "must be a string")
         for extra in part.model_extra or {}:
             raise ParamError(f"{where}.{extra}", "is not a field of a text part")
         check_text(f"{where}.text", part.text)
-        texts.append(part.text)
-    return "\n".join(texts)
+        if parts and parts[-1]["type"] == "text":  # text parts join with a newline
+            parts[-1] = {"type": "text", "text": parts[-1]["text"] + "\n" + part.text}
+        else:
+            parts.append({"type": "text", "text": part.text})
+    if all(p["type"] == "text" for p in parts):
+        return parts[0]["text"] if parts else ""
+    return parts
+
+
+IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's `detail`: accepted, ignored
+
+
+def image_url(param: str, part: ContentPart) -> str:
+    """The URL of an `image_url` part ({"url": ..., "detail": ...}, or the URL alone as some
+    clients send it), checked."""
+    extra = dict(part.model_extra or {})
+    value = extra.pop("image_url", None)
+    for name in extra:
+        raise ParamError(f"{param}.{name}", "is not a field of an image_url part")
+    if part.text is not None:
+        raise ParamError(f"{param}.text", "is not a field of an image_url part")
+    if isinstance(value, str):
+        value = {"url": value}
+    if not isinstance(value, dict):
+        raise ParamError(f"{param}.image_url", 'must be an object {"url": ...}')
+    url = value.get("url")
+    if not isinstance(url, str) or not url:
+        raise ParamError(f"{param}.image_url.url", "must be a non-empty string")
+    for key in value:
+        if key not in ("url", "detail"):
+            raise ParamError(f"{param}.image_url.{key}", "is not a field of image_url")
+    if (value.get("detail") or "auto") not in IMAGE_DETAILS:
+        raise ParamError(f"{param}.image_url.detail", f"must be one of {list(IMAGE_DETAILS)}")
+    return url

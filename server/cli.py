@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from engine.params import MODE_NAMES
@@ -63,6 +64,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     src.add_argument("--prompt", help="prompt text (tokenized with the checkpoint's tokenizer)")
     src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, e.g. 2,15,9")
     gen.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
+    gen.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image file (PNG, JPEG, WebP, GIF) shown before --prompt in a chat turn "
+        "(implies --chat; repeat for several)",
+    )
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-tokens", type=int, default=None)
     gen.add_argument("--mode", choices=MODE_NAMES, default=None, help="default: the checkpoint's")
@@ -88,11 +97,29 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     return parser, {"generate": cmd_generate, "serve": cmd_serve, **add_parsers(sub)}
 
 
+def chat_prompt(
+    model_dir: str, tokenizer: Any, text: str, image_files: dict[str, bytes]
+) -> tuple[list[int], list[Any]]:
+    """A user turn of the images (file name → bytes), then `text`, through the chat template,
+    with its images (decoded and preprocessed as the server does); ParamError naming the
+    image."""
+    from engine.images import ImageProcessor, expand_image_tokens
+
+    if not image_files:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}]), []
+    processor = ImageProcessor(model_dir)
+    images = [processor.prepare(data, f"--image {name}") for name, data in image_files.items()]
+    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": parts}])
+    return expand_image_tokens(ids, images, processor.vision, "image"), images
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, DecodeMode, ParamError, SamplingParams
     from engine.model import CheckpointError
 
     try:
+        image_files = {path: Path(path).read_bytes() for path in args.image}  # before the model
         llm = LLM.from_pretrained(
             args.model,
             dtype=args.dtype,
@@ -108,16 +135,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             max_denoising_steps=args.max_denoising_steps,
         )
+        images: list[Any] = []
         if args.prompt_ids is not None:
             prompt: str | list[int] = args.prompt_ids
-        elif args.chat:
+            if args.image:
+                raise ParamError("image", "--image needs --prompt (a chat turn), not --prompt-ids")
+        elif args.chat or args.image:
             if llm.tokenizer is None:
                 raise ParamError("prompt", "this checkpoint has no tokenizer")
-            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+            prompt, images = chat_prompt(args.model, llm.tokenizer, args.prompt, image_files)
         else:
             prompt = args.prompt
-        (out,) = llm.generate(prompt, params)
-    except (CheckpointError, ParamError, ValueError) as exc:
+        (out,) = llm.generate(prompt, params, images=[images])
+    except (CheckpointError, ParamError, ValueError, OSError) as exc:
         print(f"canvas generate: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -12,9 +12,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.images import PreparedImage, expand_image_tokens
 from engine.params import ParamError, ResolvedParams
 from server.chat import chat_inputs, output_parser
 from server.errors import APIError, draining_error, queue_full_error, to_api_error
+from server.media import ImageRef
 from server.parsers import OutputParser
 from server.protocol import (
     ChatCompletionRequest,
@@ -118,17 +120,51 @@ def v1_router(state: ServerState) -> APIRouter:
         with param_errors(renderer):
             inputs = chat_inputs(body, tokenizer)
             max_tokens = body.token_limit  # None: the checkpoint's default, bounded by the room
+        if inputs.images:  # the cheap refusals first (as `_serve` orders them), then the work
+            if state.draining:
+                raise draining_error()
+            _check_served(state, body)
+        images = await prepare_images(state, inputs.images)
 
         def encode() -> list[list[int]]:
             ids = tokenizer.apply_chat_template(
                 inputs.messages, inputs.tools, inputs.template_kwargs
             )
-            return [ids]
+            return [with_image_tokens(state, ids, images)]
 
         parser = output_parser(body)
-        return await _serve(state, body, encode, max_tokens, renderer, request, parser)
+        return await _serve(state, body, encode, max_tokens, renderer, request, parser, images)
 
     return router
+
+
+async def prepare_images(state: ServerState, refs: list[ImageRef]) -> tuple[PreparedImage, ...]:
+    """The images of a request's image parts (fetched, decoded and preprocessed off the event
+    loop); 400 naming the part when the checkpoint takes no images or a part is refused."""
+    if not refs:
+        return ()
+    if state.media is None:
+        raise APIError(
+            400,
+            "image input is not supported by this model (its checkpoint has no vision tower "
+            "or no image processor config)",
+            refs[0].param,
+        )
+    try:
+        return tuple(await state.media.prepare(refs))
+    except ParamError as exc:
+        raise APIError(400, str(exc), exc.param) from None
+
+
+def with_image_tokens(
+    state: ServerState, ids: list[int], images: tuple[PreparedImage, ...]
+) -> list[int]:
+    """The rendered conversation's ids with each image placeholder expanded to its image's
+    tokens (`engine.images.expand_image_tokens`); ids as they are without images."""
+    if not images:
+        return ids
+    assert state.media is not None, "images are prepared only with image input on"
+    return expand_image_tokens(ids, list(images), state.media.processor.vision)
 
 
 @contextlib.contextmanager
@@ -167,6 +203,7 @@ async def _serve(
     renderer: Renderer,
     request: Request,
     parser: Callable[[], OutputParser] | None = None,
+    images: tuple[PreparedImage, ...] = (),
 ) -> Response:
     """Check the cheap things first (503 draining, 400/404 parameters and model), tokenise off
     the event loop (`encode`: the prompts, or the chat template), check each prompt's context
@@ -189,7 +226,7 @@ async def _serve(
     prompts = []
     for i, ids in enumerate(prompt_ids):
         with _prompt_errors(renderer, i if len(prompt_ids) > 1 else None):
-            prompts.append(Prompt(ids, state.validator.validate(ids, sampling)))
+            prompts.append(Prompt(ids, state.validator.validate(ids, sampling), images))
     await _prepare(state, body, prompts[0].params, renderer)
     ticket = state.admission.admit(num_requests, state.engine.stats.num_inflight)
     if ticket is None:

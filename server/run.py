@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from engine.images import PreparedImage
 from engine.params import ResolvedParams
 from engine.types import FinishReason, RequestStats, StepOutput, TokenLogprob
 from server.errors import ClientGone, to_api_error
@@ -36,6 +37,7 @@ class Prompt:
 
     ids: list[int]
     params: ResolvedParams
+    images: tuple[PreparedImage, ...] = ()  # whose image tokens `ids` holds
 
 
 @dataclass(slots=True)
@@ -185,6 +187,7 @@ class RequestRun:
                 c.prompt.ids,
                 self._choice_params(c),
                 self.want_drafts,
+                c.prompt.images,
             )
             for c in self.choices
         ]

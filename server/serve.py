@@ -167,14 +167,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="require this bearer key on /v1 (default: $CANVAS_API_KEY, which keeps it out of "
         "the process list; unset: no auth; empty: an error)",
     )
-    parser.add_argument(
-        "--debug", action="store_true", help="show the traceback of a start-up error"
-    )
+    parser.add_argument("--debug", action="store_true", help="traceback of a start-up error")
     _add_engine_switches(parser)
 
 
 def _add_engine_switches(parser: argparse.ArgumentParser) -> None:
-    """The engine's on/off flags (their defaults: EngineConfig's)."""
+    """The engine's on/off flags (their defaults: EngineConfig's) and the media limits."""
+    from server.media import add_media_arguments
+
     parser.add_argument(
         "--no-prefix-caching",
         action="store_true",
@@ -183,6 +183,7 @@ def _add_engine_switches(parser: argparse.ArgumentParser) -> None:
     )
     check = "verify pages, sampler slots and request sets after every step"
     parser.add_argument("--check-invariants", action="store_true", help=check)
+    add_media_arguments(parser)
 
 
 def check_api_key(key: str | None) -> str | None:
@@ -230,6 +231,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from engine.params import DecodingDefaults
     from engine.scheduler import SchedulerConfig
     from engine.tokenizer import Tokenizer
+    from server.media import build_media
     from server.state import ServerState
 
     api_key = check_api_key(args.api_key)
@@ -257,13 +259,15 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     engine = AsyncEngine(Engine(model, defaults, config, tokenizer))
     name = args.served_model_name or model_dir.name
     state = ServerState(engine, tokenizer, defaults, name, api_key=api_key)
+    state.media = build_media(args, model_dir, model.vision is not None)
     banner = [
         f"Canvas serving {name!r} from {model_dir}",
         f"  canvas length {model.config.canvas_length}, {model.cfg.num_layers} layers, "
         f"dtype {next(model.parameters()).dtype}, device {args.device}, "
         f"{model.kernels.describe()}",
         f"  decoder adapter: {'attached' if model.adapter is not None else 'none'}, "
-        f"prefix caching {'on' if engine.limits.prefix_caching else 'off'}",
+        f"prefix caching {'on' if engine.limits.prefix_caching else 'off'}, "
+        f"image input {'on' if state.media is not None else 'off'}",
         f"  max-num-seqs {args.max_num_seqs}, max-queue {args.max_queue}, "
         f"auth {'on' if api_key else 'off'}",
         f"  http://{args.host}:{args.port}/v1  (docs: /docs, metrics: /metrics)",

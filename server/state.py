@@ -13,6 +13,7 @@ from server.metrics import Metrics
 
 if TYPE_CHECKING:  # the tokenizer module loads transformers; the server only calls it
     from engine.tokenizer import Tokenizer
+    from server.media import Media
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,7 @@ class ServerState:
     http: HttpLimits = field(default_factory=HttpLimits)
     ready: bool = False
     draining: bool = False
+    media: Media | None = None  # image input (a vision checkpoint), else image parts are 400s
     metrics: Metrics = field(init=False)
     validator: RequestValidator = field(init=False)
     admission: Admission = field(init=False)

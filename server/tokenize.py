@@ -2,7 +2,8 @@
 
 /tokenize takes a `prompt` (text, encoded as /v1/completions encodes it; `add_special_tokens`
 false leaves out BOS) or chat `messages` (rendered by the chat template as /v1/chat/completions
-renders them, with `tools`, `chat_template_kwargs` and `add_generation_prompt`) and answers
+renders them, with `tools`, `chat_template_kwargs` and `add_generation_prompt`; each image part
+counted as its image's tokens, so its image is fetched and preprocessed) and answers
 {"count", "max_model_len", "tokens"}; /detokenize takes `tokens` and answers {"prompt"}.
 """
 
@@ -14,11 +15,12 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
+from engine.images import PreparedImage
 from engine.params import ParamError
-from server.chat import chat_inputs
+from server.chat import ChatInputs, chat_inputs
 from server.errors import APIError
 from server.protocol import Bool, ChatCompletionRequest, ChatMessage, Int, ToolDef, check_text
-from server.routes import check_model
+from server.routes import check_model, prepare_images, with_image_tokens
 from server.state import ServerState
 
 
@@ -46,7 +48,8 @@ def tokenize_router(state: ServerState) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(state, body.model)
-        tokens = await asyncio.to_thread(_encode, state, body)
+        images = await _images(state, body)
+        tokens = await asyncio.to_thread(_encode, state, body, images)
         limit = state.engine.limits.max_context_positions
         return {"count": len(tokens), "max_model_len": limit, "tokens": tokens}
 
@@ -74,8 +77,39 @@ def _tokenizer(state: ServerState, param: str) -> Any:
     return state.tokenizer
 
 
-def _encode(state: ServerState, body: TokenizeRequest) -> list[int]:
-    """The ids of the prompt or of the rendered conversation; 400 naming the parameter."""
+async def _images(state: ServerState, body: TokenizeRequest) -> tuple[PreparedImage, ...]:
+    """The images of the messages' image parts (none when the body is one `_encode` refuses:
+    it reports that, in its own order)."""
+    if body.messages is None or body.prompt is not None or body.add_special_tokens:
+        return ()
+    if state.tokenizer is None:
+        return ()
+    try:
+        refs = _chat_inputs(state, body).images
+    except APIError:
+        return ()
+    return await prepare_images(state, refs)
+
+
+def _chat_inputs(state: ServerState, body: TokenizeRequest) -> ChatInputs:
+    """The template inputs of `body.messages`; 400 naming the parameter."""
+    chat = ChatCompletionRequest(
+        model=state.model_name,
+        messages=body.messages or [],
+        tools=body.tools,
+        chat_template_kwargs=body.chat_template_kwargs,
+    )
+    try:
+        return chat_inputs(chat, _tokenizer(state, "messages"))
+    except ParamError as exc:
+        raise APIError(400, str(exc), exc.param) from None
+
+
+def _encode(
+    state: ServerState, body: TokenizeRequest, images: tuple[PreparedImage, ...] = ()
+) -> list[int]:
+    """The ids of the prompt or of the rendered conversation (each image's tokens counted);
+    400 naming the parameter."""
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "Send exactly one of 'prompt' and 'messages'", "prompt")
     try:
@@ -91,18 +125,11 @@ def _encode(state: ServerState, body: TokenizeRequest) -> list[int]:
                 "add_special_tokens", "must be false with 'messages': the template writes them"
             )
         tokenizer = _tokenizer(state, "messages")
-        chat = ChatCompletionRequest(
-            model=state.model_name,
-            messages=body.messages or [],
-            tools=body.tools,
-            chat_template_kwargs=body.chat_template_kwargs,
+        inputs = _chat_inputs(state, body)
+        ids = tokenizer.apply_chat_template(
+            inputs.messages, inputs.tools, inputs.template_kwargs, body.add_generation_prompt
         )
-        inputs = chat_inputs(chat, tokenizer)
-        return list(
-            tokenizer.apply_chat_template(
-                inputs.messages, inputs.tools, inputs.template_kwargs, body.add_generation_prompt
-            )
-        )
+        return with_image_tokens(state, list(ids), images)
     except ParamError as exc:
         raise APIError(400, str(exc), exc.param) from None
     except ValueError as exc:  # the chat template refused the conversation

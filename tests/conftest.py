@@ -75,3 +75,13 @@ def reference_model() -> Callable[[Path], torch.nn.Module]:
 # The tiny test presets (`bench-small` and `bench-tiny` are benchmark checkpoints: the first is
 # too big for per-seed parity, the second repeats what c32-window covers, at 3x its cost).
 ALL_PRESETS = sorted(name for name in PRESETS if not name.startswith("bench-"))
+
+
+@pytest.fixture(scope="session")
+def vision_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint with a working vision tower, written by `canvas make-tiny --vision`."""
+    from server.cli import main
+
+    out = tmp_path_factory.mktemp("tiny-vision") / "checkpoint"
+    assert main(["make-tiny", str(out), "--vision"]) == 0
+    return out

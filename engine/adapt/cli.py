@@ -244,6 +244,12 @@ def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
     tiny.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--list", action="store_true", help="list the presets and exit")
+    tiny.add_argument(
+        "--vision",
+        action="store_true",
+        help="with a working random vision tower, image tokens and an image processor config "
+        "(image input)",
+    )
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -253,6 +259,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         for name, preset in PRESETS.items():
             print(f"{name:12s} {preset.description}")
         return 0
-    path = make_tiny(args.dir, args.preset, seed=args.seed)
-    print(f"wrote tiny checkpoint (preset {args.preset}) to {path}")
+    path = make_tiny(args.dir, args.preset, seed=args.seed, vision=args.vision)
+    kind = ", with vision" if args.vision else ""
+    print(f"wrote tiny checkpoint (preset {args.preset}{kind}) to {path}")
     return 0

@@ -23,6 +23,7 @@ from torch import nn
 from engine.model.config import LayerSpec, LayerType, ModelConfig, TextConfig
 from engine.model.kv_cache import ForwardBatch, KVCache, Mode
 from engine.model.layers import UNBOUND, Attention, RMSNorm, SelfConditioning, rope_inv_freq
+from engine.model.vision import VisionTower
 from kernels import KernelSet
 
 if TYPE_CHECKING:
@@ -56,6 +57,9 @@ class DiffusionLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_conditioning = SelfConditioning(cfg)
         self.adapter: DecoderAdapter | None = None  # see engine.model.adapter (DECODE rows only)
+        self.vision = (
+            VisionTower(config.vision, cfg.hidden_size) if config.vision is not None else None
+        )
         self.kernels = UNBOUND
         self.init_rope()
 
@@ -72,7 +76,10 @@ class DiffusionLM(nn.Module):
         raise NotImplementedError
 
     def init_rope(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute the RoPE inverse frequencies, one table per layer type."""
+        """(Re)compute the RoPE inverse frequencies, one table per layer type (and the vision
+        tower's)."""
+        if getattr(self, "vision", None) is not None:
+            self.vision.init_rope(device)  # type: ignore[union-attr]
         for layer_type in LayerType:
             dims = {s.head_dim for s in self.cfg.layers if s.layer_type is layer_type}
             if dims:
@@ -135,6 +142,7 @@ class DiffusionLM(nn.Module):
         soft_embeds: SoftEmbeds,
         batch: ForwardBatch,
         cache: KVCache,
+        images: ImageEmbeds | None = None,
     ) -> torch.Tensor:
         """One pass over the packed new tokens `ids` [N] of every row in `batch`.
 
@@ -142,9 +150,11 @@ class DiffusionLM(nn.Module):
         embeddings are self-conditioned on `soft_embeds`: the previous step's soft embeddings
         of the DECODE rows in row order, either one tensor [num_decode_tokens, H] (zeros on a
         canvas's first step) or one entry per DECODE row ([L, H], or None on the first step).
-        Returns the final hidden states [N, H].
+        `images`: (packed indices [M] of ENCODE rows' image tokens, the vision tower's soft
+        tokens [M, H] for them), which replace those tokens' embeddings as the reference's
+        `masked_scatter` does. Returns the final hidden states [N, H].
         """
-        x = self._embed_rows(ids, soft_embeds, batch)[None]  # [1, N, H]
+        x = self._embed_rows(ids, soft_embeds, batch, images)[None]  # [1, N, H]
         rope = self._rope(batch.positions(ids.device)[None], x.dtype)
         for i, (layer, spec) in enumerate(zip(self.layers, self.cfg.layers, strict=True)):
             x = layer(x, rope[spec.layer_type], i, batch, cache)
@@ -152,9 +162,16 @@ class DiffusionLM(nn.Module):
         return hidden if self.adapter is None else self.adapter.shift(hidden, batch)
 
     def _embed_rows(
-        self, ids: torch.Tensor, soft_embeds: SoftEmbeds, batch: ForwardBatch
+        self,
+        ids: torch.Tensor,
+        soft_embeds: SoftEmbeds,
+        batch: ForwardBatch,
+        images: ImageEmbeds | None = None,
     ) -> torch.Tensor:
         embeds = self.embed(ids)  # [N, H]
+        if images is not None:
+            index, features = images
+            embeds = embeds.index_copy(0, index, features.to(embeds.dtype))
         is_decode = [row.mode is Mode.DECODE for row in batch.rows]
         if not any(is_decode):
             return embeds
@@ -185,3 +202,5 @@ class DiffusionLM(nn.Module):
 
 # The previous step's soft embeddings of a forward's DECODE rows (see `DiffusionLM.forward`).
 SoftEmbeds = torch.Tensor | list[torch.Tensor | None]
+# Image soft tokens for a forward: (packed token indices [M], features [M, H]).
+ImageEmbeds = tuple[torch.Tensor, torch.Tensor]

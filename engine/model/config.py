@@ -112,6 +112,50 @@ class TextConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class VisionConfig:
+    """DiffusionGemma's vision tower (Gemma 4's `gemma4_vision`) and the token ids that mark
+    images in a prompt: each image is `boi_token_id`, then one `image_token_id` per soft token
+    (whose embedding the tower's output replaces), then `eoi_token_id`."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_activation: str
+    rms_norm_eps: float
+    rope_theta: float
+    pooling_kernel_size: int
+    patch_size: int
+    position_embedding_size: int
+    use_clipped_linears: bool
+    standardize: bool
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+    # text_config.use_bidirectional_attention == "vision": the reference's encoder attends
+    # both ways within an image, which Canvas' attention kernels do not do (images refused).
+    bidirectional: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"vision_config: num_key_value_heads={self.num_kv_heads} does not divide "
+                f"num_attention_heads={self.num_heads}"
+            )
+        if self.head_dim % 4:
+            raise CheckpointError(
+                f"vision_config: head_dim={self.head_dim} must be a multiple of 4 (2-D RoPE)"
+            )
+        if self.hidden_activation != "gelu_pytorch_tanh":
+            raise CheckpointError(
+                f"vision_config.hidden_activation={self.hidden_activation!r} is not supported; "
+                "expected 'gelu_pytorch_tanh'"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Everything Canvas needs from config.json."""
 
@@ -119,10 +163,58 @@ class ModelConfig:
     text: TextConfig
     canvas_length: int
     dtype: str | None  # the checkpoint's declared torch dtype name, e.g. "bfloat16"
+    vision: VisionConfig | None = None  # None: a text-only checkpoint
 
     def __post_init__(self) -> None:
         if self.canvas_length <= 0:
             raise CheckpointError(f"canvas_length must be positive, got {self.canvas_length}")
+
+
+def parse_vision_config(raw: dict[str, Any]) -> VisionConfig | None:
+    """The vision tower of a DiffusionGemma config.json (its `vision_config` and the image
+    token ids, with the reference's defaults); None when it has no vision_config."""
+    vc = raw.get("vision_config")
+    if vc is None:
+        return None
+    where = "config.json vision_config"
+    if not isinstance(vc, dict):
+        raise CheckpointError(f"{where}: must be an object")
+    rope = vc.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise CheckpointError(f"{where}.rope_parameters.rope_type must be 'axial'")
+    hidden = int(_require(vc, "hidden_size", where))
+    heads = int(vc.get("num_attention_heads", 12))
+    return VisionConfig(
+        hidden_size=hidden,
+        intermediate_size=int(_require(vc, "intermediate_size", where)),
+        num_layers=int(_require(vc, "num_hidden_layers", where)),
+        num_heads=heads,
+        num_kv_heads=int(vc.get("num_key_value_heads", heads)),
+        head_dim=int(vc.get("head_dim") or hidden // heads),
+        hidden_activation=vc.get("hidden_activation", "gelu_pytorch_tanh"),
+        rms_norm_eps=float(vc.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", 100.0)),
+        pooling_kernel_size=int(vc.get("pooling_kernel_size", 3)),
+        patch_size=int(vc.get("patch_size", 16)),
+        position_embedding_size=int(vc.get("position_embedding_size", 10 * 1024)),
+        use_clipped_linears=bool(vc.get("use_clipped_linears", False)),
+        standardize=bool(vc.get("standardize", False)),
+        image_token_id=int(raw.get("image_token_id", 258_880)),
+        boi_token_id=int(raw.get("boi_token_id", 255_999)),
+        eoi_token_id=int(raw.get("eoi_token_id", 258_882)),
+        bidirectional=(raw.get("text_config") or {}).get("use_bidirectional_attention") == "vision",
+    )
+
+
+def load_vision_config(model_dir: str | Path) -> VisionConfig | None:
+    """The vision tower of `model_dir/config.json` (None: text only); CheckpointError for a bad
+    file."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc})") from None
+    return parse_vision_config(raw) if isinstance(raw, dict) else None
 
 
 def _require(cfg: dict[str, Any], key: str, where: str) -> Any:
@@ -313,4 +405,5 @@ def parse_model_config(
         text=parsers[model_type](text),
         canvas_length=int(raw.get("canvas_length", 256)),
         dtype=raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype"),
+        vision=parse_vision_config(raw),
     )

@@ -2,14 +2,17 @@
 
 Reads config.json and `model.safetensors` (or shards listed in `model.safetensors.index.json`),
 memory-mapped through safetensors. Tied weights may be stored under the decoder's or the
-encoder's name; both are accepted. Vision-tower weights are skipped (text-only serving). Every
-failure names the tensor or key and what was expected.
+encoder's name; both are accepted. The vision tower (`model.encoder.vision_tower.*`,
+`model.encoder.embed_vision.*`) is loaded when config.json has a vision_config and the weights
+hold it; a checkpoint without its tensors is served as text only. Every failure names the
+tensor or key and what was expected.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import functools
 import json
 import logging
@@ -30,7 +33,11 @@ from kernels import resolve_kernels
 
 logger = logging.getLogger(__name__)
 
-VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+# Canvas' vision-tower parameter prefixes → the checkpoint's.
+VISION_PREFIXES = {
+    "vision.tower.": "model.encoder.vision_tower.",
+    "vision.projection.": "model.encoder.embed_vision.",
+}
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."
 PROGRESS_BAR_BYTES = 256 << 20
@@ -76,6 +83,9 @@ def resolve_dtype(name: str | None, config: ModelConfig) -> torch.dtype:
 
 def checkpoint_names(name: str) -> list[str]:
     """Checkpoint keys that may hold the Canvas parameter `name`, in order of preference."""
+    for ours, theirs in VISION_PREFIXES.items():
+        if name.startswith(ours):
+            return [theirs + name[len(ours) :]]
     if name.endswith("encoder_layer_scalar"):
         return [ENCODER + name.replace("encoder_layer_scalar", "layer_scalar")]
     if name.endswith("decoder_layer_scalar"):
@@ -157,11 +167,12 @@ def load_model(
         keep_freed_memory()
     config = load_model_config(model_dir)
     target = resolve_dtype(dtype, config)
-    with torch.device("meta"):
-        model = BACKBONES[config.model_type](config)
-    expected = dict(model.state_dict())
     with ExitStack() as stack:
         tensors = _Tensors(weight_files(model_dir), stack)
+        config = _with_vision_weights(config, tensors)
+        with torch.device("meta"):
+            model = BACKBONES[config.model_type](config)
+        expected = dict(model.state_dict())
         plan = _plan(tensors, expected, config)
         total = sum(_nbytes(tensors, key) for key in plan.values())
         state = {}
@@ -251,15 +262,24 @@ def _plan(
             want = config.dtype if config.dtype in DTYPES else "a floating-point dtype"
             raise CheckpointError(f"tensor {key} has dtype {st_dtype}, expected {want}")
         plan[name] = key
-    vision = [k for k in available if k.startswith(VISION_PREFIXES)]
-    if vision:
-        logger.info("Skipping %d vision-tower tensors (Canvas serves text only)", len(vision))
-    used = set(plan.values()) | set(vision)
+    used = set(plan.values())
     tied = {c for name in expected for c in checkpoint_names(name)}
     unknown = sorted(available - used - tied)
     if unknown:
         logger.warning("Ignoring %d unrecognised tensors, e.g. %s", len(unknown), unknown[:3])
     return plan
+
+
+def _with_vision_weights(config: ModelConfig, tensors: _Tensors) -> ModelConfig:
+    """`config` as served: without its vision tower when the weights do not hold one (a
+    text-only export); a vision-tower tensor without a vision_config is left unrecognised."""
+    if config.vision is None:
+        return config
+    prefixes = tuple(VISION_PREFIXES.values())
+    if any(key.startswith(prefixes) for key in tensors.keys()):  # noqa: SIM118 (not a dict)
+        return config
+    logger.info("config.json has a vision_config but the weights no vision tower: text only")
+    return dataclasses.replace(config, vision=None)
 
 
 def save_weights(model: DiffusionLM, path: str | Path) -> None:

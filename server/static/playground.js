@@ -2,6 +2,7 @@
 // Plain JavaScript, no dependencies. With streaming on it asks for `stream_drafts`: every
 // unfinished step's argmax canvas arrives as `draft_tokens` (one string per position) and is
 // drawn as a grid of cells; committed text arrives in `delta.content`, a canvas at a time.
+// Images (attached or pasted) go with the next message as `image_url` parts (data: URLs).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -14,11 +15,11 @@ const ui = {
   model: $("model-name"), view: $("canvas-view"), grid: $("grid"),
   canvasIndex: $("canvas-index"), canvasStep: $("canvas-step"), canvases: $("canvases"),
   statSteps: $("stat-steps"), statTpf: $("stat-tpf"), statPasses: $("stat-passes"),
-  statTokens: $("stat-tokens"),
+  statTokens: $("stat-tokens"), image: $("image"), attachments: $("attachments"),
   statCached: $("stat-cached"),
 };
 
-const chat = { history: [], model: null, controller: null };
+const chat = { history: [], model: null, controller: null, images: [] };
 
 function setStatus(text, isError = false) {
   ui.status.textContent = text;
@@ -178,7 +179,15 @@ function clearStats() {
 
 // ---- the conversation ------------------------------------------------------------------
 
-function addMessage(role, text) {
+function thumbnail(url, alt) {
+  const img = document.createElement("img");
+  img.className = "thumb";
+  img.src = url;
+  img.alt = alt;
+  return img;
+}
+
+function addMessage(role, text, images = []) {
   const item = document.createElement("li");
   item.className = "message " + role;
   const label = document.createElement("span");
@@ -187,7 +196,7 @@ function addMessage(role, text) {
   const body = document.createElement("span");
   body.className = "body";
   body.textContent = text;
-  item.append(label, body);
+  item.append(label, ...images.map((url, i) => thumbnail(url, `image ${i + 1}`)), body);
   ui.messages.appendChild(item);
   ui.messages.scrollTop = ui.messages.scrollHeight;
   return body;
@@ -285,12 +294,51 @@ function setBusy(busy) {
   ui.view.setAttribute("aria-busy", String(busy));
 }
 
+// ---- images to send with the next message -----------------------------------------------
+
+function showAttachments() {
+  ui.attachments.replaceChildren(...chat.images.map((url, i) => {
+    const item = document.createElement("li");
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.textContent = "Remove";
+    remove.setAttribute("aria-label", `Remove image ${i + 1}`);
+    remove.addEventListener("click", () => {
+      chat.images.splice(i, 1);
+      showAttachments();
+    });
+    item.append(thumbnail(url, `image ${i + 1} to send`), remove);
+    return item;
+  }));
+}
+
+function attach(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const reader = new FileReader();
+    reader.addEventListener("load", () => {
+      chat.images.push(reader.result);
+      showAttachments();
+    });
+    reader.readAsDataURL(file);
+  }
+}
+
+// The user turn: its text, or its parts (the images, then the text) when it has images.
+function userTurn(text, images) {
+  if (!images.length) return { role: "user", content: text };
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  if (text) parts.push({ type: "text", text });
+  return { role: "user", content: parts };
+}
+
 async function send() {
   const text = ui.prompt.value.trim();
-  if (!text || chat.controller) return;
+  const images = chat.images.slice();
+  if ((!text && !images.length) || chat.controller) return;
   if (!chat.model && !(await loadModel())) return;
   const system = ui.system.value.trim();
-  const turn = { role: "user", content: text };
+  const turn = userTurn(text, images);
   const messages = [...(system ? [{ role: "system", content: system }] : []),
     ...chat.history, turn];
   let body;
@@ -301,7 +349,9 @@ async function send() {
     return;
   }
   ui.prompt.value = "";
-  addMessage("user", text);
+  chat.images = [];
+  showAttachments();
+  addMessage("user", text, images);
   const answer = addMessage("assistant", "");
   view.reset();
   clearStats();
@@ -325,6 +375,10 @@ async function send() {
     addMessage("error", aborted ? "Stopped." : err.message);
     setStatus(aborted ? "Stopped." : "Error: " + err.message, !aborted);
     ui.prompt.value = ui.prompt.value || text;
+    if (!chat.images.length) {  // to send again
+      chat.images = images;
+      showAttachments();
+    }
   } finally {
     chat.controller = null;
     setBusy(false);
@@ -338,6 +392,8 @@ function stop() {
 function clearChat() {
   stop();
   chat.history = [];
+  chat.images = [];
+  showAttachments();
   ui.messages.replaceChildren();
   view.reset();
   clearStats();
@@ -357,6 +413,17 @@ ui.prompt.addEventListener("keydown", (event) => {
 });
 document.addEventListener("keydown", (event) => {
   if (event.key === "Escape") stop();
+});
+ui.image.addEventListener("change", () => {
+  attach(ui.image.files);
+  ui.image.value = "";
+});
+ui.prompt.addEventListener("paste", (event) => {
+  const files = [...(event.clipboardData ? event.clipboardData.files : [])];
+  if (files.some((f) => f.type.startsWith("image/"))) {
+    event.preventDefault();
+    attach(files);
+  }
 });
 ui.stop.addEventListener("click", stop);
 ui.clear.addEventListener("click", clearChat);

@@ -240,3 +240,33 @@ def test_screenshot_mid_denoise_for_the_readme(tiny_checkpoint: Callable[[str], 
             driver.save_screenshot(str(out))
         finally:
             driver.quit()
+
+
+def test_an_attached_image_goes_with_the_message_and_shows_in_the_history(
+    browser: Any, open_server: str, tmp_path: Path
+) -> None:
+    from tests.media import noise_image
+
+    image = tmp_path / "dots.png"
+    noise_image(8, 8).save(image)
+    open_page(browser, open_server)
+    by_id(browser, "image").send_keys(str(image))
+    WebDriverWait(browser, 10).until(
+        lambda d: d.find_elements(By.CSS_SELECTOR, "#attachments img.thumb")
+    )
+    box = by_id(browser, "prompt")
+    box.send_keys("What is it?")
+    box.send_keys(Keys.ENTER)
+    WebDriverWait(browser, 30).until(lambda d: by_id(d, "status").text.startswith("Error"))
+    # This checkpoint takes no images: the server's 400 names the part the page sent.
+    status = by_id(browser, "status").text
+    assert "image input is not supported" in status
+    assert "(messages.0.content.0.image_url)" in status
+    thumbs = browser.find_elements(By.CSS_SELECTOR, ".message.user img.thumb")
+    assert len(thumbs) == 1
+    assert thumbs[0].get_attribute("src").startswith("data:image/png;base64,")
+    assert browser.find_elements(By.CSS_SELECTOR, "#attachments img.thumb")  # to send again
+    by_id(browser, "attachments").find_element(By.TAG_NAME, "button").click()
+    assert not browser.find_elements(By.CSS_SELECTOR, "#attachments img.thumb")
+    errors = [e for e in console_errors(browser) if "status of 400" not in e]
+    assert errors == []

@@ -97,6 +97,7 @@ class Submitted:
     prompt_ids: list[int]
     params: ResolvedParams
     want_drafts: bool
+    images: tuple = ()
 
 
 @dataclass
@@ -184,12 +185,15 @@ class FakeEngine:
         prompt_ids: list[int],
         params: ResolvedParams,
         want_drafts: bool = False,
+        images: tuple = (),
     ) -> AsyncIterator[StepOutput]:
         if self.queue_full or self.num_inflight >= self.limits.max_inflight:
             raise QueueFull(f"{self.num_inflight} requests in flight")
         if self.refuse is not None:
             raise self.refuse
-        self.submitted.append(Submitted(request_id, list(prompt_ids), params, want_drafts))
+        self.submitted.append(
+            Submitted(request_id, list(prompt_ids), params, want_drafts, tuple(images))
+        )
         self.num_inflight += 1
         finished = False
         try:

@@ -51,12 +51,12 @@ def test_a_prompt_of_the_wrong_type_says_what_a_prompt_may_be(fake):
     assert "must be a string, a list of strings, a list of token ids" in error["message"]
 
 
-def test_an_image_part_is_rejected_as_not_text(fake):
+def test_an_image_part_to_a_model_without_image_input_is_refused_naming_it(fake):
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     r = fake.post("/chat/completions", messages=[{"role": "user", "content": [image]}])
     error = r.json()["error"]
-    assert r.status_code == 400 and error["param"] == "messages.0.content.0.type"
-    assert "only text content parts are supported" in error["message"]
+    assert r.status_code == 400 and error["param"] == "messages.0.content.0.image_url"
+    assert "image input is not supported by this model" in error["message"]
     assert "valid string" not in error["message"]
 
 

@@ -263,9 +263,9 @@ ASSISTANT_BAD_ARGS = {
         ),
         (user(None), "messages.0.content", "is required"),
         (
-            user([{"type": "text", "text": "a"}, IMAGE]),
-            "messages.0.content.1.type",
-            "image input is not",
+            user([{"type": "text", "text": "a"}, IMAGE]),  # a model without image input
+            "messages.0.content.1.image_url",
+            "image input is not supported by this model",
         ),
         (user([{"type": "input_audio"}]), "messages.0.content.0.type", "audio input"),
         (user([{"type": "fancy"}]), "messages.0.content.0.type", "unknown part type"),

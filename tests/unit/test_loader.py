@@ -97,8 +97,8 @@ def test_sharded_checkpoint_loads_like_a_single_file(checkpoint_copy, tiny_check
     b = load_model(tiny_checkpoint("c16"))
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(x, y), name
-    vision_lines = [r for r in caplog.records if "vision-tower" in r.getMessage()]
-    assert len(vision_lines) == 1
+    assert a.vision is not None  # the vision tower is loaded, from the shards too
+    assert not [r for r in caplog.records if "unrecognised" in r.getMessage()]
 
 
 def test_encoder_named_weights_are_accepted(checkpoint_copy):

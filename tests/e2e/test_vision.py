@@ -1,0 +1,181 @@
+"""Image input end to end: the vision tower and whole image prompts against the transformers
+reference (exact numerics, CPU), and the preprocessing against transformers' own processor."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+
+from engine import LLM, SamplingParams
+from engine.engine import EngineConfig
+from engine.images import ImageProcessor, PreparedImage, expand_image_tokens
+from engine.params import ParamError
+from engine.scheduler import SchedulerConfig
+from tests.media import encode, noise_image
+
+# (height, width): padded to the patch budget, exactly the budget (70 soft tokens, no padding:
+# the tower's attention then runs without a mask), upscaled, a long strip, downscaled.
+SIZES = [(50, 90), (84, 120), (13, 17), (12, 300), (300, 240)]
+# One 16-token canvas, a few denoising steps (the decoder's side is the text path's, tested at
+# length elsewhere; here the prompt's encoding is what the images change).
+MAX_TOKENS, STEPS = 16, 6
+
+
+@pytest.fixture(scope="module")
+def vision(vision_checkpoint, reference_model):
+    """(LLM in exact numerics, the reference, the processor, the prepared images of SIZES)."""
+    llm = LLM.from_pretrained(vision_checkpoint, exact=True)
+    processor = ImageProcessor(vision_checkpoint)
+    images = [noise_image(h, w, seed=i) for i, (h, w) in enumerate(SIZES)]
+    prepared = [processor.prepare(encode(image), f"image {i}") for i, image in enumerate(images)]
+    return SimpleNamespace(
+        path=vision_checkpoint,
+        llm=llm,
+        ref=reference_model(vision_checkpoint),
+        processor=processor,
+        images=images,
+        prepared=prepared,
+    )
+
+
+def stacked(images: list[PreparedImage]) -> tuple[torch.Tensor, torch.Tensor]:
+    pixels = torch.from_numpy(np.stack([i.pixel_values for i in images]))
+    return pixels, torch.from_numpy(np.stack([i.position_ids for i in images]))
+
+
+def test_preprocessing_is_transformers_processor_output(vision):
+    """All images through transformers' processor at once = each through Canvas' alone; the
+    placeholder expansion = the processor's own text replacement, tokenized."""
+    hf = vision.processor._proc(images=vision.images, return_tensors="np")
+    pixels, positions = stacked(vision.prepared)
+    assert torch.equal(pixels, torch.from_numpy(hf["pixel_values"]))
+    assert torch.equal(positions, torch.from_numpy(hf["image_position_ids"]))
+    assert [i.num_tokens for i in vision.prepared] == list(hf["num_soft_tokens_per_image"])
+    assert [i.num_tokens for i in vision.prepared][1] == 70  # the whole budget, unpadded
+    tok = vision.llm.tokenizer
+    parts = [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "image"}]
+    messages = [{"role": "user", "content": parts}]
+    ids = tok.apply_chat_template(messages)
+    ours = expand_image_tokens(ids, vision.prepared[:2], vision.processor.vision)
+    text = tok.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    fake = SimpleNamespace(boi_token="<|image>", image_token="<|image|>", eoi_token="<image|>")
+    pieces = text.split("<|image|>")
+    for i in range(2):
+        pieces[i] += Gemma4Processor.replace_image_token(fake, hf, i)  # type: ignore[arg-type]
+    assert ours == tok.encode("".join(pieces), add_special_tokens=False, markup=True)
+
+
+@torch.inference_mode()
+def test_vision_tower_is_the_reference_bit_for_bit_alone_and_batched(vision):
+    pixels, positions = stacked(vision.prepared)
+    want = vision.ref.model.encoder.get_image_features(pixels, positions).pooler_output
+    tower = vision.llm.model.vision
+    assert torch.equal(tower(pixels, positions), want)
+    alone = [tower(pixels[i : i + 1], positions[i : i + 1]) for i in range(len(SIZES))]
+    assert torch.equal(torch.cat(alone), want)  # what caching and cross-request batching need
+
+
+def chat_ids(vision, layout: list[str | int]) -> tuple[list[int], list[PreparedImage]]:
+    """A user turn of text parts (str) and images (indices into SIZES), expanded."""
+    parts = [
+        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in layout
+    ]
+    images = [vision.prepared[p] for p in layout if isinstance(p, int)]
+    ids = vision.llm.tokenizer.apply_chat_template([{"role": "user", "content": parts}])
+    return expand_image_tokens(ids, images, vision.processor.vision), images
+
+
+# 1-3 images, first in the turn or between text, every size at least once.
+LAYOUTS = [
+    [0, "What is this?"],
+    ["Compare", 1, "with", 2, "please"],
+    [3, "then", 4, 0, "?"],
+]
+
+
+@pytest.fixture(scope="module")
+def references(vision) -> list[tuple[list[int], list[PreparedImage], list[int]]]:
+    """(prompt ids, images, the reference generate()'s tokens cut at EOS) of each layout, with
+    the layout's index as the seed."""
+    eos = set(vision.llm.defaults.eos_token_ids)
+    out = []
+    for seed, layout in enumerate(LAYOUTS):
+        ids, images = chat_ids(vision, layout)
+        pixels, positions = stacked(images)
+        torch.manual_seed(seed)
+        generated = vision.ref.generate(
+            torch.tensor([ids]),
+            pixel_values=pixels,
+            image_position_ids=positions,
+            max_new_tokens=MAX_TOKENS,
+            max_denoising_steps=STEPS,
+        )
+        ref_ids = generated.sequences[0, len(ids) :].tolist()[:MAX_TOKENS]
+        cut = next((i + 1 for i, t in enumerate(ref_ids) if t in eos), len(ref_ids))
+        out.append((ids, images, ref_ids[:cut]))
+    return out
+
+
+def test_image_prompts_match_reference_generate_alone_and_batched(vision, references):
+    for seed, (ids, images, wanted) in enumerate(references):
+        (alone,) = vision.llm.generate(ids, params(seed), images=[images])
+        assert alone.output_ids == wanted, f"layout {seed}"
+    ids, _, wanted = references[0]
+    (blind,) = vision.llm.generate(ids, params(0))
+    assert blind.output_ids != wanted  # the images do reach the model
+    batched = vision.llm.generate(
+        [ids for ids, _, _ in references],
+        [params(seed) for seed in range(len(references))],
+        images=[images for _, images, _ in references],
+    )
+    assert [out.output_ids for out in batched] == [wanted for _, _, wanted in references]
+
+
+def test_prompt_chunks_that_split_images_match_reference_generate(vision, references):
+    """Prefill chunks of 29 tokens: images start, end and span chunk boundaries (the tower's
+    output for an image is computed once and kept for its next chunks)."""
+    llm = vision.llm
+    config = EngineConfig(scheduler=SchedulerConfig(max_prefill_chunk=29))
+    chunked = LLM(llm.model, llm.tokenizer, llm.defaults, config)
+    for seed in (1, 2):
+        ids, images, wanted = references[seed]
+        (out,) = chunked.generate(ids, params(seed), images=[images])
+        assert out.output_ids == wanted, f"layout {seed}"
+
+
+def params(seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, seed=seed, max_denoising_steps=STEPS)
+
+
+def test_image_tokens_that_do_not_match_the_images_are_refused(vision):
+    ids, images = chat_ids(vision, [0, "x"])
+    image_token = vision.processor.vision.image_token_id
+    first = ids.index(image_token)
+    one_short = ids[:first] + ids[first + 1 :]
+    with pytest.raises(ParamError, match="image tokens for 1 images"):
+        vision.llm.generate(one_short, SamplingParams(max_tokens=4), images=[images])
+    with pytest.raises(ParamError, match="for 2 images"):
+        vision.llm.generate(ids, SamplingParams(max_tokens=4), images=[images * 2])
+    with pytest.raises(ParamError, match="placeholders for 2 images"):
+        expand_image_tokens([5, image_token], images * 2, vision.processor.vision)
+
+
+def test_generate_cli_with_an_image_matches_reference_generate(
+    vision, references, tmp_path, capsys
+):
+    from server.cli import main
+
+    image = tmp_path / "image.png"
+    vision.images[LAYOUTS[0][0]].save(image)
+    args = ["generate", "--model", str(vision.path), "--image", str(image)]
+    flags = ["--seed", "0", "--max-tokens", str(MAX_TOKENS), "--max-denoising-steps", str(STEPS)]
+    assert main([*args, "--prompt", LAYOUTS[0][1], *flags, "--json", "--exact"]) == 0
+    assert json.loads(capsys.readouterr().out)["output_ids"] == references[0][2]
+    missing = ["--image", str(tmp_path / "missing.png")]
+    assert main([*args[:3], *missing, "--prompt", "x"]) == 2  # before loading the model
+    assert "missing.png" in capsys.readouterr().err
