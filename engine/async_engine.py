@@ -274,7 +274,7 @@ class AsyncEngine:
                     cmd.params,
                     cmd.want_drafts,
                     cmd.constraint,
-                    cmd.images,
+                    images=cmd.images,
                 )
             except (ValueError, QueueFull) as exc:  # ParamError is a ValueError
                 self._publish(cmd.request_id, EngineFailure(exc))
