@@ -179,3 +179,16 @@ def test_generate_cli_with_an_image_matches_reference_generate(
     missing = ["--image", str(tmp_path / "missing.png")]
     assert main([*args[:3], *missing, "--prompt", "x"]) == 2  # before loading the model
     assert "missing.png" in capsys.readouterr().err
+
+
+def test_the_same_ids_with_other_images_never_share_cached_pages(vision):
+    """Image tokens are placeholders: the images' content hashes are part of the prefix
+    cache's key, so a prompt reuses cached pages only with the very same images."""
+    fast = LLM.from_pretrained(vision.path)  # fast numerics: prefix caching on
+    ids, images = chat_ids(vision, [1, "What is this? " * 8])
+    h, w = SIZES[1]
+    other = [vision.processor.prepare(encode(noise_image(h, w, seed=99)), "other image")]
+    assert len(ids) > 2 * EngineConfig().page_size  # full pages to share
+    runs = [images, images, other, images]
+    cached = [fast.generate(ids, params(0), images=[run])[0].num_cached_tokens for run in runs]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0 and cached[3] == cached[1]
