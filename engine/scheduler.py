@@ -4,8 +4,8 @@ Each step the scheduler picks rows for one forward pass: for every running seque
 a commit pass, a denoising step, an AR token or a prefill chunk — then admits waiting
 sequences while pages, sampler slots and the row/token budgets allow. A sequence whose canvas
 converged goes on to its commit pass at the next step; nothing waits for slower rows. A
-diffusion request's commit pass (or its prompt's last chunk) takes the next canvas's first
-denoising step along in the same forward (`first_step_along`): its second row.
+diffusion request's commit pass takes the next canvas's first denoising step along in the
+same forward (`first_step_along`): its second row.
 
 States: WAITING → PREFILL → (DENOISE → COMMIT → DENOISE …) | AR | (DENOISE → VERIFY → DENOISE …)
 → FINISHED. Hybrid requests draft a canvas (DENOISE, a few steps) and verify it (VERIFY: the
@@ -437,22 +437,24 @@ class Scheduler:
 
 def first_step_along(row: ScheduledRow) -> ScheduledRow | None:
     """The first denoising step of the canvas that begins where `row` ends, to run in the
-    same forward pass, when `row` is the ENCODE pass that completes that canvas's prefix (a
-    commit pass, or a prompt's last chunk) of a diffusion request; else None.
+    same forward pass, when `row` is a diffusion request's commit pass; else None.
 
     It reads its prefix in the very forward that writes it: in every layer the ENCODE rows
     store their KV before any row attends, so the canvas sees the committed tokens' KV of
     that layer, the same values a later forward would read (exact numerics stay the
     reference's: every row's arithmetic is its own). One forward per canvas is saved — on a
     GPU at small batch, one pass over the weights. AR and hybrid requests sample their next
-    token from the ENCODE pass (a hybrid draft starts with it), so they wait for it."""
+    token from the ENCODE pass (a hybrid draft starts with it), so they wait for it. A
+    prompt's last chunk does not take the first canvas along: fast numerics' rounding then
+    depends on the other prompts of the forward, and a batch of prompts would no longer
+    answer each as it does alone (`test_a_batch_of_prompts_answers_each_as_alone`)."""
     seq = row.req
     if seq.params.mode.samples_tokens:
         return None
+    if row.kind is not RowKind.COMMIT:
+        return None
     end = row.start + row.num_tokens
-    if row.kind is RowKind.COMMIT or (row.kind is RowKind.PREFILL and end == seq.num_prompt):
-        return ScheduledRow(seq, RowKind.DENOISE, end, seq.canvas_length, starts_canvas=True)
-    return None
+    return ScheduledRow(seq, RowKind.DENOISE, end, seq.canvas_length, starts_canvas=True)
 
 
 def request_stats(seq: RequestState, now: float) -> RequestStats:

@@ -172,8 +172,7 @@ def make_engine(model: DiffusionLM, canvases: int, prompt_len: int) -> Engine:
     context = -(-(prompt_len + length) // page) * page
     sched = SchedulerConfig(
         max_num_seqs=canvases,
-        # a prompt's (last) chunk and its canvas's first step share one forward
-        max_num_batched_tokens=canvases * (max(length, prompt_len) + length),
+        max_num_batched_tokens=canvases * max(length, prompt_len),
         max_prefill_chunk=length,  # sizes the sliding-window ring: one canvas is the longest pass
     )
     return Engine(
@@ -248,8 +247,7 @@ def time_engine(model: DiffusionLM, canvases: int, s: Settings, floor_s: float) 
     records, finished = run_round(engine, prompts, s.steps, forward, "timed")
     del engine.runner.execute  # the timer's closure holds the runner: free the KV pools now
     denoise = [r for r in records if r[:2] == (canvases, canvases * length)]
-    # The prompts' forward carries each canvas's first denoising step (`first_step_along`).
-    prefill = [r for r in records if r[0] == 2 * canvases]
+    prefill = [r for r in records if r[:2] == (canvases, canvases * s.prompt_len)]
     if not denoise:
         raise RuntimeError(f"no step denoised all {canvases} canvases together: {records}")
     step = statistics.median(r[2] for r in denoise)

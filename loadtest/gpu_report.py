@@ -109,7 +109,7 @@ ENGINE_HEADERS = [
     "step ms",
     "forward ms",
     "sample+host ms",
-    "prefill + first step ms",
+    "prefill ms",
     "tok/s",
     "floor/step",
     "peak GB",

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
 
 from engine import LLM, SamplingParams
 from engine.engine import EngineConfig
@@ -51,6 +50,10 @@ def stacked(images: list[PreparedImage]) -> tuple[torch.Tensor, torch.Tensor]:
 def test_preprocessing_is_transformers_processor_output(vision):
     """All images through transformers' processor at once = each through Canvas' alone; the
     placeholder expansion = the processor's own text replacement, tokenized."""
+    # Imported here: it imports triton, which must first see the kernel tests'
+    # TRITON_INTERPRET (tests/kernels/conftest.py) when this module is collected before them.
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+
     hf = vision.processor._proc(images=vision.images, return_tensors="np")
     pixels, positions = stacked(vision.prepared)
     assert torch.equal(pixels, torch.from_numpy(hf["pixel_values"]))

@@ -85,12 +85,13 @@ def kinds(rows: list) -> list[tuple[RowKind, int, int, bool]]:
 
 
 def test_a_request_goes_prefill_denoise_commit_denoise():
-    """A canvas's first denoising step rides along with the pass that ends its prefix: the
-    prompt's last chunk, then each commit pass (the same forward; one row each)."""
+    """The next canvas's first denoising step rides along with each commit pass (the same
+    forward; one row each). The first canvas starts after the prompt's last chunk."""
     sched = Scheduler(SchedulerConfig(max_prefill_chunk=4), KVPages(geometry(), 100, 100))
     sched.add(seq("a", prompt=6))
     assert kinds(run_rows(sched)) == [(RowKind.PREFILL, 0, 4, False)]
-    assert kinds(run_rows(sched)) == [(RowKind.PREFILL, 4, 2, False), (RowKind.DENOISE, 6, 8, True)]
+    assert kinds(run_rows(sched)) == [(RowKind.PREFILL, 4, 2, False)]
+    assert kinds(run_rows(sched)) == [(RowKind.DENOISE, 6, 8, True)]
     assert kinds(run_rows(sched, {"a"})) == [(RowKind.DENOISE, 6, 8, False)]  # converges
     assert kinds(run_rows(sched)) == [(RowKind.COMMIT, 6, 8, False), (RowKind.DENOISE, 14, 8, True)]
     assert sched.requests["a"].num_computed == 14 and sched.requests["a"].in_canvas
@@ -107,11 +108,13 @@ def test_modes_that_sample_from_the_encoder_wait_for_it(mode: DecodeMode):
 
 
 def test_a_first_step_that_does_not_fit_the_budget_waits_for_the_next_forward():
-    config = SchedulerConfig(max_num_batched_tokens=10)
+    config = SchedulerConfig(max_num_batched_tokens=12)
     sched = Scheduler(config, KVPages(geometry(), 100, 100))
     sched.add(seq("a", prompt=6))
-    assert kinds(run_rows(sched)) == [(RowKind.PREFILL, 0, 6, False)]
-    assert kinds(run_rows(sched)) == [(RowKind.DENOISE, 6, 8, True)]
+    run_rows(sched)  # the prompt
+    run_rows(sched, {"a"})  # the first canvas converges at once
+    assert kinds(run_rows(sched)) == [(RowKind.COMMIT, 6, 8, False)]
+    assert kinds(run_rows(sched)) == [(RowKind.DENOISE, 14, 8, True)]
 
 
 def test_ar_request_goes_prefill_then_one_token_rows():
@@ -126,7 +129,8 @@ def test_converged_canvas_leaves_without_waiting_for_slower_rows():
     sched = Scheduler(SchedulerConfig(), KVPages(geometry(), 100, 100))
     for name in "ab":
         sched.add(seq(name))
-    run_rows(sched)  # both prefill (and take their first denoising step)
+    run_rows(sched)  # both prefill
+    run_rows(sched)  # both start a canvas
     run_rows(sched, converged={"a"})  # a converges, b does not
     rows = run_rows(sched)
     assert [(r.seq_id, r.kind, r.start) for r in rows] == [
