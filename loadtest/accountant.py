@@ -53,7 +53,7 @@ GPUS = (H200, H100)
 GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._grouped_mm}
 _ALLOCATIONS = {
     aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided,
-    aten.lift_fresh, aten.detach, aten.alias, aten._local_scalar_dense,
+    aten.detach, aten.alias, aten._local_scalar_dense,
 }  # fmt: skip
 _GATHERS = {aten.embedding, aten.index, aten.index_select, aten.gather}
 _SCATTERS_IN_PLACE = {aten.index_put_, aten.index_copy_, aten.index_add_, aten.scatter_}
@@ -62,7 +62,7 @@ _SHAPE_SYNCS = {
     aten.nonzero, aten.masked_select, aten.bincount, aten.unique_consecutive, aten._unique2,
     aten.unique_dim,
 }  # fmt: skip
-_COPIES = {aten._to_copy, aten.copy_}
+_COPIES = {aten._to_copy, aten.copy_, aten.to}
 
 
 @dataclass(slots=True)
@@ -115,6 +115,15 @@ def project_frame() -> str:
     return "?"
 
 
+def _in_prepare() -> bool:
+    """Inside `ForwardBatch.prepare`: the runner's inputs, moved before the forward is queued
+    (the accountant cannot see where `ModelRunner.execute` starts queueing kernels)."""
+    return any(
+        f.name == "prepare" and f.filename.endswith("kv_cache.py")
+        for f in traceback.extract_stack()
+    )
+
+
 class Accountant(TorchDispatchMode):
     """Records the ops run under it (see the module docstring). `device_type`: where the
     step's kernels run ("meta" for a prediction, "cpu" for a calibration run); ops on other
@@ -127,6 +136,24 @@ class Accountant(TorchDispatchMode):
         self.records: list[OpRecord] = []
         self.current = "step"
 
+    def __enter__(self) -> Accountant:
+        # `torch.tensor(data, device=...)` copies without reaching the dispatcher (on CUDA a
+        # blocking copy): seen here, at the Python call.
+        self._tensor = make = torch.tensor
+
+        def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            out = make(data, *args, **kwargs)
+            if out.device.type == self.device_type != "cpu":
+                self.sync("tensor", "blocking host to device copy", _nbytes([out]))
+            return out
+
+        torch.tensor = tensor  # type: ignore[assignment]
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: object) -> None:
+        torch.tensor = self._tensor  # type: ignore[assignment]
+        super().__exit__(*exc)
+
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         previous, self.current = self.current, name
@@ -135,9 +162,10 @@ class Accountant(TorchDispatchMode):
         finally:
             self.current = previous
 
-    def sync(self, name: str, kind: str) -> None:
+    def sync(self, name: str, kind: str, size: float = 0.0) -> None:
         """Record a synchronisation seen outside the dispatcher (e.g. `.tolist()` on meta)."""
-        self.records.append(OpRecord(name, self.current, sync=kind, where=project_frame()))
+        phase = "inputs" if self.current == "forward" and _in_prepare() else self.current
+        self.records.append(OpRecord(name, phase, bytes=size, sync=kind, where=project_frame()))
 
     # -- dispatch -----------------------------------------------------------------------------
 
@@ -164,12 +192,17 @@ class Accountant(TorchDispatchMode):
             record.launches = 0
         else:
             record.bytes = _op_bytes(packet, args, out, tensors)
-        if packet in flop_registry:
+        if packet is aten.linear:  # not decomposed on meta: 2 * rows * in * out
+            record.flops = 2.0 * tensors[0].numel() * tensors[1].shape[0]
+            record.gemm, record.fp32 = True, tensors[0].dtype == torch.float32
+        elif packet in flop_registry:
             record.flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
             record.gemm = packet in GEMMS
             record.fp32 = record.gemm and tensors[0].dtype == torch.float32
         if sync:
             record.where = project_frame()
+            if self.current == "forward" and _in_prepare():
+                record.phase = "inputs"
         if on_device or sync:
             self.records.append(record)
         return out
@@ -179,6 +212,8 @@ class Accountant(TorchDispatchMode):
         packet = func.overloadpacket
         if packet is aten._local_scalar_dense:
             return "value to host"
+        if packet is aten.lift_fresh:  # `torch.tensor(data, device=...)`: a blocking copy
+            return "blocking host to device copy"
         if packet in _SHAPE_SYNCS:
             return "data-dependent shape"
         if packet is aten.repeat_interleave and func is aten.repeat_interleave.Tensor:
@@ -187,16 +222,16 @@ class Accountant(TorchDispatchMode):
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
         ):
             return "boolean mask"
-        if packet in _COPIES and len(tensors) >= 1:
-            src = tensors[-1] if packet is aten.copy_ else tensors[0]
-            dst = kwargs.get("device") if packet is aten._to_copy else tensors[0].device
+        if packet in _COPIES:
+            named = _named(func, args, kwargs)
+            src = named.get("src", named.get("self"))
+            dst = named.get("device") if "src" not in named else named["self"].device
             dst_type = torch.device(dst).type if dst is not None else src.device.type
             if src.device.type == dst_type:
                 return ""
             if dst_type == "cpu":
                 return "device to host copy"
-            blocking = not kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
-            return "blocking host to device copy" if blocking else ""
+            return "" if named.get("non_blocking") else "blocking host to device copy"
         return ""
 
     # -- summaries ----------------------------------------------------------------------------
@@ -238,11 +273,20 @@ def _stand_in(func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         return x.new_empty((max(int(kwargs.get("minlength", args[2] if len(args) > 2 else 0)), 1),))
     if packet in (aten.masked_select, aten.repeat_interleave):
         return x.new_empty((x.numel(),))
-    if packet in _COPIES:
-        if packet is aten.copy_:
-            return args[0]
-        return torch.zeros(x.shape, dtype=kwargs.get("dtype") or x.dtype, device="cpu")
-    return None  # runs as is (e.g. a boolean index into a host tensor)
+    if packet in _COPIES:  # to the host (a copy to the device runs: the meta output is free)
+        named = _named(func, args, kwargs)
+        if "src" in named:
+            return args[0] if args[0].device.type == "cpu" else None
+        if named.get("device") is None or torch.device(named["device"]).type != "cpu":
+            return None
+        return torch.zeros(x.shape, dtype=named.get("dtype") or x.dtype, device="cpu")
+    return None
+
+
+def _named(func: Any, args: tuple[Any, ...], kwargs: Any) -> dict[str, Any]:
+    """An op's arguments by their schema names."""
+    names = [a.name for a in func._schema.arguments]
+    return {**dict(zip(names, args, strict=False)), **kwargs}  # runs as is (e.g. a boolean index into a host tensor)
 
 
 # -- custom ops: the Triton kernels CUDA runs ----------------------------------------------
@@ -332,7 +376,7 @@ def align_pairs_costs(ids: torch.Tensor, num_experts: int) -> list[dict[str, Any
     try:
         from kernels.triton_moe import align_pairs
     except ImportError:
-        return [{"bytes": 0.0, "launches": 17, "sync": "data-dependent shape"}]
+        return [{"launches": 17, "sync": "bincount: data-dependent shape", "where": "?"}]
     sub = Accountant("meta")
     with sub:
         align_pairs(torch.empty(ids.shape, dtype=ids.dtype, device="meta"), num_experts, 64)
@@ -340,8 +384,9 @@ def align_pairs_costs(ids: torch.Tensor, num_experts: int) -> list[dict[str, Any
     syncs = [r for r in sub.records if r.sync]
     launches = sum(r.launches for r in sub.records)
     kind = ", ".join(f"{r.name}: {r.sync}" for r in syncs)
-    cost: dict[str, Any] = {"bytes": bytes_, "launches": launches, "sync": kind}
-    return [cost, *({"launches": 0, "sync": kind} for _ in syncs[1:])]
+    where = syncs[0].where if syncs else ""
+    cost: dict[str, Any] = {"bytes": bytes_, "launches": launches, "sync": kind, "where": where}
+    return [cost, *({"launches": 0, "sync": kind, "where": where} for _ in syncs[1:])]
 
 
 def _sample_cost(logits: torch.Tensor) -> dict[str, Any]:
