@@ -18,6 +18,7 @@ peak rates (`Hardware`): max(FLOPs / peak, bytes / bandwidth) + a per-launch cos
 from __future__ import annotations
 
 import math
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -80,6 +81,7 @@ class OpRecord:
     host: bool = False
     sync: str = ""
     where: str = ""
+    wall_s: float = 0.0  # the op's own run time here (meaningful on a real device only)
 
     def seconds(self, hw: Hardware) -> float:
         if self.host:
@@ -180,20 +182,24 @@ class Accountant(TorchDispatchMode):
         sync = self._sync_kind(func, args, kwargs, tensors) if on_device else ""
         meta = self.device_type == "meta"
         out = _stand_in(func, args, kwargs) if sync and meta else None
+        began = time.perf_counter()
         if out is None:
             out = func(*args, **kwargs)
+        elapsed = time.perf_counter() - began
         packet = func.overloadpacket
         if func.namespace == "canvas":
             self.records += custom_records(self, func, args, out)
             return out
         record = OpRecord(str(packet).replace("aten.", ""), self.current, sync=sync)
+        record.wall_s = elapsed
         record.host = not on_device
         if func.is_view or packet in _ALLOCATIONS:
             record.launches = 0
         else:
             record.bytes = _op_bytes(packet, args, out, tensors)
-        if packet is aten.linear:  # not decomposed on meta: 2 * rows * in * out
-            record.flops = 2.0 * tensors[0].numel() * tensors[1].shape[0]
+        if packet in (aten.linear, aten.matmul):  # seen whole here: 2 * rows * in * out
+            out_dim = tensors[1].shape[0] if packet is aten.linear else tensors[1].shape[-1]
+            record.flops = 2.0 * tensors[0].numel() * out_dim
             record.gemm, record.fp32 = True, tensors[0].dtype == torch.float32
         elif packet in flop_registry:
             record.flops = float(flop_registry[packet](*args, **kwargs, out_val=out))

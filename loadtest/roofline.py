@@ -18,10 +18,12 @@ and its GEMM FLOPs at the tensor-core peak.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -92,52 +94,75 @@ def step_rows(kind: str, canvases: int, canvas: int) -> tuple[list[int], list[En
     return denoise, encode
 
 
-def run_step(
-    model: DiffusionLM, kind: str, canvases: int, device: torch.device, acct: Accountant
-) -> None:
-    """One step of `kind` over `canvases` rows, as the engine runs it (fast numerics)."""
-    config, canvas = model.config, model.config.canvas_length
-    starts, encode = step_rows(kind, canvases, canvas)
-    per_row = math.ceil((PREFIX_LEN + 2 * canvas + PREFILL_CHUNK) / PAGE_SIZE)
-    cache = PagedKVCache(
-        config.text, dict.fromkeys(LayerType, canvases * per_row), PAGE_SIZE,
-        model.embed_tokens.weight.dtype, device,
-    )  # fmt: skip
-    runner = ModelRunner(model, cache)
-    sampler = BatchedSampler(
-        model.kernels, model.embed_tokens.weight, float(model.embed_scale), canvas, canvases
-    )
-    acct.rows = StepRows(
-        [(s, canvas, True) for s in starts] + [(e.start, len(e.tokens), False) for e in encode]
-    )
-    with acct:
-        with acct.phase("inputs"):
-            inputs = StepInputs(starts, [_pages(r, per_row) for r in range(len(starts))], None, [], encode)
+class StepHarness:
+    """One step of `kind` over `canvases` rows as the engine runs it (fast numerics): its KV
+    pools, runner and sampler built once, `run` repeatable (a calibration times it)."""
+
+    def __init__(
+        self, model: DiffusionLM, kind: str, canvases: int, device: torch.device
+    ) -> None:
+        config, self.canvas = model.config, model.config.canvas_length
+        self.kind, self.device = kind, device
+        self.starts, self.encode = step_rows(kind, canvases, self.canvas)
+        self.per_row = math.ceil((PREFIX_LEN + 2 * self.canvas + PREFILL_CHUNK) / PAGE_SIZE)
+        cache = PagedKVCache(
+            config.text, dict.fromkeys(LayerType, canvases * self.per_row), PAGE_SIZE,
+            model.embed_tokens.weight.dtype, device,
+        )  # fmt: skip
+        self.runner = ModelRunner(model, cache)
+        embed = model.embed_tokens.weight
+        scale = float(model.embed_scale)
+        self.sampler = BatchedSampler(model.kernels, embed, scale, self.canvas, canvases)
+        rows = [(s, self.canvas, True) for s in self.starts]
+        self.rows = StepRows(rows + [(e.start, len(e.tokens), False) for e in self.encode])
+
+    def run(self, acct: Accountant | None = None) -> None:
+        if acct is None:
+            self._run(lambda name: contextlib.nullcontext())
+            return
+        acct.rows = self.rows
+        with acct:
+            self._run(acct.phase)
+
+    def _run(self, phase: Callable[[str], contextlib.AbstractContextManager[None]]) -> None:
+        device, starts, encode, sampler = self.device, self.starts, self.encode, self.sampler
+        with phase("inputs"):
+            pages = [_pages(r, self.per_row) for r in range(len(starts))]
+            inputs = StepInputs(starts, pages, None, [], encode)
             rows = None
-            if starts:
-                # as engine.sampling.BatchedSampling builds them
+            if starts:  # as engine.sampling.BatchedSampling builds them
                 slots = torch.tensor(list(range(len(starts)))).to(device, non_blocking=True)
-                flags = torch.tensor([kind == "commit"] * len(starts))
+                flags = torch.tensor([self.kind == "commit"] * len(starts))
                 flags = flags.to(device, non_blocking=True)
                 ids, soft, rows = sampler.canvas_inputs(slots, flags)
                 inputs = replace(inputs, canvas_ids=ids, soft_embeds=soft)
-        with acct.phase("forward"):
-            out = runner.execute(inputs)
-        with acct.phase("sampler"):
+        with phase("forward"):
+            out = self.runner.execute(inputs)
+        with phase("sampler"):
             parts: list[torch.Tensor] = []
             if rows is not None and out.denoise_logits is not None:
                 new, parts = sampler.denoise(out.denoise_logits, rows)
                 sampler.write(new)
-            if out.last_logits is not None:
-                # as engine.sampling.BatchedSampling builds them
+            if out.last_logits is not None:  # as engine.sampling.BatchedSampling builds them
                 slots = torch.arange(len(encode)).to(device, non_blocking=True)
                 index = torch.full((len(encode),), 7).to(device, non_blocking=True)
                 parts += sampler.sample_ar(out.last_logits, slots, index)
-        with acct.phase("publish"):
+        with phase("publish"):
             try:
                 to_host(parts)
-            except NotImplementedError:  # `.tolist()` of a meta tensor: the step's D2H copy
-                acct.sync("to_host", "device to host copy")
+            except NotImplementedError as exc:  # `.tolist()` of a meta tensor: the D2H copy
+                if "meta" not in str(exc):
+                    raise
+                phase_acct = _active_accountant()
+                if phase_acct is not None:
+                    phase_acct.sync("to_host", "device to host copy")
+
+
+def _active_accountant() -> Accountant | None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, Accountant)]
+    return modes[-1] if modes else None
 
 
 def weight_bytes(model: DiffusionLM, num_tokens: int) -> float:
@@ -156,7 +181,7 @@ def account(model: DiffusionLM, kind: str, canvases: int) -> StepAccount:
     meta = torch.device("meta")
     acct = Accountant("meta")
     with torch.inference_mode():
-        run_step(model, kind, canvases, meta, acct)
+        StepHarness(model, kind, canvases, meta).run(acct)
     num_tokens = sum(n for _, n, _ in acct.rows.rows)
     return StepAccount(kind, canvases, acct, weight_bytes(model, num_tokens))
 
