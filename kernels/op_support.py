@@ -25,7 +25,9 @@ def cuda_impl(module: str, name: str) -> object:
     return getattr(importlib.import_module(f"kernels.{module}"), name)
 
 
-def fake(like: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+def fake(
+    like: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """A contiguous output of `shape` on `like`'s device, in `dtype` (default: `like`'s)."""
     return like.new_empty(tuple(shape), dtype=dtype or like.dtype)
 

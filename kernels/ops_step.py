@@ -79,7 +79,9 @@ def _fused_moe_fake(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
 
 
 @torch.library.custom_op("canvas::fused_sample", mutates_args=())
-def _fused_sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> Tensors4:
+def _fused_sample(
+    logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
+) -> Tensors4:
     return _fields(reference.fused_sample(logits, temperature, uniform))
 
 

@@ -292,15 +292,16 @@ def _stand_in(func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
 def _named(func: Any, args: tuple[Any, ...], kwargs: Any) -> dict[str, Any]:
     """An op's arguments by their schema names."""
     names = [a.name for a in func._schema.arguments]
-    return {**dict(zip(names, args, strict=False)), **kwargs}  # runs as is (e.g. a boolean index into a host tensor)
+    return {
+        **dict(zip(names, args, strict=False)),
+        **kwargs,
+    }  # runs as is (e.g. a boolean index into a host tensor)
 
 
 # -- custom ops: the Triton kernels CUDA runs ----------------------------------------------
 
 
-def custom_records(
-    acct: Accountant, func: Any, args: tuple[Any, ...], out: Any
-) -> list[OpRecord]:
+def custom_records(acct: Accountant, func: Any, args: tuple[Any, ...], out: Any) -> list[OpRecord]:
     name = func.overloadpacket.__name__
     rule = CUSTOM_RULES.get(name)
     io = _nbytes(_tensors(args, out))
@@ -412,7 +413,10 @@ def _soft_cost(logits: torch.Tensor, weight: torch.Tensor) -> list[Part]:
         "bytes": reads + weight.numel() * weight.element_size() + parts_bytes,
         "gemm": True,
     }
-    epilogue = {"bytes": parts_bytes + 4 * positions * hidden * weight.element_size(), "launches": 3}
+    epilogue = {
+        "bytes": parts_bytes + 4 * positions * hidden * weight.element_size(),
+        "launches": 3,
+    }
     return [Part("soft_embedding", gemm), Part("soft_embedding.epilogue", epilogue)]
 
 

@@ -98,9 +98,7 @@ class StepHarness:
     """One step of `kind` over `canvases` rows as the engine runs it (fast numerics): its KV
     pools, runner and sampler built once, `run` repeatable (a calibration times it)."""
 
-    def __init__(
-        self, model: DiffusionLM, kind: str, canvases: int, device: torch.device
-    ) -> None:
+    def __init__(self, model: DiffusionLM, kind: str, canvases: int, device: torch.device) -> None:
         config, self.canvas = model.config, model.config.canvas_length
         self.kind, self.device = kind, device
         self.starts, self.encode = step_rows(kind, canvases, self.canvas)
@@ -194,9 +192,11 @@ def floor_s(step: StepAccount, hw: Hardware) -> float:
 
 
 def summary_table(steps: list[StepAccount]) -> str:
-    head = "| step | canvases | " + " | ".join(
-        f"{hw.name} ms | floor ms | ×floor" for hw in GPUS
-    ) + " | launches | syncs (fwd+sampler) |"
+    head = (
+        "| step | canvases | "
+        + " | ".join(f"{hw.name} ms | floor ms | ×floor" for hw in GPUS)
+        + " | launches | syncs (fwd+sampler) |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in steps:
         cells = []
@@ -260,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     model = build(config, kernels, torch.device("meta"))
     began = time.perf_counter()
     steps = [account(model, k, r) for k in args.kinds for r in args.canvases]
-    print(f"# Roofline: DiffusionGemma 26B-A4B, {config.text.num_layers} layers, bf16, "
-          f"prefix {PREFIX_LEN}, fast numerics ({time.perf_counter() - began:.1f} s on meta)\n")
+    print(
+        f"# Roofline: DiffusionGemma 26B-A4B, {config.text.num_layers} layers, bf16, "
+        f"prefix {PREFIX_LEN}, fast numerics ({time.perf_counter() - began:.1f} s on meta)\n"
+    )
     print("Peaks: " + "; ".join(
         f"{h.name} {h.tensor_flops / 1e12:.0f} TFLOP/s bf16, {h.fp32_flops / 1e12:.0f} fp32, "
         f"{h.bandwidth / 1e12:.2f} TB/s, {h.launch_s * 1e6:.0f} µs/launch, "

@@ -97,9 +97,11 @@ class ForwardBatch:
         """[num_decode_tokens] packed indices of the DECODE rows' tokens (built on the host)."""
         return self._cached(
             ("decode_index", device),
-            lambda: self.decode_tokens(torch.device("cpu"))
-            .nonzero()[:, 0]
-            .to(device, non_blocking=True),
+            lambda: (
+                self.decode_tokens(torch.device("cpu"))
+                .nonzero()[:, 0]
+                .to(device, non_blocking=True)
+            ),
         )
 
     def decode_tokens(self, device: torch.device) -> torch.Tensor:
