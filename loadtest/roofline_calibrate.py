@@ -77,7 +77,8 @@ def calibrate(kinds: tuple[str, ...] = ("denoise", "commit"), repeats: int = 3) 
         f"Calibration on this CPU ({torch.get_num_threads()} threads): fp32 GEMM "
         f"{hw.tensor_flops / 1e9:.0f} GFLOP/s, copy {hw.bandwidth / 1e9:.1f} GB/s, "
         f"{hw.launch_s * 1e6:.1f} µs per op; {PRESET}, fp32, fast twins\n",
-        "| step | canvases | ops | predicted ms | ops' own ms | measured ms | predicted / measured |",
+        "| step | canvases | ops | predicted ms | ops' own ms | measured ms | predicted / measured "
+        "|",
         "|---|---|---|---|---|---|---|",
     ]
     with torch.inference_mode():
