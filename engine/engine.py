@@ -108,7 +108,8 @@ class Engine:
         # Everything besides the tokens that the KV depends on and that is fixed per engine.
         adapter = "adapter" if model.adapter is not None else "no adapter"
         salt = f"{model.kernels.describe()}|{model.embed_tokens.weight.dtype}|{adapter}"
-        self.scheduler = Scheduler(sched, self.pages, salt)
+        adaptive = sched.draft_policy.adaptive and not model.kernels.exact
+        self.scheduler = Scheduler(sched, self.pages, salt, load_aware=adaptive)
         cache = PagedKVCache(
             cfg,
             {LayerType.FULL: max(num_full, 1), LayerType.SLIDING: max(num_sliding, 1)},
@@ -246,6 +247,8 @@ class Engine:
         stats.accepted_lengths = [e.accepted for e in effects if e.accepted is not None]
         stats.num_drafted = len(stats.accepted_lengths) * (self.canvas_length - 1)
         stats.step_seconds = time.perf_counter() - start
+        if stats.num_tokens:
+            self.scheduler.step_cost.observe(stats.num_tokens, stats.step_seconds)
         if self.config.check_invariants:
             self.scheduler.check()
         return StepResult(outputs, stats)

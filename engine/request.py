@@ -63,7 +63,7 @@ class RequestState:
     encoder_passes: int = 0
     verify_passes: int = 0  # hybrid
     accepted_tokens: int = 0  # hybrid: draft tokens accepted by the verifier
-    # hybrid draft policy (`engine.scheduler.DraftPolicy`): accepted draft tokens per verify
+    # hybrid draft policy (`engine.draft_policy.DraftPolicy`): accepted draft tokens per verify
     # pass, averaged (None before the first), and AR tokens since the last verify pass
     accept_average: float | None = None
     tokens_since_draft: int = 0
