@@ -70,10 +70,10 @@ class PagedRows:
         decode: list[bool],
         page_tables: list[list[int]],
         device: torch.device | str = "cpu",
-        span: list[tuple[int, int]] | None = None,
+        span: torch.Tensor | None = None,
     ) -> PagedRows:
         """Pack per-row Python lists (as the engine's rows hold them) into device tensors;
-        `span`: one (first, last) per packed new token, or None (see the class docstring)."""
+        `span`: [N, 2] (first, last) of each packed new token, or None (class docstring)."""
         offsets = [sum(num_tokens[:i]) for i in range(len(num_tokens))]
         width = max(1, max(len(t) for t in page_tables))
         table = [t + [-1] * (width - len(t)) for t in page_tables]
@@ -93,7 +93,7 @@ class PagedRows:
             min_start=min(starts),
             all_decode=all(decode),
             no_decode=not any(decode),
-            span=None if span is None else i32([list(s) for s in span]).view(-1, 2),
+            span=None if span is None else span.to(device, torch.int32).contiguous(),
         )
 
 

@@ -112,7 +112,12 @@ def make_inputs(sc: Scenario, device: torch.device, dtype: torch.dtype = torch.f
                 last - first + 1
             )
     rows = reference.PagedRows.build(
-        list(sc.starts), list(sc.num_tokens), list(sc.decode), tables, device, span
+        list(sc.starts),
+        list(sc.num_tokens),
+        list(sc.decode),
+        tables,
+        device,
+        None if span is None else torch.tensor(span),
     )
     return Inputs(
         q=q.to(device),
