@@ -16,7 +16,7 @@ import torch
 
 from engine import LLM, DecodeMode, SamplingParams
 from engine.engine import EngineConfig
-from engine.images import ImageProcessor, PreparedImage, expand_image_tokens
+from engine.images import ImageProcessor, PreparedImage, expand_image_tokens, image_spans
 from engine.params import ParamError
 from engine.scheduler import SchedulerConfig
 from tests.media import encode, noise_image
@@ -161,11 +161,28 @@ def test_image_prompts_match_reference_generate_alone_and_batched(vision, refere
 
 
 def test_image_tokens_attend_to_their_whole_image_as_the_reference_does(vision, references):
-    """The bidirectional mask changes the reference's tokens (so the parity above needs it),
-    and a checkpoint without it gives the causal reference's."""
+    """The bidirectional mask changes the reference's tokens: the parity above needs it."""
     eos = set(vision.llm.defaults.eos_token_ids)
     ids, images, wanted = references[1]
     assert reference_generate(vision, ids, images, 1, eos, both_ways=False) != wanted
+
+
+def test_a_checkpoint_with_causal_images_matches_its_reference_generate(
+    vision, reference_model, tmp_path
+):
+    """`make-tiny --vision --causal-images`: no use_bidirectional_attention, so image tokens
+    attend causally, in the reference and in Canvas (no spans: the plain causal path)."""
+    from server.cli import main
+
+    path = tmp_path / "causal"
+    assert main(["make-tiny", str(path), "--vision", "--causal-images"]) == 0
+    causal = SimpleNamespace(**{**vars(vision), "ref": reference_model(path)})
+    llm = LLM.from_pretrained(path, exact=True)
+    assert not llm.model.config.vision.bidirectional
+    ids, images = chat_ids(vision, LAYOUTS[1])
+    eos = set(llm.defaults.eos_token_ids)
+    (out,) = llm.generate(ids, params(1), images=[images])
+    assert out.output_ids == reference_generate(causal, ids, images, 1, eos)
 
 
 def test_prompt_chunks_of_a_small_budget_never_split_an_image(vision, references):
@@ -264,10 +281,17 @@ def test_generate_cli_with_an_image_matches_reference_generate(
     assert "missing.png" in capsys.readouterr().err
 
 
-def test_the_same_ids_with_other_images_never_share_cached_pages(vision):
+@pytest.fixture(scope="module")
+def fast(vision):
+    """The checkpoint in fast numerics (prefix caching on); `fast(config)`: a fresh engine."""
+    llm = LLM.from_pretrained(vision.path)
+    return lambda config=None: LLM(llm.model, llm.tokenizer, llm.defaults, config)
+
+
+def test_the_same_ids_with_other_images_never_share_cached_pages(vision, fast):
     """Image tokens are placeholders: the images' content hashes are part of the prefix
     cache's key, so a prompt reuses cached pages only with the very same images."""
-    fast = LLM.from_pretrained(vision.path)  # fast numerics: prefix caching on
+    fast = fast()
     ids, images = chat_ids(vision, [1, "What is this? " * 8])
     h, w = SIZES[1]
     other = [vision.processor.prepare(encode(noise_image(h, w, seed=99)), "other image")]
@@ -275,3 +299,25 @@ def test_the_same_ids_with_other_images_never_share_cached_pages(vision):
     runs = [images, images, other, images]
     cached = [fast.generate(ids, params(0), images=[run])[0].num_cached_tokens for run in runs]
     assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0 and cached[3] == cached[1]
+
+
+def test_a_cache_hit_never_ends_inside_an_image_and_gives_the_tokens_of_caching_off(vision, fast):
+    """Two prompts share an image and diverge right after it, inside the page its last tokens
+    are on: the second's hit stops before the image (its tokens are computed in one pass, with
+    the whole image), the first's repeat hits past the image; both give caching off's tokens
+    (AR mode: fast numerics' diffusion tokens may differ with a pass's cut, README "Prefix
+    caching")."""
+    cached, uncached = fast(), fast(EngineConfig(prefix_caching=False))
+    ar = SamplingParams(mode=DecodeMode.AR, max_tokens=MAX_TOKENS)
+    a, images = chat_ids(vision, [1, "Say what it is. " * 8])
+    b, _ = chat_ids(vision, [1, "Tell me more. " * 8])
+    image_token = vision.processor.vision.image_token_id
+    ((first, last),) = image_spans(tuple(i for i, t in enumerate(a) if t == image_token), 99)
+    page = EngineConfig().page_size
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert first < shared // page * page <= last  # b's shared full pages end inside the image
+    outs = [cached.generate(ids, ar, images=[images])[0] for ids in (a, a, b)]
+    assert [o.num_cached_tokens for o in outs][0] == 0
+    assert outs[1].num_cached_tokens > last and outs[2].num_cached_tokens <= first
+    want = [uncached.generate(ids, ar, images=[images])[0].output_ids for ids in (a, b)]
+    assert [o.output_ids for o in outs] == [want[0], want[0], want[1]]
