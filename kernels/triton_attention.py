@@ -37,6 +37,26 @@ def _online_update(s, vis, m_i, l_i, acc, v, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _query_spans(span_ptr, offset, start, t, t_mask, num_tokens):
+    """Each query's span as key indices within its row, [first, last] (padding: empty)."""
+    first = tl.load(span_ptr + (offset + t) * 2, mask=t_mask, other=0) - start
+    last = tl.load(span_ptr + (offset + t) * 2 + 1, mask=t_mask, other=0) - start
+    return tl.where(t_mask, first, num_tokens), tl.where(t_mask, last, -1)
+
+
+@triton.jit
+def _new_kv(k_ptr, v_ptr, n, n_mask, kv_head, d, sk_n, sk_h, sv_n, sv_h):
+    """A block of new keys, transposed ([D, BN]), and its values ([BN, D]) from packed k, v."""
+    kt = tl.load(
+        k_ptr + n[None, :] * sk_n + kv_head * sk_h + d[:, None], mask=n_mask[None, :], other=0.0
+    )
+    vb = tl.load(
+        v_ptr + n[:, None] * sv_n + kv_head * sv_h + d[None, :], mask=n_mask[:, None], other=0.0
+    )
+    return kt, vb
+
+
+@triton.jit
 def _canvas_attention_kernel(
     q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, out_ptr,
     start_ptr, offset_ptr, ntok_ptr, decode_ptr, table_ptr, span_ptr,
@@ -94,26 +114,14 @@ def _canvas_attention_kernel(
     # The row's own new keys: all of them (DECODE), or causal and windowed (ENCODE).
     new_hi = tl.where(decode, num_tokens, tl.minimum(num_tokens, (q_block + 1) * BLOCK_M))
     new_lo = tl.where(windowed, tl.maximum(q_block * BLOCK_M - window + 1, 0), 0)
-    if HAS_SPAN:  # each query's span [first, last] of new keys, as indices within the row
-        span_first = tl.load(span_ptr + (offset + t) * 2, mask=t_mask, other=0) - start
-        span_last = tl.load(span_ptr + (offset + t) * 2 + 1, mask=t_mask, other=0) - start
-        span_first = tl.where(t_mask, span_first, num_tokens)  # padding widens nothing
-        span_last = tl.where(t_mask, span_last, -1)
+    if HAS_SPAN:  # each query's span of new keys (its image), both ways
+        span_first, span_last = _query_spans(span_ptr, offset, start, t, t_mask, num_tokens)
         new_hi = tl.where(decode, new_hi, tl.maximum(new_hi, tl.max(span_last, 0) + 1))
         new_lo = tl.minimum(new_lo, tl.maximum(tl.min(span_first, 0), 0))
     for kb in range(new_lo, new_hi, BLOCK_N):
         j = kb + tl.arange(0, BLOCK_N)
         j_mask = j < num_tokens
-        kt = tl.load(
-            k_ptr + (offset + j)[None, :] * sk_n + kv_head * sk_h + d[:, None],
-            mask=j_mask[None, :],
-            other=0.0,
-        )
-        vb = tl.load(
-            v_ptr + (offset + j)[:, None] * sv_n + kv_head * sv_h + d[None, :],
-            mask=j_mask[:, None],
-            other=0.0,
-        )
+        kt, vb = _new_kv(k_ptr, v_ptr, offset + j, j_mask, kv_head, d, sk_n, sk_h, sv_n, sv_h)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         causal = (j[None, :] <= t[:, None]) & ((j[None, :] > t[:, None] - window) | (window == 0))
         if HAS_SPAN:
