@@ -13,7 +13,7 @@ STAMP   := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 BENCH_ARGS  ?=
 
-.PHONY: venv serve test lint bench bench-prefix bench-structured soak fuzz clean gpu-compile
+.PHONY: venv serve test lint bench bench-prefix bench-structured soak fuzz clean gpu-compile roofline
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -82,6 +82,14 @@ gpu-compile: $(STAMP)
 	PYTHONPATH=$(CURDIR)/$(TRITON_SIDE):$(CURDIR) $(COMPILE) \
 		--json $(GPU_OUT)/gpu_compile-triton-$(TRITON_IMAGE).json || rc=1; \
 	exit $$rc
+
+# The engine's step at the real 26B-A4B shapes on the meta device, every op accounted: predicted
+# H200 / H100 step times against the roofline floor, top ops, launches and host syncs per step
+# (README, "GPU roofline"; about a minute of CPU). ROOFLINE_ARGS=--calibrate: the accountant
+# against a measured CPU step instead.
+ROOFLINE_ARGS ?=
+roofline: $(STAMP)
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.roofline $(ROOFLINE_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check server engine kernels tests loadtest

@@ -125,6 +125,7 @@ class VerifyRow(_EncodeRow):
             constraint=result.constraint,
             num_kept=1 + result.num_accepted,
             accepted=result.num_accepted,
+            verified=req.draft_to_commit[1:] if req.want_drafts and req.draft_to_commit else None,
         )
 
 

@@ -85,17 +85,22 @@ class ModelRunner:
         encode_ids = [t for e in step.encode for t in e.tokens]
         parts = [] if step.canvas_ids is None else [step.canvas_ids]
         if encode_ids:
-            parts.append(torch.tensor(encode_ids, dtype=torch.long).to(self.device))
+            ids_host = torch.tensor(encode_ids, dtype=torch.long)
+            parts.append(ids_host.to(self.device, non_blocking=True))
         ids = torch.cat(parts) if len(parts) > 1 else parts[0]
         num_canvas = len(step.denoise_starts) * self.canvas_length
         offsets = self._encode_offsets(step, num_canvas)
-        start = time.perf_counter()
-        images = self._image_embeds(offsets)
-        hidden = self.model(ids, step.soft_embeds, batch, self.cache, images)  # [N, H]
         last = [o + len(e.tokens) - 1 for o, e in offsets if e.wants_last_logits and not e.verify]
         spans = [(o, len(e.tokens)) for o, e in offsets if e.verify]
         last += [i for first, n in spans for i in range(first, first + n)]
-        denoise_logits, sampled = self._logits(hidden, num_canvas, last)
+        # Every host-made tensor moves before the forward is queued: no copy inside it waits.
+        batch.prepare(self.device, self.cache.layer_types)
+        index = torch.tensor(last, dtype=torch.long).to(self.device, non_blocking=True)
+        # (a non-blocking copy from pageable memory is staged at once: nothing waits)
+        start = time.perf_counter()
+        images = self._image_embeds(offsets)
+        hidden = self.model(ids, step.soft_embeds, batch, self.cache, images)  # [N, H]
+        denoise_logits, sampled = self._logits(hidden, num_canvas, last, index)
         last_logits, verify_logits = sampled, None
         if spans:
             assert sampled is not None
@@ -108,15 +113,15 @@ class ModelRunner:
         return RunOutput(denoise_logits, last_logits, elapsed, verify_logits)
 
     def _logits(
-        self, hidden: torch.Tensor, num_canvas: int, last: list[int]
+        self, hidden: torch.Tensor, num_canvas: int, last: list[int], index: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The head over the canvases and the `last` positions (`index`: them on the device)."""
         head = self.model.logits
         if not last:
             return (head(hidden[:num_canvas]) if num_canvas else None), None
         if self.model.kernels.exact:
             denoise = head(hidden[:num_canvas]) if num_canvas else None
             return denoise, torch.stack([head(hidden[i]) for i in last])
-        index = torch.tensor(last, dtype=torch.long).to(self.device)
         rows = torch.cat([hidden[:num_canvas], hidden[index]]) if num_canvas else hidden[index]
         logits = head(rows)  # one GEMM over every position that is sampled
         return (logits[:num_canvas] if num_canvas else None), logits[num_canvas:]
@@ -130,7 +135,7 @@ class ModelRunner:
         assert self.vision is not None, "image tokens reach only a model with a vision tower"
         features = self.vision.features([tokens for _, tokens in rows])  # [M, H]
         index = [offset + i for offset, tokens in rows for i in tokens.index]
-        return torch.tensor(index, dtype=torch.long).to(self.device), features
+        return torch.tensor(index, dtype=torch.long).to(self.device, non_blocking=True), features
 
     @staticmethod
     def _encode_offsets(step: StepInputs, first: int) -> list[tuple[int, EncodeInput]]:

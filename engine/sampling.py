@@ -106,13 +106,15 @@ class BatchedSampling:
             self.sampler.bind(_slot(req), req.seed, req.params)
 
     def _slots(self, reqs: list[RequestState]) -> torch.Tensor:
-        return torch.tensor([_slot(r) for r in reqs], dtype=torch.long).to(self.device)
+        slots = torch.tensor([_slot(r) for r in reqs], dtype=torch.long)
+        return slots.to(self.device, non_blocking=True)  # staged at once: nothing waits
 
     def canvas_inputs(self, reqs: list[RequestState], starting: list[bool]) -> CanvasBatch:
-        flags = torch.tensor(starting, dtype=torch.bool).to(self.device)
+        flags = torch.tensor(starting, dtype=torch.bool).to(self.device, non_blocking=True)
         pinned = None
         if any(r.is_hybrid for r in reqs):
-            pinned = torch.tensor([r.pinned_token for r in reqs], dtype=torch.long).to(self.device)
+            pinned = torch.tensor([r.pinned_token for r in reqs], dtype=torch.long)
+            pinned = pinned.to(self.device, non_blocking=True)
         ids, soft, rows = self.sampler.canvas_inputs(self._slots(reqs), flags, pinned)
         return CanvasBatch(ids, soft, rows)
 
@@ -141,7 +143,8 @@ class BatchedSampling:
         if ar:
             assert ar_logits is not None
             slots = self._slots(ar)
-            index = torch.tensor([len(r.output_ids) for r in ar]).to(self.device)
+            index = torch.tensor([len(r.output_ids) for r in ar])
+            index = index.to(self.device, non_blocking=True)
             # The slots' temperatures as `BatchedSampler.admit` sets them, read on the host.
             greedy = all(r.params.temperature <= 0 or not r.params.mode.samples_tokens for r in ar)
             logits = self._filtered(ar_logits, slots, ar, 1)
@@ -176,7 +179,9 @@ class BatchedSampling:
     def install(self, sampled: Sampled, keep: list[bool], keep_ar: list[bool]) -> None:
         if not isinstance(sampled.staged, RowStates) or not any(keep):
             return  # AR draws are stateless (counter = output position)
-        mask = None if all(keep) else torch.tensor(keep, dtype=torch.bool).to(self.device)
+        mask = None
+        if not all(keep):
+            mask = torch.tensor(keep, dtype=torch.bool).to(self.device, non_blocking=True)
         self.sampler.write(sampled.staged, mask)
 
 

@@ -352,6 +352,7 @@ class Scheduler:
         seq.output_ids += effect.tokens
         if row.kind is not RowKind.DENOISE:
             self._name_pages(seq)
+        accepted = effect.accepted if effect.verified is not None else None  # shown with it
         if effect.finish_reason is not None:
             self.end(seq.request_id)
             stats = request_stats(seq, now)
@@ -364,6 +365,8 @@ class Scheduler:
                 None,
                 effect.logprobs,
                 seq.num_cached,
+                effect.verified,
+                accepted,
             )
         if effect.tokens or effect.draft is not None:
             return StepOutput(
@@ -372,6 +375,8 @@ class Scheduler:
                 draft=effect.draft,
                 logprobs=effect.logprobs,
                 num_cached_tokens=seq.num_cached,
+                verified=effect.verified,
+                accepted=accepted,
             )
         return None
 

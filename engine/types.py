@@ -98,6 +98,11 @@ class StepOutput:
     error: str | None = None  # the request failed (finish_reason ABORT); the rest carry on
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (once run)
+    # Hybrid, for a client that asked for drafts: a verify pass's proposals (the draft after
+    # its pinned pending token) and how many of them the verifier accepted; the tokens this
+    # output commits are those, then the verifier's own (which replaced proposal `accepted`).
+    verified: list[int] | None = None
+    accepted: int | None = None
 
 
 # -- the step's values: plan → results → effects (scheduler ↔ engine ↔ row kinds) ---------------
@@ -181,6 +186,7 @@ class RowEffect:
     # tokens; the rest is rolled back), and how many draft tokens were accepted.
     num_kept: int | None = None
     accepted: int | None = None
+    verified: list[int] | None = None  # the proposals, for a client that asked for drafts
 
 
 @dataclass(slots=True)

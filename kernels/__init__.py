@@ -98,14 +98,25 @@ class KernelSet:
         return replace(self, write_kv=reference.write_kv, canvas_attention=attend)
 
     def with_custom_ops(self) -> KernelSet:
-        """This set with the kernels that are `torch.library` custom ops so far (`kernels.ops`:
-        the KV write and attention), so that a forward runs on the meta device and traces
-        through them. Fast numerics only: the ops' CPU implementations are the batched twins."""
+        """This set with every kernel as a `torch.library` custom op (`kernels.ops`: the KV
+        write and attention; `kernels.ops_step`: router, experts, sampler), so that a step runs
+        on the meta device and traces through them. Fast numerics only: the ops' CPU
+        implementations are the batched twins."""
         if self.exact:
             raise ValueError("custom ops carry fast numerics only (the batched twins)")
-        from kernels import ops
+        from kernels import ops, ops_step
 
-        return replace(self, write_kv=ops.write_kv, canvas_attention=ops.canvas_attention)
+        return replace(
+            self,
+            write_kv=ops.write_kv,
+            canvas_attention=ops.canvas_attention,
+            route_experts=ops_step.route_experts,
+            fused_moe=ops_step.fused_moe,
+            fused_sample=ops_step.fused_sample,
+            entropy_accept=ops_step.entropy_accept,
+            soft_embedding=ops_step.soft_embedding,
+            sample_and_embed=ops_step.sample_and_embed,
+        )
 
 
 def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False) -> KernelSet:

@@ -249,7 +249,10 @@ class _AttentionPlan:
             )
             unpad = (row, torch.arange(num_new, device=dev) - rows.offset.long()[row])
         visible = None
-        if padded_prefix or not rows.uniform or not rows.all_decode:
+        if rows.no_decode and rows.max_tokens == 1:  # one query per row (AR): every key of the
+            if padded_prefix:  # row is at or before it and inside its window: hide padding only
+                visible = torch.cat([prefix_ok, new_ok], 1)[:, None, None, :]
+        elif padded_prefix or not rows.uniform or not rows.all_decode:
             q_pos = (start[:, None] + t)[:, :, None]  # [R, T, 1]
             key_pos = torch.cat([prefix_pos, start[:, None] + t], 1)[:, None, :]  # [R, 1, S+T]
             key_ok = torch.cat([prefix_ok, new_ok], 1)[:, None, :]
@@ -318,10 +321,10 @@ def write_kv(
     """Store the new k, v ([N, Hkv, D]) of every ENCODE row at positions start.. of its pages
     (in place); DECODE rows write nothing. One indexed copy for all rows (values are copied,
     never computed, so this is exact in both numerics)."""
-    num_new, size = k.shape[0], k_pool.shape[2]
+    num_new, heads, size = k.shape[0], k_pool.shape[1], k_pool.shape[2]
     if num_new == 0 or rows.all_decode:
         return
-    key = ("write_kv", size)
+    key = ("write_kv", size, heads)
     where = rows.memo.get(key)  # the same for every layer of the pool: built once per forward
     if where is None:
         row = torch.repeat_interleave(
@@ -331,10 +334,16 @@ def write_kv(
         )  # [N] row of each packed token
         pos = rows.start.long()[row] + torch.arange(num_new, device=k.device)
         pos -= rows.offset.long()[row]
-        keep = rows.decode[row] == 0
-        page = rows.page_table.long()[row, pos // size][keep]
-        where = rows.memo[key] = (keep, page, (pos % size)[keep])
+        keep = None if rows.no_decode else (rows.decode[row] == 0).nonzero()[:, 0]
+        if keep is not None:
+            row, pos = row[keep], pos[keep]
+        page = rows.page_table.long()[row, pos // size]
+        # One row of the pool viewed as [P * Hkv * page, D] per kept token and head.
+        head = torch.arange(heads, device=k.device)
+        flat = ((page[:, None] * heads + head) * size + (pos % size)[:, None]).reshape(-1)
+        where = rows.memo[key] = (keep, flat)
     assert isinstance(where, tuple)
-    keep, page, slot = where
-    k_pool[page, :, slot] = k[keep]
-    v_pool[page, :, slot] = v[keep]
+    keep, flat = where
+    for new, pool in ((k, k_pool), (v, v_pool)):
+        src = new if keep is None else new.index_select(0, keep)
+        pool.view(-1, pool.shape[-1]).index_copy_(0, flat, src.reshape(-1, src.shape[-1]))

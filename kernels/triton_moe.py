@@ -160,7 +160,10 @@ def align_pairs(
     flat = ids.reshape(-1)
     num_pairs = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # Counts by a scatter into E bins: `bincount` sizes its output from the largest id, which
+    # CUDA reads back to the host (a sync per layer); ids are < num_experts by contract.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))  # [E]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     expert_sorted = flat[order]

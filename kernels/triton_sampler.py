@@ -234,7 +234,8 @@ def soft_embedding(
         )  # fmt: skip
     # Fixed-order sum of the splits; the twin's (bf16) matmul output rounding, then the scale.
     out = parts.sum(0).to(weight.dtype)
-    return out * torch.tensor(scale, dtype=weight.dtype, device=weight.device)
+    # A host scalar tensor (a kernel argument): one made on the device would be a blocking copy.
+    return out * torch.tensor(scale, dtype=weight.dtype)
 
 
 def sample_and_embed(

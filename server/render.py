@@ -86,7 +86,11 @@ class Renderer:
         return []
 
     def chunk(
-        self, event: ChoiceEvent, draft: str | None, draft_tokens: list[str] | None = None
+        self,
+        event: ChoiceEvent,
+        draft: str | None,
+        draft_tokens: list[str] | None = None,
+        verified: tuple[list[str], int] | None = None,
     ) -> dict[str, Any]:
         item: dict[str, Any] = {
             "index": event.index,
@@ -98,6 +102,8 @@ class Renderer:
             item["draft"] = draft  # an argmax preview of the unfinished canvas; not content
         if draft_tokens is not None:
             item["draft_tokens"] = draft_tokens  # the same draft, one string per position
+        if verified is not None:  # hybrid: the draft a verify pass saw and what it kept
+            item["verified"] = {"draft_tokens": verified[0], "accepted": verified[1]}
         if event.finish_reason is not None:
             item["canvas_stats"] = canvas_stats(event.stats)
         return self._chunk([item])

@@ -244,10 +244,13 @@ class RequestRun:
             now = time.monotonic()
             self.state.metrics.itl.observe(now - choice.last_output_time)
             choice.last_output_time = now
-        news = parsed or out.draft is not None or choice.finish_reason or logprobs
+        verdict = None
+        if out.verified is not None and out.accepted is not None:
+            verdict = (out.verified, out.accepted)
+        news = parsed or out.draft is not None or choice.finish_reason or logprobs or verdict
         if sink is not None and news:
             event = ChoiceEvent(choice.index, parsed, out.draft, choice.finish_reason, choice.stats)
-            event.logprobs = logprobs
+            event.logprobs, event.verified = logprobs, verdict
             sink.put(event)
 
     def _record(self, choice: Choice) -> None:
@@ -324,7 +327,9 @@ class RequestRun:
                     ids = event.draft_ids
                     draft = self.decode(ids) if ids is not None else None
                     cells = self._cells(ids) if ids is not None else None
-                    yield sse(render.chunk(event, draft, cells))
+                    verdict = event.verified
+                    verified = None if verdict is None else (self._cells(verdict[0]), verdict[1])
+                    yield sse(render.chunk(event, draft, cells, verified))
             if render.include_usage:
                 results = [c.result() for c in self.choices]
                 usage = render.usage_chunk(self.num_prompt_tokens, results, self.num_cached_tokens)

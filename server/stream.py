@@ -32,12 +32,16 @@ class ChoiceEvent:
     finish_reason: str | None = None
     stats: RequestStats | None = None
     logprobs: list[ShownLogprob] | None = None  # of the tokens this event commits
+    # hybrid: the newest verify pass's proposals (token ids) and how many were accepted
+    verified: tuple[list[int], int] | None = None
 
     def merge(self, later: ChoiceEvent) -> None:
         self.delta.merge(later.delta)
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
         self.draft_ids = later.draft_ids  # a commit without a draft makes older drafts stale
+        if later.verified is not None:  # drawn before the draft: the newest verdict is kept
+            self.verified = later.verified
         self.finish_reason = later.finish_reason
         self.stats = later.stats
 

@@ -19,7 +19,7 @@ canvas-attention call over all rows. Page tables come from the scheduler's alloc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -81,7 +81,7 @@ class ForwardBatch:
             ("row_of_token", device),
             lambda: torch.repeat_interleave(
                 torch.arange(len(self.rows)), torch.tensor(self.segments, dtype=torch.long)
-            ).to(device),
+            ).to(device, non_blocking=True),
         )
 
     def positions(self, device: torch.device) -> torch.Tensor:
@@ -92,7 +92,7 @@ class ForwardBatch:
             starts = torch.tensor(
                 [r.start - o for r, o in zip(self.rows, self.offsets, strict=True)]
             )
-            return (starts[row] + torch.arange(row.shape[0])).to(device)
+            return (starts[row] + torch.arange(row.shape[0])).to(device, non_blocking=True)
 
         return self._cached(("positions", device), build)
 
@@ -100,7 +100,11 @@ class ForwardBatch:
         """[num_decode_tokens] packed indices of the DECODE rows' tokens (built on the host)."""
         return self._cached(
             ("decode_index", device),
-            lambda: self.decode_tokens(torch.device("cpu")).nonzero()[:, 0].to(device),
+            lambda: (
+                self.decode_tokens(torch.device("cpu"))
+                .nonzero()[:, 0]
+                .to(device, non_blocking=True)
+            ),
         )
 
     def decode_tokens(self, device: torch.device) -> torch.Tensor:
@@ -108,8 +112,22 @@ class ForwardBatch:
         flags = torch.tensor([r.mode is Mode.DECODE for r in self.rows], dtype=torch.bool)
         return self._cached(
             ("decode_tokens", device),
-            lambda: flags[self.row_of_token(torch.device("cpu"))].to(device),
+            lambda: flags[self.row_of_token(torch.device("cpu"))].to(device, non_blocking=True),
         )
+
+    def prepare(self, device: torch.device, layer_types: Iterable[LayerType]) -> None:
+        """Build, and start moving to `device`, every tensor a forward asks of this batch (the
+        positions, the DECODE rows' index and flags, the paged rows of each pool), so that the
+        forward makes no host-to-device copy. Copies made on the host are non-blocking; the
+        paged rows' are blocking, and a blocking copy waits for every queued kernel (a host
+        synchronisation), so they are made here, before the step's forward is queued."""
+        self.positions(device)
+        modes = {row.mode for row in self.rows}
+        if len(modes) > 1:  # a mixed batch: DECODE rows are gathered and flagged
+            self.decode_index(device)
+            self.decode_tokens(device)
+        for layer_type in set(layer_types):
+            self.paged_rows(layer_type, device)
 
     @property
     def segments(self) -> list[int]:

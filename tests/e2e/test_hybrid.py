@@ -182,3 +182,32 @@ def test_a_thousand_hybrid_requests_leak_nothing(fast_llm):
     engine.scheduler.check()
     full_unheld, _ = engine.pages.num_unheld()
     assert not engine.requests and full_unheld == engine.pages.full.num_pages
+
+
+def test_verify_passes_show_their_draft_and_verdict_to_a_client_that_asks(
+    exact_llm, ar_outputs, monkeypatch
+):
+    """With `want_drafts`, each verify pass's output names the proposals it saw and how many it
+    accepted: the tokens it commits are those accepted proposals, then the verifier's own."""
+    _oracle_drafts(monkeypatch, {tuple(_prompt(s)): ar_outputs[s] for s in SEEDS})
+    engine, seed = exact_llm.engine, 3
+    params = exact_llm.validator.validate(_prompt(seed), _params(DecodeMode.HYBRID, seed))
+    engine.add_request("shown", _prompt(seed), params, want_drafts=True)
+    verdicts, tokens, finished = [], [], False
+    while not finished:
+        for out in engine.step().outputs:
+            tokens += out.new_token_ids
+            finished = out.finish_reason is not None
+            if out.verified is not None:
+                verdicts.append((out.verified, out.accepted, out.new_token_ids))
+    assert tokens == ar_outputs[seed]
+    assert verdicts and any(0 < a < len(v) for v, a, _ in verdicts)  # some partly accepted
+    for verified, accepted, new in verdicts:
+        assert len(verified) == engine.canvas_length - 1 and 0 <= accepted <= len(verified)
+        assert new[:accepted] == verified[:accepted]  # the accepted proposals are committed
+        if len(new) > accepted < len(verified):  # then the verifier's token replaced one
+            assert new[accepted] != verified[accepted]
+    # without want_drafts nothing is shown
+    engine.add_request("hidden", _prompt(seed), params)
+    while engine.has_work():
+        assert all(out.verified is None for out in engine.step().outputs)

@@ -1,0 +1,449 @@
+"""An op accountant: a `TorchDispatchMode` that records every op a step runs, with its FLOPs,
+bytes moved, kernel launches and host synchronisations, and predicts its time on a device from
+peak rates (`Hardware`): max(FLOPs / peak, bytes / bandwidth) + a per-launch cost.
+
+- FLOPs: `torch.utils.flop_counter`'s formulas (matmuls, convolutions, attention); the custom
+  ops (`canvas::*`) have their own rules below, which model the Triton kernels that CUDA runs.
+- Bytes: the sizes of an op's tensor inputs and outputs; views and allocations move nothing;
+  gathers read their output's worth of rows, in-place scatters read and write their values.
+- Syncs: ops whose output shape or value the host needs (`.item()`, `nonzero`, `bincount`,
+  boolean masks, `repeat_interleave` without `output_size`) and blocking copies between the
+  host and the device. On the meta device they cannot run: the accountant records them and
+  returns a stand-in (an upper-bound shape, a zero), so the step runs on.
+- Ops on host tensors (the inputs a step builds on the CPU) are host work, not kernels.
+
+`phase(name)` labels what follows (inputs, forward, sampler, publish) for the sync checks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """Peak rates of one device. `launch_s`: each kernel launch's fixed cost; `sync_s`: each
+    host synchronisation's (a round trip that drains the queue)."""
+
+    name: str
+    tensor_flops: float  # dense bf16/fp16 matmul FLOP/s
+    fp32_flops: float  # fp32 matmul FLOP/s
+    bandwidth: float  # memory B/s
+    launch_s: float
+    sync_s: float
+
+
+# Datasheet dense peaks (no sparsity); fp32 matmuls run in IEEE fp32 (TF32 is off by default).
+H100 = Hardware("H100 SXM", 989e12, 67e12, 3.35e12, 4e-6, 20e-6)
+H200 = Hardware("H200", 989e12, 67e12, 4.8e12, 4e-6, 20e-6)
+GPUS = (H200, H100)
+
+GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._grouped_mm}
+_ALLOCATIONS = {
+    aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided,
+    aten.detach, aten.alias, aten._local_scalar_dense,
+}  # fmt: skip
+_GATHERS = {aten.embedding, aten.index, aten.index_select, aten.gather}
+_SCATTERS_IN_PLACE = {aten.index_put_, aten.index_copy_, aten.index_add_, aten.scatter_}
+# Ops whose output's shape (or value) the host must know: a device-to-host round trip.
+_SHAPE_SYNCS = {
+    aten.nonzero, aten.masked_select, aten.bincount, aten.unique_consecutive, aten._unique2,
+    aten.unique_dim,
+}  # fmt: skip
+_COPIES = {aten._to_copy, aten.copy_, aten.to}
+
+
+@dataclass(slots=True)
+class OpRecord:
+    """One op of a step. `gemm`: counts towards the step's GEMM FLOPs; `fp32`: a GEMM in fp32;
+    `host`: ran on host tensors (no kernel); `sync`: the kind of host synchronisation, if any."""
+
+    name: str
+    phase: str
+    flops: float = 0.0
+    bytes: float = 0.0
+    launches: int = 1
+    gemm: bool = False
+    fp32: bool = False
+    host: bool = False
+    sync: str = ""
+    where: str = ""
+    wall_s: float = 0.0  # the op's own run time here (meaningful on a real device only)
+
+    def seconds(self, hw: Hardware) -> float:
+        if self.host:
+            return 0.0
+        rate = hw.fp32_flops if self.fp32 else hw.tensor_flops
+        time = max(self.flops / rate, self.bytes / hw.bandwidth) + self.launches * hw.launch_s
+        return time + (hw.sync_s if self.sync else 0.0)
+
+
+@dataclass(slots=True)
+class StepRows:
+    """The rows of the step being accounted (start, new tokens, DECODE?), which the attention
+    rules need: a meta tensor holds no per-row values."""
+
+    rows: list[tuple[int, int, bool]] = field(default_factory=list)
+
+
+def _nbytes(tensors: list[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _tensors(*trees: Any) -> list[torch.Tensor]:
+    return [t for tree in trees for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def project_frame() -> str:
+    """The innermost frame of the project (engine/, kernels/) on the stack: where a sync is."""
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename.replace("\\", "/")
+        for root in ("/engine/", "/kernels/"):
+            if root in path and "site-packages" not in path:
+                return f"{root[1:]}{path.split(root, 1)[1]}:{frame.lineno} {frame.name}"
+    return "?"
+
+
+def _in_prepare() -> bool:
+    """Inside `ForwardBatch.prepare`: the runner's inputs, moved before the forward is queued
+    (the accountant cannot see where `ModelRunner.execute` starts queueing kernels)."""
+    return any(
+        f.name == "prepare" and f.filename.endswith("kv_cache.py")
+        for f in traceback.extract_stack()
+    )
+
+
+class Accountant(TorchDispatchMode):
+    """Records the ops run under it (see the module docstring). `device_type`: where the
+    step's kernels run ("meta" for a prediction, "cpu" for a calibration run); ops on other
+    devices are host work."""
+
+    def __init__(self, device_type: str = "meta", rows: StepRows | None = None) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.rows = rows or StepRows()
+        self.records: list[OpRecord] = []
+        self.current = "step"
+
+    def __enter__(self) -> Accountant:
+        # `torch.tensor(data, device=...)` copies without reaching the dispatcher (on CUDA a
+        # blocking copy): seen here, at the Python call.
+        self._tensor = make = torch.tensor
+
+        def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            out = make(data, *args, **kwargs)
+            if out.device.type == self.device_type != "cpu":
+                self.sync("tensor", "blocking host to device copy", _nbytes([out]))
+            return out
+
+        torch.tensor = tensor  # type: ignore[assignment]
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: object) -> None:
+        torch.tensor = self._tensor  # type: ignore[assignment]
+        super().__exit__(*exc)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        previous, self.current = self.current, name
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def sync(self, name: str, kind: str, size: float = 0.0) -> None:
+        """Record a synchronisation seen outside the dispatcher (e.g. `.tolist()` on meta)."""
+        phase = "inputs" if self.current == "forward" and _in_prepare() else self.current
+        self.records.append(OpRecord(name, phase, bytes=size, sync=kind, where=project_frame()))
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        tensors = _tensors(args, kwargs)
+        on_device = any(t.device.type == self.device_type for t in tensors) or (
+            str(kwargs.get("device", "")).startswith(self.device_type)
+        )
+        sync = self._sync_kind(func, args, kwargs, tensors) if on_device else ""
+        meta = self.device_type == "meta"
+        out = _stand_in(func, args, kwargs) if sync and meta else None
+        began = time.perf_counter()
+        if out is None:
+            out = func(*args, **kwargs)
+        elapsed = time.perf_counter() - began
+        packet = func.overloadpacket
+        if func.namespace == "canvas":
+            self.records += custom_records(self, func, args, out)
+            return out
+        record = OpRecord(str(packet).replace("aten.", ""), self.current, sync=sync)
+        record.wall_s = elapsed
+        record.host = not on_device
+        if func.is_view or packet in _ALLOCATIONS:
+            record.launches = 0
+        else:
+            record.bytes = _op_bytes(packet, args, out, tensors)
+        if packet in (aten.linear, aten.matmul):  # seen whole here: 2 * rows * in * out
+            out_dim = tensors[1].shape[0] if packet is aten.linear else tensors[1].shape[-1]
+            record.flops = 2.0 * tensors[0].numel() * out_dim
+            record.gemm, record.fp32 = True, tensors[0].dtype == torch.float32
+        elif packet in flop_registry:
+            record.flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+            record.gemm = packet in GEMMS
+            record.fp32 = record.gemm and tensors[0].dtype == torch.float32
+        if sync:
+            record.where = project_frame()
+            if self.current == "forward" and _in_prepare():
+                record.phase = "inputs"
+        if on_device or sync:
+            self.records.append(record)
+        return out
+
+    @staticmethod
+    def _sync_kind(func: Any, args: tuple[Any, ...], kwargs: Any, tensors: list[Any]) -> str:
+        packet = func.overloadpacket
+        if packet is aten._local_scalar_dense:
+            return "value to host"
+        if packet is aten.lift_fresh:  # `torch.tensor(data, device=...)`: a blocking copy
+            return "blocking host to device copy"
+        if packet in _SHAPE_SYNCS:
+            return "data-dependent shape"
+        if packet is aten.repeat_interleave and func is aten.repeat_interleave.Tensor:
+            return "" if kwargs.get("output_size") is not None else "data-dependent shape"
+        if packet is aten.index and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+        ):
+            return "boolean mask"
+        if packet in _COPIES:
+            named = _named(func, args, kwargs)
+            src = named.get("src", named.get("self"))
+            dst = named.get("device") if "src" not in named else named["self"].device
+            dst_type = torch.device(dst).type if dst is not None else src.device.type
+            if src.device.type == dst_type:
+                return ""
+            if dst_type == "cpu":
+                return "device to host copy"
+            return "" if named.get("non_blocking") else "blocking host to device copy"
+        return ""
+
+    # -- summaries ----------------------------------------------------------------------------
+
+    def seconds(self, hw: Hardware) -> float:
+        return sum(r.seconds(hw) for r in self.records)
+
+    def syncs(self, phases: tuple[str, ...] | None = None) -> list[OpRecord]:
+        return [r for r in self.records if r.sync and (phases is None or r.phase in phases)]
+
+    @property
+    def launches(self) -> int:
+        return sum(r.launches for r in self.records if not r.host)
+
+    @property
+    def gemm_flops(self) -> float:
+        return sum(r.flops for r in self.records if r.gemm)
+
+
+def _op_bytes(packet: Any, args: tuple[Any, ...], out: Any, tensors: list[Any]) -> float:
+    outs = _tensors(out)
+    if packet in _GATHERS:  # reads the rows it gathers (and the index), writes them
+        index = [t for t in tensors[1:] if not t.is_floating_point()]
+        return 2 * _nbytes(outs) + _nbytes(index)
+    if packet in _SCATTERS_IN_PLACE:  # reads the values (and the index), writes them
+        return 2 * _nbytes(tensors[1:])
+    return _nbytes(tensors) + _nbytes(outs)
+
+
+def _stand_in(func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+    """A meta run's stand-in for an op that needs values: an upper-bound shape, or a zero."""
+    packet = func.overloadpacket
+    x = args[0] if args else None
+    if packet is aten._local_scalar_dense:
+        return False if x.dtype == torch.bool else 0
+    if packet is aten.nonzero:
+        return x.new_empty((x.numel(), x.dim()), dtype=torch.long)
+    if packet is aten.bincount:
+        return x.new_empty((max(int(kwargs.get("minlength", args[2] if len(args) > 2 else 0)), 1),))
+    if packet in (aten.masked_select, aten.repeat_interleave):
+        return x.new_empty((x.numel(),))
+    if packet in _COPIES:  # to the host (a copy to the device runs: the meta output is free)
+        named = _named(func, args, kwargs)
+        if "src" in named:
+            return args[0] if args[0].device.type == "cpu" else None
+        if named.get("device") is None or torch.device(named["device"]).type != "cpu":
+            return None
+        return torch.zeros(x.shape, dtype=named.get("dtype") or x.dtype, device="cpu")
+    return None
+
+
+def _named(func: Any, args: tuple[Any, ...], kwargs: Any) -> dict[str, Any]:
+    """An op's arguments by their schema names."""
+    names = [a.name for a in func._schema.arguments]
+    return {
+        **dict(zip(names, args, strict=False)),
+        **kwargs,
+    }  # runs as is (e.g. a boolean index into a host tensor)
+
+
+# -- custom ops: the Triton kernels CUDA runs ----------------------------------------------
+
+
+def custom_records(acct: Accountant, func: Any, args: tuple[Any, ...], out: Any) -> list[OpRecord]:
+    name = func.overloadpacket.__name__
+    rule = CUSTOM_RULES.get(name)
+    io = _nbytes(_tensors(args, out))
+    if rule is None:
+        return [OpRecord(f"canvas.{name}", acct.current, bytes=io)]
+    return [OpRecord(f"canvas.{r.name}", acct.current, **r.cost) for r in rule(acct, args, out)]
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    name: str
+    cost: dict[str, Any]
+
+
+def _attention(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
+    q, k = args[0], args[1]
+    window = args[11]
+    num_tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    rows = acct.rows.rows or [(0, num_tokens, True)]
+    flops = kv_bytes = 0.0
+    for start, new, decode in rows:
+        prefix = min(start, window - 1) if window else start
+        keys = prefix + (new if decode else (new + 1) / 2)  # causal: half the block on average
+        flops += 4 * heads * dim * new * keys
+        kv_bytes += 2 * (prefix + new) * kv_heads * dim * k.element_size()
+    io = 2 * q.numel() * q.element_size() + kv_bytes
+    return [Part("canvas_attention", {"flops": flops, "bytes": io, "gemm": True})]
+
+
+def _write_kv(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
+    k, v = args[0], args[1]
+    rows = acct.rows.rows or [(0, k.shape[0], False)]
+    share = sum(n for _, n, d in rows if not d) / max(sum(n for _, n, _ in rows), 1)
+    return [Part("write_kv", {"bytes": 2 * share * _nbytes([k, v])})]
+
+
+def _route(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
+    hidden, proj = args[0], args[2]
+    flops = 2 * hidden.shape[0] * hidden.shape[1] * proj.shape[0]
+    io = _nbytes([hidden, proj, *out])
+    return [Part("route_experts", {"flops": flops, "bytes": io, "gemm": True})]
+
+
+def touched_experts(num_tokens: int, num_experts: int, top_k: int) -> float:
+    """Expected distinct experts that `num_tokens` tokens route to (top_k each, uniform)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+
+
+def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
+    """Triton's fused_moe (kernels/triton_moe.py): align the pairs, a GEGLU grouped GEMM, a
+    weighted down GEMM into an fp32 [N*K, H] buffer zero-filled first, the slot sum, a cast."""
+    hidden, gate_up, down, weights, ids = args
+    num_tokens, hid = hidden.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter, top_k = two_inter // 2, ids.shape[1]
+    pairs, el = num_tokens * top_k, hidden.element_size()
+    experts = touched_experts(num_tokens, num_experts, top_k)
+    w_bytes = experts * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    gemm = {
+        "flops": 2 * pairs * hid * two_inter + 2 * pairs * inter * hid,
+        "bytes": w_bytes + pairs * hid * el + 2 * pairs * inter * el + pairs * hid * 4,
+        "launches": 2,
+        "gemm": True,
+    }
+    parts = [Part("fused_moe.align_pairs", cost) for cost in align_pairs_costs(ids, num_experts)]
+    fp32_pairs = pairs * hid * 4
+    return [
+        Part("fused_moe.zero_fill", {"bytes": fp32_pairs}),
+        *parts,
+        Part("fused_moe.expert_gemms", gemm),
+        Part("fused_moe.slot_sum_cast", {"bytes": fp32_pairs + num_tokens * hid * (8 + el)}),
+    ]
+
+
+def align_pairs_costs(ids: torch.Tensor, num_experts: int) -> list[dict[str, Any]]:
+    """The host code of `triton_moe.align_pairs` run on meta under its own accountant: its
+    launches and syncs as they are now (a fixed estimate without triton)."""
+    try:
+        from kernels.triton_moe import align_pairs
+    except ImportError:
+        return [{"launches": 17, "sync": "bincount: data-dependent shape", "where": "?"}]
+    sub = Accountant("meta")
+    with sub:
+        align_pairs(torch.empty(ids.shape, dtype=ids.dtype, device="meta"), num_experts, 64)
+    bytes_ = sum(r.bytes for r in sub.records)
+    syncs = [r for r in sub.records if r.sync]
+    launches = sum(r.launches for r in sub.records)
+    kind = ", ".join(f"{r.name}: {r.sync}" for r in syncs)
+    where = syncs[0].where if syncs else ""
+    cost: dict[str, Any] = {"bytes": bytes_, "launches": launches, "sync": kind, "where": where}
+    return [cost, *({"launches": 0, "sync": kind, "where": where} for _ in syncs[1:])]
+
+
+def _sample_cost(logits: torch.Tensor) -> dict[str, Any]:
+    # `_sample_kernel`: one program per position, two passes over the vocabulary.
+    return {"bytes": 2 * logits.numel() * logits.element_size()}
+
+
+def _soft_cost(logits: torch.Tensor, weight: torch.Tensor) -> list[Part]:
+    """`_soft_embedding_kernel`: each 128-column block of H re-reads the fp32 logits, 8
+    vocabulary splits summed in fp32 after (a sum, a cast and the scale: 3 launches)."""
+    positions, vocab = logits.shape
+    hidden = weight.shape[1]
+    reads = math.ceil(hidden / 128) * logits.numel() * logits.element_size()
+    parts_bytes = 8 * positions * hidden * 4
+    gemm = {
+        "flops": 2 * positions * vocab * hidden,
+        "bytes": reads + weight.numel() * weight.element_size() + parts_bytes,
+        "gemm": True,
+    }
+    epilogue = {
+        "bytes": parts_bytes + 4 * positions * hidden * weight.element_size(),
+        "launches": 3,
+    }
+    return [Part("soft_embedding", gemm), Part("soft_embedding.epilogue", epilogue)]
+
+
+def _fused_sample(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
+    return [Part("fused_sample", _sample_cost(args[0]))]
+
+
+def _soft_embedding(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
+    return _soft_cost(args[0], args[3])
+
+
+def _sample_and_embed(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
+    return [Part("fused_sample", _sample_cost(args[0])), *_soft_cost(args[0], args[3])]
+
+
+def _accept(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
+    return [Part("entropy_accept", {"bytes": 2 * _nbytes([args[0], out]), "launches": 2})]
+
+
+Rule = Callable[[Accountant, tuple[Any, ...], Any], list[Part]]
+CUSTOM_RULES: dict[str, Rule] = {
+    "canvas_attention": _attention,
+    "write_kv": _write_kv,
+    "route_experts": _route,
+    "fused_moe": _moe,
+    "fused_sample": _fused_sample,
+    "soft_embedding": _soft_embedding,
+    "sample_and_embed": _sample_and_embed,
+    "entropy_accept": _accept,
+}

@@ -1,0 +1,282 @@
+"""GPU speed without a GPU: the engine's real step at the real DiffusionGemma 26B-A4B shapes,
+run on the meta device through the custom ops (`KernelSet.with_custom_ops`), every op
+recorded by `loadtest.accountant` and its time predicted on an H200 and an H100 SXM.
+
+    python -m loadtest.roofline [--canvases 1 4 16 64] [--layers N] [--top 8]   (make roofline)
+    python -m loadtest.roofline --calibrate   (the accountant against a measured CPU step)
+
+Step kinds (prefix PREFIX_LEN tokens per row): `denoise` (R canvases, head and sampler),
+`commit` (R commit passes of a canvas beside the R next canvases' first steps), `prefill`
+(R prompt chunks of PREFILL_CHUNK tokens, no head) and `ar` (R one-token rows, head and
+AR sampler). Phases: inputs (host-made tensors moved, the canvas inputs), forward (model and
+head), sampler, publish (the step's one device-to-host copy).
+
+The floor of a step is the larger of streaming its weights once (the experts its tokens touch)
+and its GEMM FLOPs at the tensor-core peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.batched_sampler import BatchedSampler, to_host
+from engine.kv_pages import PageTables
+from engine.model import DiffusionLM
+from engine.model.config import LayerType, ModelConfig
+from engine.model.kv_cache import PagedKVCache
+from engine.runner import EncodeInput, ModelRunner, StepInputs
+from kernels import KernelSet, resolve_kernels
+from loadtest.accountant import GPUS, Accountant, Hardware, OpRecord, StepRows, touched_experts
+from loadtest.gpu_bench import meta_model, model_config
+
+KINDS = ("denoise", "commit", "prefill", "ar")
+PREFIX_LEN = 1024
+PREFILL_CHUNK = 512
+PAGE_SIZE = 16
+# The sampler's and publish's syncs that a fast-numerics step may have: the one transfer of
+# its results to the host (`batched_sampler.to_host`), after the sampler.
+ALLOWED_SYNC_PHASES = ("inputs", "publish")
+
+
+@dataclass(slots=True)
+class StepAccount:
+    kind: str
+    canvases: int
+    acct: Accountant
+    weight_bytes: float
+
+
+def with_layers(config: ModelConfig, num_layers: int | None) -> ModelConfig:
+    """The config with its first `num_layers` layers (a quick dry run), or as is."""
+    if num_layers is None:
+        return config
+    layers = config.text.layers[:num_layers]
+    text = replace(config.text, layers=layers, num_layers=num_layers)
+    return replace(config, text=text)
+
+
+def build(config: ModelConfig, kernels: KernelSet, device: torch.device) -> DiffusionLM:
+    model = meta_model(config, torch.bfloat16)
+    model.init_rope(device)
+    model.bind_kernels(kernels)
+    return model
+
+
+def _pages(row: int, per_row: int) -> PageTables:
+    pages = list(range(row * per_row, (row + 1) * per_row))
+    return PageTables(full=pages, ring=list(pages), num_logical=per_row)
+
+
+def step_rows(kind: str, canvases: int, canvas: int) -> tuple[list[int], list[EncodeInput]]:
+    """(starts of the DENOISE rows, the ENCODE rows) of a step kind; pages are filled in later."""
+    per_row = math.ceil((PREFIX_LEN + 2 * canvas + PREFILL_CHUNK) / PAGE_SIZE)
+    denoise, encode = [], []
+    for r in range(canvases):
+        pages = _pages(r, per_row)
+        if kind == "denoise":
+            denoise.append(PREFIX_LEN)
+        elif kind == "commit":  # the commit pass, and the next canvas's first step after it
+            encode.append(EncodeInput(PREFIX_LEN, [5] * canvas, pages, False))
+            denoise.append(PREFIX_LEN + canvas)
+        elif kind == "prefill":
+            encode.append(EncodeInput(PREFIX_LEN, [5] * PREFILL_CHUNK, pages, False))
+        else:
+            encode.append(EncodeInput(PREFIX_LEN, [5], pages, True))
+    return denoise, encode
+
+
+class StepHarness:
+    """One step of `kind` over `canvases` rows as the engine runs it (fast numerics): its KV
+    pools, runner and sampler built once, `run` repeatable (a calibration times it)."""
+
+    def __init__(self, model: DiffusionLM, kind: str, canvases: int, device: torch.device) -> None:
+        config, self.canvas = model.config, model.config.canvas_length
+        self.kind, self.device = kind, device
+        self.starts, self.encode = step_rows(kind, canvases, self.canvas)
+        self.per_row = math.ceil((PREFIX_LEN + 2 * self.canvas + PREFILL_CHUNK) / PAGE_SIZE)
+        cache = PagedKVCache(
+            config.text, dict.fromkeys(LayerType, canvases * self.per_row), PAGE_SIZE,
+            model.embed_tokens.weight.dtype, device,
+        )  # fmt: skip
+        self.runner = ModelRunner(model, cache)
+        embed = model.embed_tokens.weight
+        scale = float(model.embed_scale)
+        self.sampler = BatchedSampler(model.kernels, embed, scale, self.canvas, canvases)
+        rows = [(s, self.canvas, True) for s in self.starts]
+        self.rows = StepRows(rows + [(e.start, len(e.tokens), False) for e in self.encode])
+
+    def run(self, acct: Accountant | None = None) -> None:
+        if acct is None:
+            self._run(lambda name: contextlib.nullcontext())
+            return
+        acct.rows = self.rows
+        with acct:
+            self._run(acct.phase)
+
+    def _run(self, phase: Callable[[str], contextlib.AbstractContextManager[None]]) -> None:
+        device, starts, encode, sampler = self.device, self.starts, self.encode, self.sampler
+        with phase("inputs"):
+            pages = [_pages(r, self.per_row) for r in range(len(starts))]
+            inputs = StepInputs(starts, pages, None, [], encode)
+            rows = None
+            if starts:  # as engine.sampling.BatchedSampling builds them
+                slots = torch.tensor(list(range(len(starts)))).to(device, non_blocking=True)
+                flags = torch.tensor([self.kind == "commit"] * len(starts))
+                flags = flags.to(device, non_blocking=True)
+                ids, soft, rows = sampler.canvas_inputs(slots, flags)
+                inputs = replace(inputs, canvas_ids=ids, soft_embeds=soft)
+        with phase("forward"):
+            out = self.runner.execute(inputs)
+        with phase("sampler"):
+            parts: list[torch.Tensor] = []
+            if rows is not None and out.denoise_logits is not None:
+                new, parts = sampler.denoise(out.denoise_logits, rows)
+                sampler.write(new)
+            if out.last_logits is not None:  # as engine.sampling.BatchedSampling builds them
+                slots = torch.arange(len(encode)).to(device, non_blocking=True)
+                index = torch.full((len(encode),), 7).to(device, non_blocking=True)
+                parts += sampler.sample_ar(out.last_logits, slots, index)
+        with phase("publish"):
+            try:
+                to_host(parts)
+            except NotImplementedError as exc:  # `.tolist()` of a meta tensor: the D2H copy
+                if "meta" not in str(exc):
+                    raise
+                phase_acct = _active_accountant()
+                if phase_acct is not None:
+                    phase_acct.sync("to_host", "device to host copy")
+
+
+def _active_accountant() -> Accountant | None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, Accountant)]
+    return modes[-1] if modes else None
+
+
+def weight_bytes(model: DiffusionLM, num_tokens: int) -> float:
+    """What streaming the step's weights once moves: every parameter but the experts, and the
+    experts its `num_tokens` tokens touch (uniform routing)."""
+    cfg = model.cfg
+    share = touched_experts(num_tokens, cfg.num_experts, cfg.top_k_experts) / cfg.num_experts
+    total = 0.0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        total += size * share if ".experts." in name else size
+    return total
+
+
+def account(model: DiffusionLM, kind: str, canvases: int) -> StepAccount:
+    meta = torch.device("meta")
+    acct = Accountant("meta")
+    with torch.inference_mode():
+        StepHarness(model, kind, canvases, meta).run(acct)
+    num_tokens = sum(n for _, n, _ in acct.rows.rows)
+    return StepAccount(kind, canvases, acct, weight_bytes(model, num_tokens))
+
+
+# -- reports ---------------------------------------------------------------------------------
+
+
+def floor_s(step: StepAccount, hw: Hardware) -> float:
+    return max(step.weight_bytes / hw.bandwidth, step.acct.gemm_flops / hw.tensor_flops)
+
+
+def summary_table(steps: list[StepAccount]) -> str:
+    head = (
+        "| step | canvases | "
+        + " | ".join(f"{hw.name} ms | floor ms | ×floor" for hw in GPUS)
+        + " | launches | syncs (fwd+sampler) |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for s in steps:
+        cells = []
+        for hw in GPUS:
+            t, f = s.acct.seconds(hw), floor_s(s, hw)
+            cells.append(f"{t * 1e3:.1f} | {f * 1e3:.1f} | {t / f:.1f}")
+        inner = len(s.acct.syncs(("forward", "sampler")))
+        lines.append(
+            f"| {s.kind} | {s.canvases} | " + " | ".join(cells)
+            + f" | {s.acct.launches} | {len(s.acct.syncs())} ({inner}) |"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+def top_ops(step: StepAccount, hw: Hardware, top: int) -> str:
+    groups: dict[str, list[OpRecord]] = defaultdict(list)
+    for r in step.acct.records:
+        groups[f"{r.phase}: {r.name}"].append(r)
+    rows = sorted(groups.items(), key=lambda kv: -sum(r.seconds(hw) for r in kv[1]))[:top]
+    total = step.acct.seconds(hw)
+    lines = [
+        f"Top ops, {step.kind} at {step.canvases} canvases on {hw.name} ({total * 1e3:.1f} ms):",
+        "| op | calls | launches | GB | TFLOP | ms | share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, recs in rows:
+        t = sum(r.seconds(hw) for r in recs)
+        lines.append(
+            f"| {name} | {len(recs)} | {sum(r.launches for r in recs)} "
+            f"| {sum(r.bytes for r in recs) / 1e9:.2f} | {sum(r.flops for r in recs) / 1e12:.2f} "
+            f"| {t * 1e3:.2f} | {t / total:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def sync_table(step: StepAccount) -> str:
+    where: dict[tuple[str, str, str], int] = defaultdict(int)
+    for r in step.acct.syncs():
+        where[(r.phase, r.sync, r.where)] += 1
+    lines = [f"Syncs, {step.kind} at {step.canvases} canvases:", "| phase | kind | where | n |"]
+    lines.append("|---|---|---|---|")
+    lines += [f"| {p} | {k} | {w} | {n} |" for (p, k, w), n in sorted(where.items())]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--canvases", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--layers", type=int, default=None, help="only the first N layers")
+    parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--calibrate", action="store_true", help="predict a measured CPU step")
+    args = parser.parse_args(argv)
+    if args.calibrate:
+        from loadtest.roofline_calibrate import calibrate
+
+        print(calibrate())
+        return 0
+    config = with_layers(model_config(), args.layers)
+    kernels = resolve_kernels("cpu", "twins").with_custom_ops()
+    model = build(config, kernels, torch.device("meta"))
+    began = time.perf_counter()
+    steps = [account(model, k, r) for k in args.kinds for r in args.canvases]
+    print(
+        f"# Roofline: DiffusionGemma 26B-A4B, {config.text.num_layers} layers, bf16, "
+        f"prefix {PREFIX_LEN}, fast numerics ({time.perf_counter() - began:.1f} s on meta)\n"
+    )
+    print("Peaks: " + "; ".join(
+        f"{h.name} {h.tensor_flops / 1e12:.0f} TFLOP/s bf16, {h.fp32_flops / 1e12:.0f} fp32, "
+        f"{h.bandwidth / 1e12:.2f} TB/s, {h.launch_s * 1e6:.0f} µs/launch, "
+        f"{h.sync_s * 1e6:.0f} µs/sync" for h in GPUS) + "\n")  # fmt: skip
+    print(summary_table(steps) + "\n")
+    for s in steps:
+        if s.canvases == max(args.canvases) or s.canvases == 16:
+            print(top_ops(s, GPUS[0], args.top) + "\n")
+    for s in steps:
+        if s.canvases == min(args.canvases):
+            print(sync_table(s) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

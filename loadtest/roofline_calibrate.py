@@ -1,0 +1,103 @@
+"""The roofline's accountant checked against a step it can measure: the CPU. The same step
+harness as `loadtest.roofline` runs the `bench-small` stack (engine/testing.py: the real
+layer pattern and MoE scaled to ~32M parameters) in fp32 on the CPU with the fast twins; the
+accountant predicts its time from this machine's rates, measured here (an fp32 GEMM, a copy,
+a tiny op's dispatch cost), and the step is then timed (warmed, median of repeats).
+
+    python -m loadtest.roofline --calibrate
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.model.config import ModelConfig, parse_text_config
+from engine.testing import PRESETS, preset_text_config
+from kernels import resolve_kernels
+from loadtest.accountant import Accountant, Hardware
+from loadtest.gpu_bench import meta_model
+
+PRESET = "bench-small"
+CANVASES = (4, 16)
+
+
+def _best(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def measure_cpu() -> Hardware:
+    """This CPU's fp32 GEMM rate (1024^3), memory bandwidth (a 256 MiB copy: read + write)
+    and per-op cost (a 16-element add), each the best of a few runs."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    gemm = 2 * 1024**3 / _best(lambda: a @ b, 5)
+    src = torch.empty(64 << 20)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), 5)
+    tiny = torch.zeros(16)
+    per_op = _best(lambda: [tiny.add_(1) for _ in range(1000)], 3) / 1000
+    return Hardware("this CPU", gemm, gemm, bandwidth, per_op, 0.0)
+
+
+def cpu_model(preset: str = PRESET) -> torch.nn.Module:
+    text = parse_text_config(preset_text_config(preset))
+    config = ModelConfig("diffusion_gemma", text, PRESETS[preset].canvas_length, "float32")
+    model = meta_model(config, torch.float32).to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        for name, buf in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buf.fill_(1.0)
+    model.init_rope("cpu")
+    model.bind_kernels(resolve_kernels("cpu"))
+    return model
+
+
+def calibrate(kinds: tuple[str, ...] = ("denoise", "commit"), repeats: int = 3) -> str:
+    """One thread: a shared 2-core VM slows multi-threaded ops erratically (cpu-facts.md)."""
+    from loadtest.roofline import StepHarness
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    hw = measure_cpu()
+    model = cpu_model()
+    cpu = torch.device("cpu")
+    lines = [
+        f"Calibration on this CPU ({torch.get_num_threads()} threads): fp32 GEMM "
+        f"{hw.tensor_flops / 1e9:.0f} GFLOP/s, copy {hw.bandwidth / 1e9:.1f} GB/s, "
+        f"{hw.launch_s * 1e6:.1f} µs per op; {PRESET}, fp32, fast twins\n",
+        "| step | canvases | ops | predicted ms | ops' own ms | measured ms | predicted / measured "
+        "|",
+        "|---|---|---|---|---|---|---|",
+    ]
+    with torch.inference_mode():
+        for kind in kinds:
+            for canvases in CANVASES:
+                harness = StepHarness(model, kind, canvases, cpu)  # type: ignore[arg-type]
+                acct = Accountant("cpu")
+                harness.run(acct)
+                predicted = acct.seconds(hw)
+                harness.run()  # warm
+                times = []
+                for _ in range(repeats):
+                    began = time.perf_counter()
+                    harness.run()
+                    times.append(time.perf_counter() - began)
+                measured = statistics.median(times)
+                lines.append(
+                    f"| {kind} | {canvases} | {len(acct.records)} | {predicted * 1e3:.1f} "
+                    f"| {sum(r.wall_s for r in acct.records) * 1e3:.1f} "
+                    f"| {measured * 1e3:.1f} | {predicted / measured:.2f} |"
+                )
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""The roofline's accountant (`loadtest.accountant`) and its dry run: FLOPs and bytes of an op,
+host synchronisations caught on the meta device, and the fast-numerics step (forward, head,
+sampler) at the real shapes on meta, whose forward and sampler must not synchronise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import resolve_kernels
+from loadtest import roofline
+from loadtest.accountant import H200, Accountant
+from loadtest.gpu_bench import model_config
+
+META = torch.device("meta")
+
+
+def test_a_gemm_counts_its_flops_and_bytes_and_a_view_moves_nothing() -> None:
+    a, b = torch.empty(64, 32, device=META), torch.empty(32, 16, device=META)
+    acct = Accountant("meta")
+    with acct:
+        (a @ b).view(-1)
+    (mm,) = [r for r in acct.records if r.launches]
+    assert mm.flops == 2 * 64 * 32 * 16 and mm.gemm and mm.fp32
+    assert mm.bytes == (64 * 32 + 32 * 16 + 64 * 16) * 4
+    assert acct.launches == 1 and acct.seconds(H200) > 0
+
+
+def test_syncs_are_recorded_on_meta_and_the_step_runs_on() -> None:
+    x = torch.empty(8, device=META)
+    acct = Accountant("meta")
+    with acct:
+        assert x.nonzero().shape == (8, 1)  # an upper bound stands in for the unknown shape
+        x.sum().item()
+        torch.tensor([1, 2]).to(META)
+        torch.tensor([1, 2]).to(META, non_blocking=True)
+        torch.tensor([1, 2], device=META)
+        x.to("cpu")
+    kinds = [r.sync for r in acct.syncs()]
+    assert kinds == [
+        "data-dependent shape",
+        "value to host",
+        "blocking host to device copy",
+        "blocking host to device copy",
+        "device to host copy",
+    ]
+    assert all(r.where.startswith("?") or r.where for r in acct.syncs())
+
+
+@pytest.mark.parametrize("kind", roofline.KINDS)
+def test_a_fast_step_has_no_host_sync_inside_the_forward_or_the_sampler(kind: str) -> None:
+    """Allowed outside them: the inputs' blocking copies, made before the forward is queued
+    (`PagedRows.build`'s `torch.tensor(..., device=)`), and the step's one copy of its results
+    to the host (`to_host`, after the sampler)."""
+    kernels = resolve_kernels("cpu", "twins").with_custom_ops()
+    model = roofline.build(model_config(toy=True), kernels, META)
+    step = roofline.account(model, kind, 2)
+    assert step.acct.syncs(("forward", "sampler")) == []
+    outside = {(r.phase, r.sync) for r in step.acct.syncs()}
+    allowed = {("inputs", "blocking host to device copy"), ("publish", "device to host copy")}
+    assert outside <= allowed, outside
+    assert step.acct.launches > 0 and step.acct.gemm_flops > 0
+
+
+def test_the_roofline_dry_run_prints_predictions_at_the_real_shapes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert (
+        roofline.main(["--canvases", "1", "--layers", "6", "--kinds", "denoise", "--top", "3"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "| denoise | 1 |" in out and "×floor" in out and "Top ops" in out
+    row = next(line for line in out.splitlines() if line.startswith("| denoise | 1 |"))
+    assert row.endswith("(0) |"), row  # no sync inside the forward and the sampler
