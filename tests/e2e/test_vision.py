@@ -321,3 +321,18 @@ def test_a_cache_hit_never_ends_inside_an_image_and_gives_the_tokens_of_caching_
     assert outs[1].num_cached_tokens > last and outs[2].num_cached_tokens <= first
     want = [uncached.generate(ids, ar, images=[images])[0].output_ids for ids in (a, b)]
     assert [o.output_ids for o in outs] == [want[0], want[0], want[1]]
+
+
+def test_fast_numerics_with_images_stay_within_1e4_of_exact(vision, fast, references):
+    """The three image prompts batched (ragged ENCODE rows, each with its images' spans), AR
+    mode: fast numerics take exact's greedy tokens, every log-probability within 1e-4."""
+    ar = SamplingParams(mode=DecodeMode.AR, max_tokens=8, logprobs=0)
+    prompts = [ids for ids, _, _ in references]
+    images = [list(imgs) for _, imgs, _ in references]
+    want = vision.llm.generate(prompts, [ar] * len(prompts), images=images)
+    got = fast().generate(prompts, [ar] * len(prompts), images=images)
+    for ours, exact in zip(got, want, strict=True):
+        assert ours.output_ids == exact.output_ids
+        assert ours.logprobs is not None and exact.logprobs is not None
+        pairs = zip(ours.logprobs, exact.logprobs, strict=True)
+        assert max(abs(a.logprob - b.logprob) for a, b in pairs) <= 1e-4
