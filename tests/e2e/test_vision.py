@@ -308,7 +308,7 @@ def test_a_cache_hit_never_ends_inside_an_image_and_gives_the_tokens_of_caching_
     (AR mode: fast numerics' diffusion tokens may differ with a pass's cut, README "Prefix
     caching")."""
     cached, uncached = fast(), fast(EngineConfig(prefix_caching=False))
-    ar = SamplingParams(mode=DecodeMode.AR, max_tokens=MAX_TOKENS)
+    ar = SamplingParams(mode=DecodeMode.AR, max_tokens=6)
     a, images = chat_ids(vision, [1, "Say what it is. " * 8])
     b, _ = chat_ids(vision, [1, "Tell me more. " * 8])
     image_token = vision.processor.vision.image_token_id
