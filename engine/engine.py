@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.batched_sampler import new_seed
-from engine.images import PreparedImage, image_token_positions
+from engine.images import PreparedImage, image_spans, image_token_positions
 from engine.kv_pages import KVPages, PageGeometry
 from engine.model import DiffusionLM, PagedKVCache
 from engine.model.config import LayerType
@@ -188,7 +188,11 @@ class Engine:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validator.check_prompt(prompt_ids)  # callers validated: a cheap second look
         self.validator.check_context(len(prompt_ids), params)
-        image_positions = image_token_positions(prompt_ids, images, self.model.config.vision)
+        vision = self.model.config.vision
+        image_positions = image_token_positions(prompt_ids, images, vision)
+        spans: tuple[tuple[int, int], ...] = ()
+        if vision is not None and vision.bidirectional:
+            spans = image_spans(image_positions, self.config.scheduler.max_prefill_chunk)
         req = RequestState(
             request_id,
             list(prompt_ids),
@@ -201,6 +205,7 @@ class Engine:
             cache_key="|".join((cache_key, *(image.digest for image in images))),
             images=tuple(images),
             image_positions=image_positions,
+            image_spans=spans,
         )
         self.scheduler.add(req)
 

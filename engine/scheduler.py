@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from engine.draft_policy import ACCEPT_DECAY, PRIOR_DECAY, DraftPolicy, StepCost, decayed
 from engine.kv_pages import CacheHit, IdPool, KVPages
 from engine.prefix_cache import chain_hashes, root_hash
-from engine.request import RequestState, SeqState
+from engine.request import RequestState, SeqState, whole_images
 from engine.types import (
     FinishReason,
     QueueFull,
@@ -213,7 +213,7 @@ class Scheduler:
             budget = self._add(rows, row, budget - row.num_tokens)
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            hit = self.pages.find(seq.page_names, seq.num_prompt)
+            hit = self.pages.find(seq.page_names, seq.num_prompt, seq.image_spans)
             if self._waits_for_prefix(seq) or not self.pages.can_allocate(seq.context, hit):
                 break  # FCFS: later requests do not overtake the head of the queue
             try:
@@ -258,6 +258,7 @@ class Scheduler:
         start = seq.num_computed
         if seq.state is SeqState.PREFILL:
             num = min(seq.num_prompt - start, self.config.max_prefill_chunk, budget)
+            num = whole_images(seq.image_spans, start, num)
             if num <= 0:
                 return None
             return ScheduledRow(seq, RowKind.PREFILL, start, num, admitted=admitted)

@@ -254,7 +254,13 @@ def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
         "--vision",
         action="store_true",
         help="with a working random vision tower, image tokens and an image processor config "
-        "(image input)",
+        "(image input); as the real model, image tokens attend to their whole image "
+        '(use_bidirectional_attention: "vision")',
+    )
+    tiny.add_argument(
+        "--causal-images",
+        action="store_true",
+        help="with --vision: image tokens attend causally (use_bidirectional_attention unset)",
     )
 
 
@@ -265,7 +271,11 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         for name, preset in PRESETS.items():
             print(f"{name:12s} {preset.description}")
         return 0
-    path = make_tiny(args.dir, args.preset, seed=args.seed, vision=args.vision)
-    kind = ", with vision" if args.vision else ""
+    if args.causal_images and not args.vision:
+        print("canvas make-tiny: --causal-images needs --vision", file=sys.stderr)
+        return 2
+    causal = {"use_bidirectional_attention": None} if args.causal_images else None
+    path = make_tiny(args.dir, args.preset, args.seed, causal, vision=args.vision)
+    kind = (", with vision" if args.vision else "") + (" (causal images)" if causal else "")
     print(f"wrote tiny checkpoint (preset {args.preset}{kind}) to {path}")
     return 0
