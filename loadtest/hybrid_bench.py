@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# hybrid vs AR: {args.model.name}, {hw['cpu']} ({hw['cpu_count']} CPUs)")
     print(f"# command: python -m loadtest.hybrid_bench {' '.join(sys.argv[1:])}".rstrip())
     print(f"# greedy, fast numerics, max_tokens {args.max_tokens}; round 0 is the warm-up\n")
-    print("| concurrency | round | configuration | tok/s | vs AR | TPF | verify | accepted | text = AR |")
+    print("| concurrency | round | configuration | tok/s | vs AR | TPF | verify | accepted", end="")
+    print(" | text = AR |")
     print("|---|---|---|---|---|---|---|---|---|")
     ratios: dict[tuple[int, str], list[float]] = {}
     for concurrency, batch in shapes.items():
