@@ -15,8 +15,9 @@ from tests.conftest import ALL_PRESETS
 SEEDS = (0, 1, 2)
 # On the real canvas length a reference generate() takes minutes on 2 cores, so there each
 # prompt runs with one seed and the seeds take turns: every prompt and every seed still runs
-# (5 generations instead of 15, the slowest test of the suite before).
-ONE_SEED_PER_PROMPT = {"c256", "gqa8"}
+# (5 generations instead of 15, the slowest test of the suite before); likewise on the
+# sliding-window preset, whose every seed also runs on three prompts in the TPF test below.
+ONE_SEED_PER_PROMPT = {"c256", "gqa8", "c32-window"}
 # Presets whose random weights are confident enough for canvases to stop before the step cap
 # (see engine.testing): on these the adaptive stop must be exercised.
 EARLY_STOP_PRESETS = {"c16", "c256"}
