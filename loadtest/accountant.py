@@ -358,7 +358,7 @@ def touched_experts(num_tokens: int, num_experts: int, top_k: int) -> float:
 
 def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     """Triton's fused_moe (kernels/triton_moe.py): align the pairs, a GEGLU grouped GEMM, a
-    weighted down GEMM into an fp32 [N*K, H] buffer zero-filled first, the slot sum, a cast."""
+    weighted down GEMM writing each row of an fp32 [N*K, H] buffer once, the slot sum, a cast."""
     hidden, gate_up, down, weights, ids = args
     num_tokens, hid = hidden.shape
     num_experts, two_inter, _ = gate_up.shape
@@ -375,7 +375,6 @@ def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     parts = [Part("fused_moe.align_pairs", cost) for cost in align_pairs_costs(ids, num_experts)]
     fp32_pairs = pairs * hid * 4
     return [
-        Part("fused_moe.zero_fill", {"bytes": fp32_pairs}),
         *parts,
         Part("fused_moe.expert_gemms", gemm),
         Part("fused_moe.slot_sum_cast", {"bytes": fp32_pairs + num_tokens * hid * (8 + el)}),
