@@ -13,7 +13,7 @@ STAMP   := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 BENCH_ARGS  ?=
 
-.PHONY: venv serve test lint bench bench-prefix bench-structured soak fuzz clean gpu-compile roofline
+.PHONY: venv serve test lint bench bench-prefix bench-hybrid bench-structured soak fuzz clean gpu-compile roofline
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -47,6 +47,10 @@ bench: $(BENCH_STAMP)
 # 2,000-token system prompt, 16 clients sharing one, 4-turn chats; report in bench-out/prefix.
 bench-prefix: $(BENCH_STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.prefix_bench $(BENCH_ARGS)
+
+# Hybrid decoding vs AR mode on the default model (loadtest/hybrid_bench.py), 1 and 16 at once.
+bench-hybrid: $(STAMP)
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.hybrid_bench $(BENCH_ARGS)
 
 bench-structured: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.structured_bench

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.batched_sampler import new_seed
-from engine.images import PreparedImage, image_token_positions
+from engine.images import PreparedImage, image_spans, image_token_positions
 from engine.kv_pages import KVPages, PageGeometry
 from engine.model import DiffusionLM, PagedKVCache
 from engine.model.config import LayerType
@@ -108,7 +108,8 @@ class Engine:
         # Everything besides the tokens that the KV depends on and that is fixed per engine.
         adapter = "adapter" if model.adapter is not None else "no adapter"
         salt = f"{model.kernels.describe()}|{model.embed_tokens.weight.dtype}|{adapter}"
-        self.scheduler = Scheduler(sched, self.pages, salt)
+        adaptive = sched.draft_policy.adaptive and not model.kernels.exact
+        self.scheduler = Scheduler(sched, self.pages, salt, load_aware=adaptive)
         cache = PagedKVCache(
             cfg,
             {LayerType.FULL: max(num_full, 1), LayerType.SLIDING: max(num_sliding, 1)},
@@ -187,7 +188,11 @@ class Engine:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validator.check_prompt(prompt_ids)  # callers validated: a cheap second look
         self.validator.check_context(len(prompt_ids), params)
-        image_positions = image_token_positions(prompt_ids, images, self.model.config.vision)
+        vision = self.model.config.vision
+        image_positions = image_token_positions(prompt_ids, images, vision)
+        spans: tuple[tuple[int, int], ...] = ()
+        if vision is not None and vision.bidirectional:
+            spans = image_spans(image_positions, self.config.scheduler.max_prefill_chunk)
         req = RequestState(
             request_id,
             list(prompt_ids),
@@ -200,6 +205,7 @@ class Engine:
             cache_key="|".join((cache_key, *(image.digest for image in images))),
             images=tuple(images),
             image_positions=image_positions,
+            image_spans=spans,
         )
         self.scheduler.add(req)
 
@@ -246,6 +252,8 @@ class Engine:
         stats.accepted_lengths = [e.accepted for e in effects if e.accepted is not None]
         stats.num_drafted = len(stats.accepted_lengths) * (self.canvas_length - 1)
         stats.step_seconds = time.perf_counter() - start
+        if stats.num_tokens:
+            self.scheduler.step_cost.observe(stats.num_tokens, stats.step_seconds)
         if self.config.check_invariants:
             self.scheduler.check()
         return StepResult(outputs, stats)

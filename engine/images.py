@@ -117,11 +117,6 @@ class ImageProcessor:
         vision = load_vision_config(model_dir)
         if vision is None:
             raise ValueError(f"{model_dir}: config.json has no vision_config (text only)")
-        if vision.bidirectional:
-            raise ValueError(
-                f"{model_dir}: use_bidirectional_attention='vision' (attention both ways within "
-                "an image) is not implemented: images are refused"
-            )
         self.vision: VisionConfig = vision
         self.limits = limits or ImageLimits()
         try:
@@ -185,13 +180,6 @@ def image_token_positions(
         return ()
     if vision is None:
         raise ParamError("messages", "this checkpoint has no vision tower: it takes no images")
-    if vision.bidirectional:
-        raise ParamError(
-            "messages",
-            "this checkpoint attends bidirectionally within images "
-            "(use_bidirectional_attention='vision'), which Canvas does not implement: it "
-            "takes no images",
-        )
     positions = tuple(i for i, t in enumerate(prompt_ids) if t == vision.image_token_id)
     want = sum(image.num_tokens for image in images)
     if len(positions) != want:
@@ -201,3 +189,27 @@ def image_token_positions(
             f"{want} soft tokens",
         )
     return positions
+
+
+def image_spans(positions: tuple[int, ...], max_pass: int) -> tuple[tuple[int, int], ...]:
+    """(first, last) of each run of consecutive image-token positions: one image each (the
+    begin/end-of-image tokens around every image keep runs apart), the groups the reference's
+    `get_block_sequence_ids_for_mask` builds from `mm_token_type_ids`. On a checkpoint with
+    use_bidirectional_attention "vision" an image's tokens attend to each other both ways, so
+    each image is computed in one pass of at most `max_pass` tokens (the prefill chunk):
+    ParamError for a longer one."""
+    out: list[tuple[int, int]] = []
+    for p in positions:
+        if out and out[-1][1] == p - 1:
+            out[-1] = (out[-1][0], p)
+        else:
+            out.append((p, p))
+    for first, last in out:
+        if last - first + 1 > max_pass:
+            raise ParamError(
+                "messages",
+                f"an image of {last - first + 1} tokens is more than the {max_pass} tokens of "
+                "one prefill chunk (max_prefill_chunk); this checkpoint attends both ways "
+                "within an image, so an image is computed in one chunk",
+            )
+    return tuple(out)

@@ -24,6 +24,7 @@ runs out of free pages. Per pool: free + held + idle = capacity.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.prefix_cache import PrefixCache
@@ -155,16 +156,21 @@ class KVPages:
 
     # -- admission ------------------------------------------------------------------------------
 
-    def find(self, names: list[bytes], num_prompt: int) -> CacheHit | None:
+    def find(
+        self, names: list[bytes], num_prompt: int, spans: Sequence[tuple[int, int]] = ()
+    ) -> CacheHit | None:
         """The longest usable cached prefix of a prompt whose full pages are `names`: at most
         `num_prompt - 1` positions (the last prompt position is always computed: it may be
-        sampled), and on a model with sliding layers only as far as the window before it is
-        cached too. None when nothing is."""
+        sampled), ending inside none of the position `spans` (images computed in one pass),
+        and on a model with sliding layers only as far as the window before it is cached too.
+        None when nothing is."""
         if self.cache is None or not names:
             return None
         g = self.geometry
         found = self.cache.lookup(names[: (num_prompt - 1) // g.page_size])
         for num in range(len(found), 0, -1):
+            if any(first < num * g.page_size <= last for first, last in spans):
+                continue
             first = max(0, num * g.page_size - (g.sliding_window - 1)) // g.page_size
             window = [(j, found[j].sliding) for j in range(first, num)] if g.has_sliding else []
             if all(src is not None for _, src in window):

@@ -63,7 +63,7 @@ class RequestState:
     encoder_passes: int = 0
     verify_passes: int = 0  # hybrid
     accepted_tokens: int = 0  # hybrid: draft tokens accepted by the verifier
-    # hybrid draft policy (`engine.scheduler.DraftPolicy`): accepted draft tokens per verify
+    # hybrid draft policy (`engine.draft_policy.DraftPolicy`): accepted draft tokens per verify
     # pass, averaged (None before the first), and AR tokens since the last verify pass
     accept_average: float | None = None
     tokens_since_draft: int = 0
@@ -74,6 +74,9 @@ class RequestState:
     # (the k-th takes the k-th soft token of the images in order)
     images: tuple[PreparedImage, ...] = ()
     image_positions: tuple[int, ...] = ()
+    # (first, last) prompt positions of each image whose tokens attend to each other both ways
+    # (use_bidirectional_attention "vision"; empty otherwise): each is computed in one pass
+    image_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def media_hashes(self) -> tuple[str, ...]:
@@ -115,3 +118,16 @@ def first_cut(
     if len(draft) >= budget:
         return draft[:budget], FinishReason.LENGTH
     return draft, None
+
+
+def whole_images(spans: tuple[tuple[int, int], ...], start: int, num: int) -> int:
+    """A prefill chunk of `num` tokens from `start`, cut so that it splits no image of `spans`
+    (an image attended both ways needs all its keys in one pass): it ends before the first
+    image it would split, or, when that image begins at `start`, at that image's end — past
+    the step's token budget if need be, never past `max_prefill_chunk` (admission checked
+    that every image fits one chunk; `engine.images.image_spans`)."""
+    end = start + num
+    for first, last in spans:
+        if first < end <= last:
+            return (first if first > start else last + 1) - start
+    return num

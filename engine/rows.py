@@ -63,7 +63,10 @@ class PrefillRow(_EncodeRow):
         end = row.start + row.num_tokens
         tokens = row.req.prompt_ids[row.start : end]
         images = _image_tokens(row.req, row.start, end)
-        return EncodeInput(row.start, tokens, _pages(row), self.wants_token(row), images=images)
+        spans = tuple((f, last) for f, last in row.req.image_spans if row.start <= f < end)
+        return EncodeInput(
+            row.start, tokens, _pages(row), self.wants_token(row), images=images, spans=spans
+        )
 
     def wants_token(self, row: ScheduledRow) -> bool:
         end = row.start + row.num_tokens

@@ -42,6 +42,8 @@ class EncodeInput:
     wants_last_logits: bool  # the last position is sampled (AR)
     verify: bool = False  # a hybrid verify pass: the logits of every position are wanted
     images: ImageTokens | None = None  # a prompt chunk's image tokens
+    # (first, last) positions of the chunk's images that attend both ways (`Row.spans`)
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +156,7 @@ class ModelRunner:
             if split and e.verify:
                 rows += [Row(Mode.ENCODE, e.start + i, 1, tables) for i in range(len(e.tokens))]
             else:
-                rows.append(Row(Mode.ENCODE, e.start, len(e.tokens), tables))
+                rows.append(Row(Mode.ENCODE, e.start, len(e.tokens), tables, e.spans))
         return ForwardBatch(rows, self.model.cfg.sliding_window, self.cache.page_size)
 
 

@@ -36,9 +36,10 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.draft_policy import ACCEPT_DECAY, PRIOR_DECAY, DraftPolicy, StepCost, decayed
 from engine.kv_pages import CacheHit, IdPool, KVPages
 from engine.prefix_cache import chain_hashes, root_hash
-from engine.request import RequestState, SeqState
+from engine.request import RequestState, SeqState, whole_images
 from engine.types import (
     FinishReason,
     QueueFull,
@@ -52,35 +53,15 @@ from engine.types import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InvariantError", "RowKind", "ScheduledRow", "Scheduler", "SchedulerConfig", "StepPlan"]
-
-
-ACCEPT_DECAY = 0.5  # the weight of a hybrid request's earlier verify passes in its average
-
-
-@dataclass(frozen=True, slots=True)
-class DraftPolicy:
-    """Whether a hybrid request drafts its next canvas or takes one AR step (its pending token
-    is exactly an AR row's input, so switching costs nothing). A draft cycle runs
-    `max_denoising_steps` decoder passes and one verify pass over a canvas, each costing
-    `canvas_cost` AR passes, and commits accepted + 1 tokens; AR commits one token per pass.
-    So a request drafts while its recent acceptance (an exponential average over its verify
-    passes, `RequestState.accept_average`) says drafting commits more per unit of cost; once
-    it says not, the request decodes AR and drafts again after `probe_every` tokens, to see
-    whether the text got easier to draft. A request that has not verified yet drafts."""
-
-    canvas_cost: float = 1.0  # a canvas pass's cost in AR passes (memory-bound GPU: ~1)
-    probe_every: int = 16
-
-    def __post_init__(self) -> None:
-        if self.canvas_cost <= 0 or self.probe_every < 1:
-            raise ValueError("canvas_cost must be > 0 and probe_every >= 1")
-
-    def drafts(self, seq: RequestState) -> bool:
-        if seq.accept_average is None or seq.tokens_since_draft >= self.probe_every:
-            return True
-        cycle_cost = (seq.params.max_denoising_steps + 1) * self.canvas_cost
-        return seq.accept_average + 1 >= cycle_cost
+__all__ = [
+    "DraftPolicy",
+    "InvariantError",
+    "RowKind",
+    "ScheduledRow",
+    "Scheduler",
+    "SchedulerConfig",
+    "StepPlan",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +83,21 @@ class InvariantError(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pages: KVPages, cache_salt: str = "") -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pages: KVPages,
+        cache_salt: str = "",
+        load_aware: bool = False,
+    ) -> None:
         self.config = config
         self.pages = pages
         self.cache_salt = cache_salt  # what else names a page's KV: numerics, adapter
+        # Hybrid drafting (`engine.draft_policy`): with `load_aware` (fast numerics), from the
+        # measured step cost (the engine feeds `step_cost`) and every request's acceptance.
+        self.load_aware = load_aware
+        self.step_cost = StepCost()
+        self.accept_prior: float | None = None
         # Prefix cache counters (tokens, since start): prompt tokens of admitted requests, and
         # of those, the ones found cached.
         self.num_queried_tokens = 0
@@ -221,7 +213,7 @@ class Scheduler:
             budget = self._add(rows, row, budget - row.num_tokens)
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            hit = self.pages.find(seq.page_names, seq.num_prompt)
+            hit = self.pages.find(seq.page_names, seq.num_prompt, seq.image_spans)
             if self._waits_for_prefix(seq) or not self.pages.can_allocate(seq.context, hit):
                 break  # FCFS: later requests do not overtake the head of the queue
             try:
@@ -266,11 +258,12 @@ class Scheduler:
         start = seq.num_computed
         if seq.state is SeqState.PREFILL:
             num = min(seq.num_prompt - start, self.config.max_prefill_chunk, budget)
+            num = whole_images(seq.image_spans, start, num)
             if num <= 0:
                 return None
             return ScheduledRow(seq, RowKind.PREFILL, start, num, admitted=admitted)
         if seq.state is SeqState.DENOISE:
-            if seq.is_hybrid and not seq.in_canvas and not self.config.draft_policy.drafts(seq):
+            if seq.is_hybrid and not seq.in_canvas and not self._drafts(seq):
                 return ScheduledRow(seq, RowKind.AR, start, 1)
             length = seq.canvas_length
             return ScheduledRow(
@@ -283,6 +276,13 @@ class Scheduler:
         if seq.state is SeqState.AR:
             return ScheduledRow(seq, RowKind.AR, start, 1)
         return None
+
+    def _drafts(self, seq: RequestState) -> bool:
+        policy = self.config.draft_policy
+        if not self.load_aware:
+            return policy.drafts(seq, policy.canvas_cost)
+        cost = self.step_cost.canvas_cost(seq.canvas_length, len(self.running))
+        return policy.drafts(seq, cost or policy.canvas_cost, self.accept_prior)
 
     # -- the step's one update ----------------------------------------------------------------
 
@@ -338,12 +338,8 @@ class Scheduler:
                 seq.verify_passes += 1
                 seq.accepted_tokens += effect.accepted
                 seq.tokens_since_draft = 0
-                average = seq.accept_average
-                seq.accept_average = (
-                    effect.accepted
-                    if average is None
-                    else (ACCEPT_DECAY * average + (1 - ACCEPT_DECAY) * effect.accepted)
-                )
+                seq.accept_average = decayed(seq.accept_average, effect.accepted, ACCEPT_DECAY)
+                self.accept_prior = decayed(self.accept_prior, effect.accepted, PRIOR_DECAY)
             elif row.kind is RowKind.AR and seq.is_hybrid:
                 seq.tokens_since_draft += 1
         if effect.tokens and seq.first_token_time is None:

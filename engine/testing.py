@@ -241,6 +241,7 @@ REAL_26B_A4B_TEXT_CONFIG: dict[str, Any] = {
     "pad_token_id": 0,
     "eos_token_id": [1, 106],
     "bos_token_id": 2,
+    "use_bidirectional_attention": "vision",  # image tokens attend to their whole image
 }
 REAL_26B_A4B_CANVAS_LENGTH = 256
 
@@ -376,7 +377,9 @@ def make_tiny(
 ) -> Path:
     """Write a tiny checkpoint for `preset` (its text_config updated with `text_overrides`, for
     a config variant under test) into `out_dir` and return the path. `vision`: with a working
-    vision tower, image tokens and an image processor config (see TINY_VISION_TEST_CONFIG)."""
+    vision tower, image tokens and an image processor config (see TINY_VISION_TEST_CONFIG),
+    and, as the real model, `use_bidirectional_attention: "vision"` (image tokens attend to
+    their whole image; `text_overrides={"use_bidirectional_attention": None}`: causally)."""
     import torch
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
@@ -386,7 +389,8 @@ def make_tiny(
 
     from engine.params import DecodingDefaults
 
-    text = {**preset_text_config(preset), **(text_overrides or {})}
+    both_ways = {"use_bidirectional_attention": "vision"} if vision else {}
+    text = {**preset_text_config(preset), **both_ways, **(text_overrides or {})}
     spec = PRESETS[preset]
     image_ids: dict[str, Any] = {}
     if vision:

@@ -10,7 +10,8 @@ binds them (fast numerics: the batched twins).
 
 An op's arguments are tensors and plain values, so `PagedRows` travels as its five tensors
 plus its host-side values, and is rebuilt inside the op without its memo: the twins then
-build their index tensors once per call instead of once per forward.
+build their index tensors once per call instead of once per forward. Attention also takes the
+rows' optional `span` (`Tensor?`: None on the plain causal path).
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ def _host(rows: PagedRows) -> list[int]:
     return [int(x) for x in (*values, rows.all_decode, rows.no_decode)]
 
 
-def _rows(flat: Sequence[torch.Tensor], host: list[int]) -> PagedRows:
-    """`PagedRows` from `_flat` and `_host` (without its memo)."""
+def _rows(
+    flat: Sequence[torch.Tensor], host: list[int], span: torch.Tensor | None = None
+) -> PagedRows:
+    """`PagedRows` from `_flat`, `_host` and its span (without its memo)."""
     start, offset, num_tokens, decode, page_table = flat
     max_tokens, max_start, uniform, min_start, all_decode, no_decode = host
     return PagedRows(
         start, offset, num_tokens, decode, page_table, max_tokens, max_start, bool(uniform),
-        min_start, bool(all_decode), bool(no_decode),
+        min_start, bool(all_decode), bool(no_decode), span,
     )  # fmt: skip
 
 
@@ -96,18 +99,19 @@ def _canvas_attention(
     num_tokens: torch.Tensor,
     decode: torch.Tensor,
     page_table: torch.Tensor,
+    span: torch.Tensor | None,
     host: list[int],
     window: int,
     scale: float,
 ) -> torch.Tensor:
-    rows = _rows((start, offset, num_tokens, decode, page_table), host)
+    rows = _rows((start, offset, num_tokens, decode, page_table), host, span)
     return reference.canvas_attention(q, k, v, k_pool, v_pool, rows, window, scale).contiguous()
 
 
 @_canvas_attention.register_kernel("cuda")
 def _canvas_attention_cuda(*args: Any) -> torch.Tensor:
-    q, k, v, k_pool, v_pool, *flat, host, window, scale = args
-    rows = _rows(flat, host)
+    q, k, v, k_pool, v_pool, *flat, span, host, window, scale = args
+    rows = _rows(flat, host, span)
     return _cuda_kernels().canvas_attention(q, k, v, k_pool, v_pool, rows, window, scale)
 
 
@@ -135,5 +139,5 @@ def canvas_attention(
 ) -> torch.Tensor:
     """`reference.canvas_attention` as the op `canvas::canvas_attention`."""
     return torch.ops.canvas.canvas_attention(
-        q, k, v, k_pool, v_pool, *_flat(rows), _host(rows), window, scale
+        q, k, v, k_pool, v_pool, *_flat(rows), rows.span, _host(rows), window, scale
     )

@@ -31,6 +31,14 @@ class PagedRows:
     `num_tokens`, `decode` (1 = DECODE row: bidirectional canvas, writes nothing; 0 = ENCODE row:
     causal, writes its KV) and `page_table` [R, max_pages] (-1 = no page). `max_tokens` is the
     largest `num_tokens`, kept on the host so that launchers never wait for the device.
+
+    `span` (None: every ENCODE row is plain causal, and nothing is spent on spans): [N, 2] int32,
+    for each packed new token the (first, last) positions of the keys it also sees both ways —
+    its image's tokens on a checkpoint that attends within images bidirectionally, (pos, pos)
+    for a text token. An ENCODE query at q then sees a key at p iff it would causally (p <= q,
+    and p > q - window on sliding layers) or first <= p <= last: the reference's
+    `or_masks(causal, blockwise_overlay)`. A span lies within its row's new tokens
+    (first >= start; the scheduler never splits an image across passes). DECODE rows ignore it.
     """
 
     start: torch.Tensor  # [R] int32
@@ -46,6 +54,7 @@ class PagedRows:
     min_start: int = 0  # the smallest `start`, on the host
     all_decode: bool = False  # every row is a DECODE row (bidirectional), on the host
     no_decode: bool = False  # every row is an ENCODE row (writes its KV first), on the host
+    span: torch.Tensor | None = None  # [N, 2] int32 (first, last) seen both ways; None: causal
     # What the twins derive from these rows once per forward and reuse in every layer of the
     # pool (index tensors and masks, keyed by window); never read by the Triton kernels.
     memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
@@ -61,8 +70,10 @@ class PagedRows:
         decode: list[bool],
         page_tables: list[list[int]],
         device: torch.device | str = "cpu",
+        span: torch.Tensor | None = None,
     ) -> PagedRows:
-        """Pack per-row Python lists (as the engine's rows hold them) into device tensors."""
+        """Pack per-row Python lists (as the engine's rows hold them) into device tensors;
+        `span`: [N, 2] (first, last) of each packed new token, or None (class docstring)."""
         offsets = [sum(num_tokens[:i]) for i in range(len(num_tokens))]
         width = max(1, max(len(t) for t in page_tables))
         table = [t + [-1] * (width - len(t)) for t in page_tables]
@@ -82,6 +93,7 @@ class PagedRows:
             min_start=min(starts),
             all_decode=all(decode),
             no_decode=not any(decode),
+            span=None if span is None else span.to(device, torch.int32).contiguous(),
         )
 
 
@@ -247,6 +259,12 @@ class _AttentionPlan:
             vis = key_pos <= q_pos
             if window > 0:
                 vis &= key_pos > q_pos - window
+            if rows.span is not None:  # and the keys of the query's image, both ways
+                span = rows.span.long()
+                if token is not None:
+                    span = span[token]  # [R, T, 2]
+                span = span.view(num_rows, -1, 2)
+                vis |= (key_pos >= span[:, :, :1]) & (key_pos <= span[:, :, 1:])
             vis = key_ok & (vis | rows.decode.bool()[:, None, None])  # [R, T, S+T]
             # Padding queries see every real key (never an all-masked row: SDPA would give NaN).
             visible = torch.where(new_ok[:, :, None], vis, key_ok)[:, None]
@@ -271,9 +289,11 @@ def canvas_attention_rowwise(
     pools: [num_pages, Hkv, page_size, D], read-only here. A row reads its prefix range
     (`prefix_range(start, window)`), then its new keys: all of them for a DECODE row; for an
     ENCODE row a key at position p is visible to a query at position q iff p <= q and (sliding
-    layers) p > q - window — `ForwardBatch._build_mask` exactly. Returns [N, Hq, D].
+    layers) p > q - window, or p lies in the query's `rows.span` — the reference's mask
+    exactly. Returns [N, Hq, D].
     """
     out = torch.empty_like(q)
+    spans = None if rows.span is None else rows.span.cpu().long()  # [N, 2]
     for start, offset, n, decode, table in _host_rows(rows):
         lo, hi = prefix_range(start, window)
         new = slice(offset, offset + n)
@@ -286,6 +306,9 @@ def canvas_attention_rowwise(
             mask = key_pos[None, :] <= q_pos
             if window > 0:
                 mask &= key_pos[None, :] > q_pos - window
+            if spans is not None:
+                first, last = spans[new].unbind(1)
+                mask |= (key_pos[None, :] >= first[:, None]) & (key_pos[None, :] <= last[:, None])
             mask = mask[None, None].to(q.device)
         row_out = attention(q[new].transpose(0, 1)[None], keys[None], values[None], mask, scale)
         out[new] = row_out[0].transpose(0, 1)

@@ -5,8 +5,10 @@ One program handles one (row, block of the row's queries, query head). It stream
 cached prefix keys straight out of the paged pools (through the page table, never gathered into
 a copy), then the row's new keys from the packed k/v, with an online softmax (FlashAttention-2).
 DECODE rows see every key of their range; ENCODE rows are causal and, on sliding layers, see a
-key at position p from a query at position q iff p > q - window. Key blocks that no query of the
-program can see are skipped, so an ENCODE row's cost grows with the window, not the prefix.
+key at position p from a query at position q iff p > q - window; with `rows.span`, an ENCODE
+query also sees the new keys of its span (its image's tokens, both ways). Key blocks that no
+query of the program can see are skipped, so an ENCODE row's cost grows with the window, not
+the prefix. Without spans (`HAS_SPAN` false) the span code is compiled out.
 """
 
 from __future__ import annotations
@@ -35,14 +37,35 @@ def _online_update(s, vis, m_i, l_i, acc, v, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _query_spans(span_ptr, offset, start, t, t_mask, num_tokens):
+    """Each query's span as key indices within its row, [first, last] (padding: empty)."""
+    first = tl.load(span_ptr + (offset + t) * 2, mask=t_mask, other=0) - start
+    last = tl.load(span_ptr + (offset + t) * 2 + 1, mask=t_mask, other=0) - start
+    return tl.where(t_mask, first, num_tokens), tl.where(t_mask, last, -1)
+
+
+@triton.jit
+def _new_kv(k_ptr, v_ptr, n, n_mask, kv_head, d, sk_n, sk_h, sv_n, sv_h):
+    """A block of new keys, transposed ([D, BN]), and its values ([BN, D]) from packed k, v."""
+    kt = tl.load(
+        k_ptr + n[None, :] * sk_n + kv_head * sk_h + d[:, None], mask=n_mask[None, :], other=0.0
+    )
+    vb = tl.load(
+        v_ptr + n[:, None] * sv_n + kv_head * sv_h + d[None, :], mask=n_mask[:, None], other=0.0
+    )
+    return kt, vb
+
+
+@triton.jit
 def _canvas_attention_kernel(
     q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, out_ptr,
-    start_ptr, offset_ptr, ntok_ptr, decode_ptr, table_ptr,
+    start_ptr, offset_ptr, ntok_ptr, decode_ptr, table_ptr, span_ptr,
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, so_n, so_h,
     skp_p, skp_h, skp_s, svp_p, svp_h, svp_s, st_r,
     qk_scale, window,
     GROUP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SPAN: tl.constexpr,
 ):  # fmt: skip
     row, q_block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_tokens = tl.load(ntok_ptr + row)
@@ -91,21 +114,18 @@ def _canvas_attention_kernel(
     # The row's own new keys: all of them (DECODE), or causal and windowed (ENCODE).
     new_hi = tl.where(decode, num_tokens, tl.minimum(num_tokens, (q_block + 1) * BLOCK_M))
     new_lo = tl.where(windowed, tl.maximum(q_block * BLOCK_M - window + 1, 0), 0)
+    if HAS_SPAN:  # each query's span of new keys (its image), both ways
+        span_first, span_last = _query_spans(span_ptr, offset, start, t, t_mask, num_tokens)
+        new_hi = tl.where(decode, new_hi, tl.maximum(new_hi, tl.max(span_last, 0) + 1))
+        new_lo = tl.minimum(new_lo, tl.maximum(tl.min(span_first, 0), 0))
     for kb in range(new_lo, new_hi, BLOCK_N):
         j = kb + tl.arange(0, BLOCK_N)
         j_mask = j < num_tokens
-        kt = tl.load(
-            k_ptr + (offset + j)[None, :] * sk_n + kv_head * sk_h + d[:, None],
-            mask=j_mask[None, :],
-            other=0.0,
-        )
-        vb = tl.load(
-            v_ptr + (offset + j)[:, None] * sv_n + kv_head * sv_h + d[None, :],
-            mask=j_mask[:, None],
-            other=0.0,
-        )
+        kt, vb = _new_kv(k_ptr, v_ptr, offset + j, j_mask, kv_head, d, sk_n, sk_h, sv_n, sv_h)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         causal = (j[None, :] <= t[:, None]) & ((j[None, :] > t[:, None] - window) | (window == 0))
+        if HAS_SPAN:
+            causal |= (j[None, :] >= span_first[:, None]) & (j[None, :] <= span_last[:, None])
         vis = j_mask[None, :] & (causal | decode)
         m_i, l_i, acc = _online_update(s, vis, m_i, l_i, acc, vb, PRECISION)
 
@@ -199,11 +219,16 @@ def canvas_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
+    span = rows.span
+    if span is not None:
+        expect(span, "rows.span", (num_tokens, 2), (torch.int32,), q.device)
+        assert span.is_contiguous(), "rows.span must be contiguous"
     block_m, block_n, num_warps = _blocks(head_dim)
     grid = (rows.start.shape[0], triton.cdiv(rows.max_tokens, block_m), num_heads)
     _canvas_attention_kernel[grid](
         q, k, v, k_pool, v_pool, out,
         rows.start, rows.offset, rows.num_tokens, rows.decode, rows.page_table,
+        rows.start if span is None else span,  # never read without spans
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -211,7 +236,7 @@ def canvas_attention(
         scale * _LOG2E, window,
         GROUP=num_heads // num_kv_heads, PAGE=k_pool.shape[2], D=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps,
+        HAS_SPAN=span is not None, num_warps=num_warps,
     )  # fmt: skip
     return out
 

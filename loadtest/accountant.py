@@ -323,7 +323,7 @@ Rule = Callable[["Accountant", tuple[Any, ...], Any], list[Part]]
 
 def _attention(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     q, k = args[0], args[1]
-    window = args[11]
+    window = args[-2]  # the op's arguments end with (window, scale)
     num_tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     rows = acct.rows.rows or [(0, num_tokens, True)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -46,15 +47,19 @@ def attention(
     decode: bool = True,
     page: int = PAGE,
     write: bool = False,
+    images: bool = False,
 ) -> Callable[[], object]:
     """`canvas_attention` (or `write_kv` with `write`) over rows after `prefixes` cached
-    positions; DECODE rows, or ENCODE rows (a commit or prefill) when not `decode`."""
+    positions; DECODE rows, or ENCODE rows (a commit or prefill) when not `decode`; `images`:
+    with spans (image tokens attended both ways: the `HAS_SPAN` specialisation)."""
 
     def launch() -> object:
         from kernels import triton_attention
 
         rows = _rows(list(prefixes), list(lengths), [decode] * len(lengths), page)
         n, pages = sum(lengths), int(rows.page_table.max()) + 1
+        if images:
+            rows = replace(rows, span=torch.zeros(n, 2, dtype=torch.int32))
         q = torch.empty(n, heads, head_dim, dtype=dtype)
         k, v = (torch.empty(n, kv_heads, head_dim, dtype=dtype) for _ in range(2))
         pools = [torch.empty(pages, kv_heads, page, head_dim, dtype=dtype) for _ in range(2)]
@@ -202,7 +207,10 @@ def _others() -> list[Variant]:
     window = REAL["sliding_window"]
     ar = {"prefixes": (5,), "lengths": (1,)}  # one AR row: one token, a page table of width 1
     mixed = {"prefixes": (3000, 700, 0), "lengths": (256, 256, 300), "page": 64}
+    image = {"prefixes": (0, 300), "lengths": (600, 300), "decode": False, "images": True}
     return [
+        Variant("image prefill, sliding", "edge", attention(d, kv, window, BF16, **image)),
+        Variant("image prefill, full", "edge", attention(d_full, kv_full, 0, BF16, **image)),
         Variant("AR row, sliding", "edge", attention(d, kv, window, BF16, **ar)),
         Variant("AR row, full", "edge", attention(d_full, kv_full, 0, BF16, **ar)),
         Variant(

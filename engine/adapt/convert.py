@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.params import DecodingDefaults
+from engine.params import DecodeMode, DecodingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,9 @@ class ConvertOptions:
             raise ValueError(f"canvas_length must be >= 1, got {self.canvas_length}")
         if self.max_denoising_steps < 1:
             raise ValueError(f"max_denoising_steps must be >= 1, got {self.max_denoising_steps}")
-        if self.default_mode not in ("ar", "diffusion"):
-            raise ValueError(f"default_mode must be 'ar' or 'diffusion', got {self.default_mode!r}")
+        modes = [m.value for m in DecodeMode]
+        if self.default_mode not in modes:
+            raise ValueError(f"default_mode must be one of {modes}, got {self.default_mode!r}")
 
 
 def resolve_source(source: str) -> tuple[Path, str | None]:

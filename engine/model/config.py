@@ -134,8 +134,9 @@ class VisionConfig:
     image_token_id: int
     boi_token_id: int
     eoi_token_id: int
-    # text_config.use_bidirectional_attention == "vision": the reference's encoder attends
-    # both ways within an image, which Canvas' attention kernels do not do (images refused).
+    # text_config.use_bidirectional_attention == "vision": the encoder's image tokens attend to
+    # their whole image, both ways (`RequestState.image_spans`, `PagedRows.span`); the decoder
+    # and every later encoder pass stay as they are.
     bidirectional: bool = False
 
     def __post_init__(self) -> None:

@@ -44,6 +44,9 @@ class Row:
     start: int  # prefix length: position of the first new token
     num_tokens: int
     pages: dict[LayerType, list[int]]  # page table per pool (-1 = page released)
+    # ENCODE rows: (first, last) positions of each run of new tokens that attend to each other
+    # both ways (an image, on a checkpoint with use_bidirectional_attention "vision")
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -141,8 +144,26 @@ class ForwardBatch:
                 [r.mode is Mode.DECODE for r in self.rows],
                 [list(r.pages[layer_type]) for r in self.rows],
                 device,
+                self.span(),
             )
         return self._cache[key]  # type: ignore[return-value]
+
+    def span(self) -> torch.Tensor | None:
+        """[N, 2] (first, last) position each packed token also sees both ways: its run's
+        (`Row.spans`), or (pos, pos); None when no row has a run (plain causal, no cost)."""
+        if not any(r.spans for r in self.rows):
+            return None
+
+        def build() -> torch.Tensor:
+            span = self.positions(torch.device("cpu"))[:, None].repeat(1, 2)  # [N, 2]
+            for row, offset in zip(self.rows, self.offsets, strict=True):
+                for first, last in row.spans:
+                    assert row.start <= first <= last < row.start + row.num_tokens
+                    lo = offset + first - row.start
+                    span[lo : lo + last - first + 1] = torch.tensor([first, last])
+            return span
+
+        return self._cached(("span",), build)
 
 
 class KVCache(Protocol):

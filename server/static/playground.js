@@ -2,6 +2,8 @@
 // Plain JavaScript, no dependencies. With streaming on it asks for `stream_drafts`: every
 // unfinished step's argmax canvas arrives as `draft_tokens` (one string per position) and is
 // drawn as a grid of cells; committed text arrives in `delta.content`, a canvas at a time.
+// In hybrid mode each verify pass also sends `verified`: the draft it checked and how many of
+// its positions it accepted, drawn as accepted / rejected / discarded cells.
 // Images (attached or pasted) go with the next message as `image_url` parts (data: URLs).
 "use strict";
 
@@ -83,6 +85,7 @@ class CanvasView {
     this.open = false;     // a canvas is being denoised
     this.drafts = 0;       // drafts drawn in this answer
     this.rows = [];        // per canvas: [drafts, drafts that changed a cell]
+    this.verdicts = [];    // per verified canvas (hybrid): [positions accepted, drafted]
     ui.grid.replaceChildren();
     ui.grid.setAttribute("aria-label", "No canvas yet");
     ui.canvases.replaceChildren();
@@ -95,6 +98,8 @@ class CanvasView {
     ui.view.dataset.drafts = String(this.drafts);
     ui.view.dataset.canvases = String(this.index);
     ui.view.dataset.changedDrafts = String(this.rows.reduce((n, r) => n + r[1], 0));
+    ui.view.dataset.verified = String(this.verdicts.length);
+    ui.view.dataset.accepted = String(this.verdicts.reduce((n, v) => n + v[0], 0));
   }
 
   cells(length) {
@@ -107,16 +112,18 @@ class CanvasView {
     return ui.grid.children;
   }
 
+  start() {
+    if (this.open) return;
+    this.open = true;
+    this.index += 1;
+    this.step = 0;
+    this.previous = null;
+    this.rows.push([0, 0]);
+    ui.canvases.appendChild(document.createElement("li"));
+  }
+
   draft(tokens) {
-    if (!this.open) {
-      this.open = true;
-      this.index += 1;
-      this.step = 0;
-      this.previous = null;
-      this.rows.push([0, 0]);
-      const item = document.createElement("li");
-      ui.canvases.appendChild(item);
-    }
+    this.start();
     this.step += 1;
     this.drafts += 1;
     const cells = this.cells(tokens.length);
@@ -137,6 +144,26 @@ class CanvasView {
     ui.grid.setAttribute("aria-label",
       `Canvas ${this.index}, draft ${this.step}: ${changed} of ${tokens.length} positions changed`);
     this.describe();
+    this.publish();
+  }
+
+  // Hybrid: a verify pass checked this draft (the positions after its pinned first token) and
+  // kept the first `accepted`; the next one was replaced by the verifier's token, the rest
+  // were dropped. Its committed text follows in the same chunk.
+  verify(tokens, accepted) {
+    this.start();
+    this.open = false;
+    const cells = this.cells(tokens.length);
+    tokens.forEach((token, i) => {
+      const verdict = i < accepted ? "accepted" : i === accepted ? "rejected" : "discarded";
+      cells[i].className = "cell " + verdict;
+      cells[i].textContent = shown(token);
+      cells[i].title = `${JSON.stringify(token)} (${verdict})`;
+    });
+    this.verdicts.push([accepted, tokens.length]);
+    const said = `${accepted} of ${tokens.length} drafted positions accepted`;
+    ui.grid.setAttribute("aria-label", `Canvas ${this.index} verified: ${said}`);
+    this.describe(`; verified: ${said}`);
     this.publish();
   }
 
@@ -265,6 +292,8 @@ async function readStream(response, body) {
     if (chunk.error) throw new Error(chunk.error.message);
     if (chunk.usage) usage = chunk.usage;
     for (const choice of chunk.choices || []) {
+      const verified = choice.verified;  // before the text: its canvas is closed by the verdict
+      if (verified) view.verify(verified.draft_tokens, verified.accepted);
       const content = choice.delta && choice.delta.content;
       if (content) {  // a committed canvas (its text first: a newer draft is the next canvas)
         view.commit();

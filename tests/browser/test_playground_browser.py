@@ -131,6 +131,31 @@ def test_an_answer_streams_canvas_by_canvas_while_the_grid_redraws_each_draft(
     assert console_errors(browser) == []
 
 
+def test_hybrid_mode_shows_what_each_verify_pass_accepted_and_rejected(
+    browser: Any, open_server: str
+) -> None:
+    open_page(browser, open_server)
+    by_id(browser, "max-tokens").clear()
+    by_id(browser, "max-tokens").send_keys("24")
+    Select(by_id(browser, "mode")).select_by_value("hybrid")
+    ask(browser, "Verify my drafts")
+    view = by_id(browser, "canvas-view")
+    assert int(view.get_attribute("data-verified")) >= 1  # at least the first draft
+    verdicts = [
+        c.get_attribute("class").split()[-1]
+        for c in by_id(browser, "grid").find_elements(By.CSS_SELECTOR, ".cell")
+    ]
+    assert len(verdicts) == CANVAS - 1  # the positions after the pinned pending token
+    accepted = int(view.get_attribute("data-accepted"))
+    kept = verdicts.count("accepted")
+    assert verdicts == ["accepted"] * kept + ["rejected"] * (kept < CANVAS - 1) + ["discarded"] * (
+        CANVAS - 2 - kept
+    ), verdicts
+    assert 0 <= kept <= accepted
+    assert "accepted" in by_id(browser, "canvases").text  # "verified: k of 31 … accepted"
+    assert console_errors(browser) == []
+
+
 def test_a_conversation_keeps_its_history_and_system_prompt_without_streaming(
     browser: Any, open_server: str
 ) -> None:

@@ -230,3 +230,17 @@ def test_step_totals_sum_the_canvas_step_histograms():
     totals = parse_step_totals(text)
     assert totals is not None and totals.num_steps == 10 and totals.forward_seconds == 1.5
     assert parse_step_totals("vllm:num_requests_running 0\n") is None
+
+
+def test_the_hybrid_benchmark_warms_then_reports_each_configuration(tiny_checkpoint, capsys):
+    from loadtest import hybrid_bench
+
+    args = ["--model", str(tiny_checkpoint("c16")), "--questions", "1", "--concurrency", "2"]
+    assert hybrid_bench.main([*args, "--max-tokens", "3", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 1 |") or "| 2 |" in line]
+    timed = [r for r in rows if r.count("|") == 10]  # per-round rows: round 0 is not printed
+    assert len(timed) == 6  # 3 configurations at concurrency 1 and at 2
+    assert all(r.split("|")[2].strip() == "1" for r in timed)  # only round 1 is reported
+    assert {r.split("|")[3].strip() for r in timed} == set(hybrid_bench.CONFIGS)
+    assert all(r.split("|")[-2].strip() in ("1/1", "2/2") for r in timed)  # greedy: AR's text

@@ -117,13 +117,18 @@ def test_unsupported_sources_are_refused(tmp_path):
 def test_convert_command_line(source, tmp_path, capsys):
     from server.cli import main
 
-    assert (
-        main(
-            ["convert", "--from", str(source), "--to", str(tmp_path / "c"), "--canvas-length", "16"]
-        )
-        == 0
+    out = tmp_path / "c"
+    args = ["--canvas-length", "16", "--default-mode", "hybrid"]
+    assert main(["convert", "--from", str(source), "--to", str(out), *args]) == 0
+    assert json.loads((out / "config.json").read_text())["canvas_length"] == 16
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["canvas_default_mode"] == "hybrid"
+    (answer,) = LLM.from_pretrained(out, exact=True).generate(
+        [5, 6, 7], SamplingParams(max_tokens=4)
     )
-    assert json.loads((tmp_path / "c" / "config.json").read_text())["canvas_length"] == 16
+    assert answer.verify_passes >= 1  # a request without a mode drafts and verifies
+    with pytest.raises(ValueError, match="default_mode must be one of"):
+        ConvertOptions(default_mode="speculative")
     assert main(["convert", "--from", str(tmp_path / "missing"), "--to", str(tmp_path / "d")]) == 2
     assert "not a .gguf file" in capsys.readouterr().err
 

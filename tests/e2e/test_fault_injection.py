@@ -18,9 +18,12 @@ import torch
 from engine import engine as engine_module
 from engine import postprocess as postprocess_module
 from engine import scheduler as scheduler_module
+from engine.draft_policy import DraftPolicy
+from engine.engine import EngineConfig
 from engine.llm import LLM
 from engine.params import DecodeMode, ParamError, SamplingParams
 from engine.rows import ROW_KINDS
+from engine.scheduler import SchedulerConfig
 from engine.types import FinishReason, RowKind
 
 SCHEMA = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}})
@@ -47,7 +50,10 @@ def _params(i: int, extra: dict[str, Any], max_tokens: int = 20) -> SamplingPara
 
 @pytest.fixture(scope="module", params=[False, True], ids=["fast", "exact"])
 def llm(request: pytest.FixtureRequest, tiny_checkpoint: Callable[[str], Path]) -> LLM:
-    return LLM.from_pretrained(tiny_checkpoint("c16"), exact=request.param)
+    # The hybrid victim must draft (its verify stage is a target): a per-request draft policy,
+    # not one that learns from the other requests that drafts of random weights do not pay.
+    config = EngineConfig(scheduler=SchedulerConfig(draft_policy=DraftPolicy(adaptive=False)))
+    return LLM.from_pretrained(tiny_checkpoint("c16"), exact=request.param, config=config)
 
 
 def _prompt(i: int) -> list[int]:

@@ -13,9 +13,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from engine.draft_policy import DraftPolicy, StepCost
+from engine.engine import EngineConfig
 from engine.llm import LLM
 from engine.params import DecodeMode, SamplingParams
 from engine.rows import ROW_KINDS
+from engine.scheduler import SchedulerConfig
 from engine.types import RowKind
 
 SEEDS = range(20)
@@ -42,7 +45,10 @@ def exact_llm(tiny_checkpoint: Callable[[str], Path]) -> LLM:
 
 @pytest.fixture(scope="module")
 def fast_llm(tiny_checkpoint: Callable[[str], Path]) -> LLM:
-    return LLM.from_pretrained(tiny_checkpoint("c16"))
+    """Fast numerics, drafting per request (random weights never earn drafts under the
+    adaptive policy, and these tests are about what drafts do)."""
+    config = EngineConfig(scheduler=SchedulerConfig(draft_policy=DraftPolicy(adaptive=False)))
+    return LLM.from_pretrained(tiny_checkpoint("c16"), config=config)
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +217,35 @@ def test_verify_passes_show_their_draft_and_verdict_to_a_client_that_asks(
     engine.add_request("hidden", _prompt(seed), params)
     while engine.has_work():
         assert all(out.verified is None for out in engine.step().outputs)
+
+
+def test_the_adaptive_policy_stops_drafting_where_drafts_cannot_pay(tiny_checkpoint, monkeypatch):
+    """Fast numerics learn from the engine's steps what a canvas pass costs: where even a
+    canvas accepted whole would not pay (compute-bound: step time all per token), hybrid
+    requests take AR steps from the start (AR's text); where drafts are cheap they draft, and
+    once verify passes show nothing accepted, new requests start in AR and only probe."""
+    llm = LLM.from_pretrained(tiny_checkpoint("c16"))
+    scheduler = llm.engine.scheduler
+    assert scheduler.load_aware
+    prompts = [_prompt(s) for s in range(6)]
+    params = [_params(DecodeMode.HYBRID, s) for s in range(6)]
+    ar = llm.generate(prompts, [_params(DecodeMode.AR, s) for s in range(6)])
+
+    def cost(fixed: float) -> StepCost:
+        model = StepCost()
+        for tokens in (1, 16) * 8:
+            model.observe(tokens, fixed + 0.001 * tokens)
+        monkeypatch.setattr(model, "observe", lambda *a: None)  # keep the synthetic fit
+        return model
+
+    scheduler.step_cost = cost(fixed=0.0)  # a canvas pass costs 16 AR passes
+    compute_bound = llm.generate(prompts, params)
+    assert [o.output_ids for o in compute_bound] == [o.output_ids for o in ar]
+    assert all(o.verify_passes == 0 and o.decoder_passes == 0 for o in compute_bound)
+    scheduler.step_cost = cost(fixed=1.0)  # a canvas pass costs about one AR pass
+    first = llm.generate(prompts[:1], params[:1])[0]
+    assert first.verify_passes >= 1  # no acceptance known yet: it drafts
+    assert scheduler.accept_prior is not None and scheduler.accept_prior < 1  # random drafts
+    later = llm.generate(prompts[1:], params[1:])
+    assert all(o.verify_passes == 0 for o in later)  # MAX_TOKENS < a probe's distance
+    assert [o.output_ids for o in later] == [o.output_ids for o in ar[1:]]

@@ -1,5 +1,9 @@
 """Image input end to end: the vision tower and whole image prompts against the transformers
-reference (exact numerics, CPU), and the preprocessing against transformers' own processor."""
+reference (exact numerics, CPU), and the preprocessing against transformers' own processor.
+
+The tiny vision checkpoint is configured as the real model is: `use_bidirectional_attention:
+"vision"`, so an image's tokens attend to the whole image (later tokens too); the reference
+gets that from `mm_token_type_ids`, as its processor's output gives it."""
 
 from __future__ import annotations
 
@@ -10,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, DecodeMode, SamplingParams
 from engine.engine import EngineConfig
-from engine.images import ImageProcessor, PreparedImage, expand_image_tokens
+from engine.images import ImageProcessor, PreparedImage, expand_image_tokens, image_spans
 from engine.params import ParamError
 from engine.scheduler import SchedulerConfig
 from tests.media import encode, noise_image
@@ -110,18 +114,35 @@ def references(vision) -> list[tuple[list[int], list[PreparedImage], list[int]]]
     for seed, layout in enumerate(LAYOUTS):
         ids, images = chat_ids(vision, layout)
         pixels, positions = stacked(images)
-        torch.manual_seed(seed)
-        generated = vision.ref.generate(
-            torch.tensor([ids]),
-            pixel_values=pixels,
-            image_position_ids=positions,
-            max_new_tokens=MAX_TOKENS,
-            max_denoising_steps=STEPS,
-        )
-        ref_ids = generated.sequences[0, len(ids) :].tolist()[:MAX_TOKENS]
-        cut = next((i + 1 for i, t in enumerate(ref_ids) if t in eos), len(ref_ids))
-        out.append((ids, images, ref_ids[:cut]))
+        out.append((ids, images, reference_generate(vision, ids, images, seed, eos)))
     return out
+
+
+def reference_generate(
+    vision, ids: list[int], images: list[PreparedImage], seed: int, eos: set[int], both_ways=True
+) -> list[int]:
+    """The reference generate()'s tokens cut at EOS; `both_ways`: with `mm_token_type_ids`
+    (image tokens = 1), which its bidirectional-within-images mask is built from."""
+    pixels, positions = stacked(images)
+    prompt = torch.tensor([ids])
+    types = {"mm_token_type_ids": image_types(vision, prompt)} if both_ways else {}
+    torch.manual_seed(seed)
+    generated = vision.ref.generate(
+        prompt,
+        pixel_values=pixels,
+        image_position_ids=positions,
+        max_new_tokens=MAX_TOKENS,
+        max_denoising_steps=STEPS,
+        **types,
+    )
+    ref_ids = generated.sequences[0, len(ids) :].tolist()[:MAX_TOKENS]
+    cut = next((i + 1 for i, t in enumerate(ref_ids) if t in eos), len(ref_ids))
+    return ref_ids[:cut]
+
+
+def image_types(vision, prompt: torch.Tensor) -> torch.Tensor:
+    """`mm_token_type_ids` as Gemma4Processor makes them: 1 at image tokens, else 0."""
+    return (prompt == vision.processor.vision.image_token_id).long()
 
 
 def test_image_prompts_match_reference_generate_alone_and_batched(vision, references):
@@ -139,16 +160,92 @@ def test_image_prompts_match_reference_generate_alone_and_batched(vision, refere
     assert [out.output_ids for out in batched] == [wanted for _, _, wanted in references]
 
 
-def test_prompt_chunks_that_split_images_match_reference_generate(vision, references):
-    """Prefill chunks of 29 tokens: images start, end and span chunk boundaries (the tower's
-    output for an image is computed once and kept for its next chunks)."""
+def test_image_tokens_attend_to_their_whole_image_as_the_reference_does(vision, references):
+    """The bidirectional mask changes the reference's tokens: the parity above needs it."""
+    eos = set(vision.llm.defaults.eos_token_ids)
+    ids, images, wanted = references[1]
+    assert reference_generate(vision, ids, images, 1, eos, both_ways=False) != wanted
+
+
+def test_a_checkpoint_with_causal_images_matches_its_reference_generate(
+    vision, reference_model, tmp_path
+):
+    """`make-tiny --vision --causal-images`: no use_bidirectional_attention, so image tokens
+    attend causally, in the reference and in Canvas (no spans: the plain causal path)."""
+    from server.cli import main
+
+    path = tmp_path / "causal"
+    assert main(["make-tiny", str(path), "--vision", "--causal-images"]) == 0
+    causal = SimpleNamespace(**{**vars(vision), "ref": reference_model(path)})
+    llm = LLM.from_pretrained(path, exact=True)
+    assert not llm.model.config.vision.bidirectional
+    ids, images = chat_ids(vision, LAYOUTS[1])
+    eos = set(llm.defaults.eos_token_ids)
+    (out,) = llm.generate(ids, params(1), images=[images])
+    assert out.output_ids == reference_generate(causal, ids, images, 1, eos)
+
+
+def test_prompt_chunks_of_a_small_budget_never_split_an_image(vision, references):
+    """A 29-token budget per step: a chunk ends before an image that would not fit, and one
+    that starts with an image takes it whole (an image's tokens need all its keys). The
+    tower's output for an image is computed once and kept for the next chunks."""
     llm = vision.llm
-    config = EngineConfig(scheduler=SchedulerConfig(max_prefill_chunk=29))
-    chunked = LLM(llm.model, llm.tokenizer, llm.defaults, config)
+    sched = SchedulerConfig(max_prefill_chunk=72, max_num_batched_tokens=29)
+    chunked = LLM(llm.model, llm.tokenizer, llm.defaults, EngineConfig(scheduler=sched))
     for seed in (1, 2):
         ids, images, wanted = references[seed]
         (out,) = chunked.generate(ids, params(seed), images=[images])
         assert out.output_ids == wanted, f"layout {seed}"
+        assert out.encoder_passes > 3  # the prompt did go in several chunks
+
+
+def test_an_image_longer_than_a_prefill_chunk_is_refused(vision, references):
+    llm = vision.llm
+    sched = SchedulerConfig(max_prefill_chunk=69)
+    small = LLM(llm.model, llm.tokenizer, llm.defaults, EngineConfig(scheduler=sched))
+    ids, images, _ = references[1]  # image 1: 70 tokens
+    with pytest.raises(ParamError, match="70 tokens is more than the 69 tokens of one prefill"):
+        small.generate(ids, params(0), images=[images])
+
+
+@torch.inference_mode()
+def reference_greedy_ar(vision, ids: list[int], images: list[PreparedImage]) -> list[int]:
+    """Greedy AR over the reference encoder's soft-capped logits, the prompt encoded with its
+    images and the masks generate() builds (`create_masks_for_generate` with
+    `mm_token_type_ids`; the encoder's forward would drop them)."""
+    from transformers import DynamicCache
+
+    ref, (pixels, positions) = vision.ref, stacked(images)
+    encoder, config = ref.model.encoder, ref.config.get_text_config(decoder=True)
+    cache = DynamicCache(config=config)
+    prompt, pos = torch.tensor([ids]), torch.arange(len(ids))[None]
+    masks = encoder.create_masks_for_generate(
+        config=ref.config,
+        inputs_embeds=torch.empty(1, len(ids), 0, dtype=ref.dtype),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.bool),
+        cache=cache,
+        position_ids=pos,
+        mm_token_type_ids=image_types(vision, prompt),
+    )
+    inputs = dict(pixel_values=pixels, image_position_ids=positions, attention_mask=masks)
+    out: list[int] = []
+    eos = set(vision.llm.defaults.eos_token_ids)
+    while len(out) < MAX_TOKENS and not (out and out[-1] in eos):
+        hidden = encoder(input_ids=prompt, cache=cache, position_ids=pos, **inputs)
+        logits = ref.lm_head(hidden.last_hidden_state[:, -1]).float()
+        cap = config.final_logit_softcapping
+        out.append(int((torch.tanh(logits / cap) * cap if cap else logits).argmax()))
+        prompt, pos, inputs = torch.tensor([out[-1:]]), pos[:, -1:] + 1, {}
+    return out
+
+
+def test_ar_mode_with_images_matches_a_greedy_loop_over_reference_encoder_logits(
+    vision, references
+):
+    ids, images, _ = references[2]
+    params = SamplingParams(mode=DecodeMode.AR, max_tokens=MAX_TOKENS)
+    (out,) = vision.llm.generate(ids, params, images=[images])
+    assert out.output_ids == reference_greedy_ar(vision, ids, images)
 
 
 def params(seed: int) -> SamplingParams:
@@ -184,10 +281,17 @@ def test_generate_cli_with_an_image_matches_reference_generate(
     assert "missing.png" in capsys.readouterr().err
 
 
-def test_the_same_ids_with_other_images_never_share_cached_pages(vision):
+@pytest.fixture(scope="module")
+def fast(vision):
+    """The checkpoint in fast numerics (prefix caching on); `fast(config)`: a fresh engine."""
+    llm = LLM.from_pretrained(vision.path)
+    return lambda config=None: LLM(llm.model, llm.tokenizer, llm.defaults, config)
+
+
+def test_the_same_ids_with_other_images_never_share_cached_pages(vision, fast):
     """Image tokens are placeholders: the images' content hashes are part of the prefix
     cache's key, so a prompt reuses cached pages only with the very same images."""
-    fast = LLM.from_pretrained(vision.path)  # fast numerics: prefix caching on
+    fast = fast()
     ids, images = chat_ids(vision, [1, "What is this? " * 8])
     h, w = SIZES[1]
     other = [vision.processor.prepare(encode(noise_image(h, w, seed=99)), "other image")]
@@ -195,3 +299,40 @@ def test_the_same_ids_with_other_images_never_share_cached_pages(vision):
     runs = [images, images, other, images]
     cached = [fast.generate(ids, params(0), images=[run])[0].num_cached_tokens for run in runs]
     assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0 and cached[3] == cached[1]
+
+
+def test_a_cache_hit_never_ends_inside_an_image_and_gives_the_tokens_of_caching_off(vision, fast):
+    """Two prompts share an image and diverge right after it, inside the page its last tokens
+    are on: the second's hit stops before the image (its tokens are computed in one pass, with
+    the whole image), the first's repeat hits past the image; both give caching off's tokens
+    (AR mode: fast numerics' diffusion tokens may differ with a pass's cut, README "Prefix
+    caching")."""
+    cached, uncached = fast(), fast(EngineConfig(prefix_caching=False))
+    ar = SamplingParams(mode=DecodeMode.AR, max_tokens=6)
+    a, images = chat_ids(vision, [1, "Say what it is. " * 8])
+    b, _ = chat_ids(vision, [1, "Tell me more. " * 8])
+    image_token = vision.processor.vision.image_token_id
+    ((first, last),) = image_spans(tuple(i for i, t in enumerate(a) if t == image_token), 99)
+    page = EngineConfig().page_size
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert first < shared // page * page <= last  # b's shared full pages end inside the image
+    outs = [cached.generate(ids, ar, images=[images])[0] for ids in (a, a, b)]
+    assert [o.num_cached_tokens for o in outs][0] == 0
+    assert outs[1].num_cached_tokens > last and outs[2].num_cached_tokens <= first
+    want = [uncached.generate(ids, ar, images=[images])[0].output_ids for ids in (a, b)]
+    assert [o.output_ids for o in outs] == [want[0], want[0], want[1]]
+
+
+def test_fast_numerics_with_images_stay_within_1e4_of_exact(vision, fast, references):
+    """The three image prompts batched (ragged ENCODE rows, each with its images' spans), AR
+    mode: fast numerics take exact's greedy tokens, every log-probability within 1e-4."""
+    ar = SamplingParams(mode=DecodeMode.AR, max_tokens=8, logprobs=0)
+    prompts = [ids for ids, _, _ in references]
+    images = [list(imgs) for _, imgs, _ in references]
+    want = vision.llm.generate(prompts, [ar] * len(prompts), images=images)
+    got = fast().generate(prompts, [ar] * len(prompts), images=images)
+    for ours, exact in zip(got, want, strict=True):
+        assert ours.output_ids == exact.output_ids
+        assert ours.logprobs is not None and exact.logprobs is not None
+        pairs = zip(ours.logprobs, exact.logprobs, strict=True)
+        assert max(abs(a.logprob - b.logprob) for a, b in pairs) <= 1e-4

@@ -3,7 +3,7 @@ numerics) vs the row-by-row twin (exact numerics)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -26,6 +26,8 @@ class Scenario:
     num_kv_heads: int = 2
     head_dim: int = 16
     page_size: int = 4
+    # (row, first, last) new-token indices of an image its tokens attend both ways (`span`)
+    images: tuple[tuple[int, int, int], ...] = ()
 
 
 SCENARIOS = {
@@ -53,6 +55,17 @@ SCENARIOS = {
     "encode-uniform-sliding": Scenario((4, 0, 9), (5, 5, 5), (False, False, False), window=6),
     # Only ENCODE rows (AR decoding, prefills): every key, new ones too, read from the pages.
     "encode-ragged-sliding": Scenario((4, 0, 9, 2), (3, 5, 1, 1), (False,) * 4, window=6),
+    # Images attended both ways: across query blocks (16 under the interpreter), at a row's
+    # start and end, next to a canvas; on sliding layers longer than the window.
+    "images-full-mixed": Scenario(
+        (5, 9, 0), (23, 16, 20), (False, True, False), images=((0, 2, 9), (0, 12, 22), (2, 0, 19))
+    ),
+    "images-sliding-longer-than-window": Scenario(
+        (9, 14, 0), (30, 8, 21), (False, True, False), window=6, images=((0, 3, 24), (2, 1, 18))
+    ),
+    "images-uniform-encode-sliding": Scenario(
+        (4, 0), (20, 20), (False, False), window=6, images=((0, 0, 19), (1, 5, 9))
+    ),
 }
 
 
@@ -88,8 +101,23 @@ def make_inputs(sc: Scenario, device: torch.device, dtype: torch.dtype = torch.f
         v_pool[p] = float("nan")
     q = torch.randn(sc.num_heads, n, sc.head_dim, generator=gen).to(dtype).transpose(0, 1)
     kv = torch.randn(n, 2 * sc.num_kv_heads, sc.head_dim, generator=gen).to(dtype)
+    span = None
+    if sc.images:
+        span = [
+            (s + i, s + i) for s, t in zip(sc.starts, sc.num_tokens, strict=True) for i in range(t)
+        ]
+        for row, first, last in sc.images:
+            offset, start = sum(sc.num_tokens[:row]), sc.starts[row]
+            span[offset + first : offset + last + 1] = [(start + first, start + last)] * (
+                last - first + 1
+            )
     rows = reference.PagedRows.build(
-        list(sc.starts), list(sc.num_tokens), list(sc.decode), tables, device
+        list(sc.starts),
+        list(sc.num_tokens),
+        list(sc.decode),
+        tables,
+        device,
+        None if span is None else torch.tensor(span),
     )
     return Inputs(
         q=q.to(device),
@@ -163,6 +191,25 @@ def test_batched_twin_matches_the_row_by_row_twin(name: str) -> None:
     plans = [key for key in x.rows.memo if key[0] == "canvas_attention"]
     assert plans == [("canvas_attention", sc.window, sc.page_size, sc.num_kv_heads)]
     assert torch.equal(run(reference, x, sc), got)
+
+
+def test_spans_widen_what_image_tokens_see_and_nothing_else() -> None:
+    """An image's tokens see the whole image (later ones too, and on a sliding layer earlier
+    ones past the window); text tokens, and the tokens without spans, are plain causal."""
+    sc = SCENARIOS["images-sliding-longer-than-window"]
+    x = make_inputs(sc, torch.device("cpu"))
+    causal = reference.PagedRows.build(
+        list(sc.starts), list(sc.num_tokens), list(sc.decode), x.tables
+    )
+    with_span = run(reference, x, sc)
+    without = run(reference, replace(x, rows=causal), sc)
+    differs = (with_span - without).abs().amax((1, 2)) > 0  # [N]
+    image = torch.zeros_like(differs)
+    for row, first, last in sc.images:
+        offset = sum(sc.num_tokens[:row])
+        image[offset + first : offset + last + 1] = True
+    assert not differs[~image].any()
+    assert differs[image].all()
 
 
 @pytest.mark.gpu

@@ -16,7 +16,9 @@ from loadtest.gpu_bench import meta_model, model_config
 from tests.kernels.test_attention import SCENARIOS, make_inputs, run
 
 
-@pytest.mark.parametrize("name", ["mixed-full-page-crossing", "mixed-sliding-window-edge"])
+@pytest.mark.parametrize(
+    "name", ["mixed-full-page-crossing", "mixed-sliding-window-edge", "images-full-mixed"]
+)
 def test_ops_give_the_twins_values_and_write_the_same_pages(name: str) -> None:
     sc = SCENARIOS[name]
     x = make_inputs(sc, torch.device("cpu"))
@@ -36,7 +38,14 @@ def test_opcheck_accepts_both_registrations() -> None:
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     write = (x.k, x.v, k_pool, v_pool, *rows)
     torch.library.opcheck(torch.ops.canvas.write_kv, write, test_utils=checks)
-    attend = (x.q, x.k, x.v, k_pool, v_pool, *rows, sc.window, 1.0)
+    attend = (x.q, x.k, x.v, k_pool, v_pool, *rows[:-1], None, rows[-1], sc.window, 1.0)
+    torch.library.opcheck(torch.ops.canvas.canvas_attention, attend, test_utils=checks)
+    sc = SCENARIOS["images-sliding-longer-than-window"]  # with spans (image tokens)
+    x = make_inputs(sc, torch.device("cpu"))
+    assert x.rows.span is not None
+    pools = x.k_pool.nan_to_num(), x.v_pool.nan_to_num()
+    rows = (*ops._flat(x.rows), x.rows.span, ops._host(x.rows))
+    attend = (x.q, x.k, x.v, *pools, *rows, sc.window, 1.0)
     torch.library.opcheck(torch.ops.canvas.canvas_attention, attend, test_utils=checks)
 
 

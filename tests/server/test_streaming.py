@@ -10,7 +10,7 @@ import json
 import pytest
 
 from engine.params import SamplingParams
-from engine.types import FinishReason
+from engine.types import FinishReason, StepOutput
 from engine.validation import RequestValidator
 from server.errors import ClientGone
 from server.parsers import Parsed
@@ -94,6 +94,24 @@ def test_drafts_ride_in_their_own_field_and_content_only_appends(fake):
     assert "draft" not in items[-1] and items[-1]["finish_reason"] == "length"
     assert "".join(c["text"] for c in items) == "abcdefgh"
     assert fake.engine.submitted[0].want_drafts
+
+
+def test_a_verify_pass_streams_its_draft_and_verdict(fake):
+    """Hybrid: the chunk of a verify pass names the draft it saw, one string per position,
+    and how many positions it accepted (the text commits those, then the verifier's token)."""
+
+    async def outputs(request_id, prompt_ids, params, want_drafts):  # type: ignore[no-untyped-def]
+        verified, accepted = (list(b"axy"), 1) if want_drafts else (None, None)  # as the engine
+        yield StepOutput(request_id, list(b"ab"), verified=verified, accepted=accepted)
+        yield StepOutput(request_id, list(b"c"), FinishReason.LENGTH, stats=None)
+
+    fake.engine._outputs = outputs
+    items = choices(fake.sse("/completions", prompt="a", max_tokens=3, stream_drafts=True))
+    assert "".join(c["text"] for c in items) == "abc"
+    verdicts = [c["verified"] for c in items if "verified" in c]
+    assert verdicts == [{"draft_tokens": ["a", "x", "y"], "accepted": 1}]
+    plain = choices(fake.sse("/completions", prompt="a", max_tokens=3))
+    assert "".join(c["text"] for c in plain) == "abc" and all("verified" not in c for c in plain)
 
 
 def test_an_engine_fault_mid_stream_is_reported_in_band_then_done(fake):

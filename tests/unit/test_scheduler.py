@@ -224,3 +224,30 @@ def test_the_check_catches_a_leaked_slot_and_a_request_known_twice():
     sched.waiting.append(sched.running["a"])
     with pytest.raises(InvariantError, match="both waiting and running"):
         sched.check()
+
+
+def test_prefill_chunks_never_split_an_image():
+    """Images at positions 2-5 and 7-13 (attended both ways: `image_spans`), a budget of 4:
+    a chunk ends before an image that does not fit, and one that starts with an image takes
+    it whole, past the budget (never past max_prefill_chunk)."""
+    config = SchedulerConfig(max_num_batched_tokens=4, max_prefill_chunk=8)
+    sched = Scheduler(config, KVPages(geometry(max_pass_tokens=8), 100, 100))
+    request = seq("a", prompt=16, context=32)
+    request.image_spans = ((2, 5), (7, 13))
+    sched.add(request)
+    chunks = [kinds(run_rows(sched))[0][1:3] for _ in range(5)]
+    assert chunks == [(0, 2), (2, 4), (6, 1), (7, 7), (14, 2)]
+
+
+def test_a_cache_hit_never_ends_inside_an_image():
+    """A hit ends at a page boundary outside every image (an image's tokens are computed in
+    one pass, with the whole image): with pages of 4, an image at 5-17 leaves one page."""
+    pages = KVPages(geometry(), 100, 100, prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(), pages)
+    sched.add(seq("a", prompt=20, context=32))
+    run_rows(sched)  # the prompt: its full pages are named
+    names = sched.requests["a"].page_names
+    assert pages.find(names, 20).num_pages == 4
+    assert pages.find(names, 20, [(5, 17)]).num_pages == 1
+    assert pages.find(names, 20, [(4, 17)]).num_pages == 1  # ends right before the image
+    assert pages.find(names, 20, [(3, 17)]) is None
