@@ -188,7 +188,7 @@ class BatchedSampler:
         s = self.state
         canvas_no = s.canvas_no[slots] + starting.long()  # [R]
         zero = torch.zeros_like(canvas_no)
-        u = philox_uniform(
+        u = self.kernels.philox_uniform(
             s.seed[slots, None], counters(canvas_no, zero, NOISE_STREAM, self.canvas_length)
         )
         fresh = uniform_tokens(u, self.vocab_size)  # [R, L]
@@ -224,13 +224,13 @@ class BatchedSampler:
         temperature = t_min + (s.t_max[slots] - t_min) * (steps_left / s.max_steps[slots])
         per_position = temperature.repeat_interleave(length)  # [R * L]
         seeds, canvas_no = s.seed[slots, None], rows.canvas_no
-        u = philox_uniform(seeds, counters(canvas_no, num_steps, SAMPLE_STREAM, length))
+        u = ks.philox_uniform(seeds, counters(canvas_no, num_steps, SAMPLE_STREAM, length))
         result, soft = ks.sample_and_embed(
             logits, per_position, u.view(-1), self.embedding, self.embed_scale
         )
         entropy = result.entropy.view(num_rows, length)
         accept = ks.entropy_accept(entropy, s.bound[slots])  # [R, L] bool
-        u_noise = philox_uniform(seeds, counters(canvas_no, num_steps + 1, NOISE_STREAM, length))
+        u_noise = ks.philox_uniform(seeds, counters(canvas_no, num_steps + 1, NOISE_STREAM, length))
         noise = uniform_tokens(u_noise, self.vocab_size)
         draft = result.argmax.view(num_rows, length)
         stable_run = torch.where((draft == rows.draft).all(-1), rows.run + 1, 0)
@@ -267,7 +267,7 @@ class BatchedSampler:
         s = self.state
         temperature = s.temperature[slots]
         greedy = temperature <= 0
-        u = philox_uniform(s.seed[slots], token_index | _AR_COUNTERS)
+        u = self.kernels.philox_uniform(s.seed[slots], token_index | _AR_COUNTERS)
         result = self.kernels.fused_sample(logits, torch.where(greedy, 1.0, temperature), u)
         tokens = torch.where(greedy, result.argmax, result.sample)
         return [tokens, (~torch.isfinite(result.lse)).long()]

@@ -20,7 +20,12 @@ import torch
 from kernels import reference
 
 # Each module exports KERNELS: its launchers, named exactly as their twins in `reference`.
-TRITON_MODULES = ("kernels.triton_attention", "kernels.triton_moe", "kernels.triton_sampler")
+TRITON_MODULES = (
+    "kernels.triton_attention",
+    "kernels.triton_moe",
+    "kernels.triton_norm",
+    "kernels.triton_sampler",
+)
 BACKENDS = ("auto", "triton", "twins")
 
 
@@ -75,6 +80,7 @@ class KernelSet:
     backend: str  # "triton" | "twins"
     exact: bool
     rms_norm: Callable[..., torch.Tensor]
+    softcap: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor]
     route_experts: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
@@ -84,6 +90,7 @@ class KernelSet:
     entropy_accept: Callable[..., torch.Tensor]
     soft_embedding: Callable[..., torch.Tensor]
     sample_and_embed: Callable[..., tuple[reference.SampleResult, torch.Tensor]]
+    philox_uniform: Callable[..., torch.Tensor]
 
     @property
     def numerics(self) -> str:
@@ -99,7 +106,8 @@ class KernelSet:
 
     def with_custom_ops(self) -> KernelSet:
         """This set with every kernel as a `torch.library` custom op (`kernels.ops`: the KV
-        write and attention; `kernels.ops_step`: router, experts, sampler), so that a step runs
+        write and attention; `kernels.ops_step`: norms, softcap, router, experts, sampler,
+        random numbers), so that a step runs
         on the meta device and traces through them. Fast numerics only: the ops' CPU
         implementations are the batched twins."""
         if self.exact:
@@ -108,6 +116,9 @@ class KernelSet:
 
         return replace(
             self,
+            rms_norm=ops_step.rms_norm,
+            softcap=ops_step.softcap,
+            philox_uniform=ops_step.philox_uniform,
             write_kv=ops.write_kv,
             canvas_attention=ops.canvas_attention,
             route_experts=ops_step.route_experts,
@@ -137,6 +148,7 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
             backend=backend,
             exact=True,
             rms_norm=reference.rms_norm,
+            softcap=reference.softcap,
             linear=reference.segment_linear,
             route_experts=ops.route_experts,
             fused_moe=ops.fused_moe,
@@ -148,11 +160,14 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
             entropy_accept=ops.entropy_accept,
             soft_embedding=ops.soft_embedding,
             sample_and_embed=ops.sample_and_embed,
+            philox_uniform=ops.philox_uniform,
         )
     return KernelSet(
         backend=backend,
         exact=False,
-        rms_norm=reference.rms_norm_fused,
+        # Triton's norm is one pass (the twin's fp32 operations are six on a GPU).
+        rms_norm=ops.rms_norm if backend == "triton" else reference.rms_norm_fused,
+        softcap=ops.softcap,
         linear=reference.linear,
         route_experts=_batched(ops.route_experts),
         # The twins' scattered combine; Triton's kernel is batched already.
@@ -165,6 +180,7 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
         entropy_accept=ops.entropy_accept,
         soft_embedding=ops.soft_embedding,
         sample_and_embed=ops.sample_and_embed,
+        philox_uniform=ops.philox_uniform,
     )
 
 

@@ -1,11 +1,13 @@
 """The step's other kernels as `torch.library` custom ops, beside `kernels.ops` (KV write,
-attention): the router `canvas::route_experts`, the experts `canvas::fused_moe`, and the
-sampler's `canvas::fused_sample`, `canvas::entropy_accept`, `canvas::soft_embedding` and
-`canvas::sample_and_embed`. With them a fast-numerics step (forward, head, sampler) runs on the
-meta device without a graph break; `KernelSet.with_custom_ops()` binds them.
+attention): the norm `canvas::rms_norm`, the head's `canvas::softcap`, the router
+`canvas::route_experts`, the experts `canvas::fused_moe`, and the sampler's
+`canvas::fused_sample`, `canvas::entropy_accept`, `canvas::soft_embedding`,
+`canvas::sample_and_embed` and `canvas::philox_uniform`. With them a fast-numerics step
+(forward, head, sampler) runs on the meta device without a graph break;
+`KernelSet.with_custom_ops()` binds them.
 
-Implementations: the fast-numerics twins on the CPU (the experts' scattered combine), Triton's
-launchers on CUDA (`kernels.op_support.cuda_impl`). A sampler op returns its
+Implementations: the fast-numerics twins on the CPU (the experts' scattered combine, the fused
+norm), Triton's launchers on CUDA (`kernels.op_support.cuda_impl`). A sampler op returns its
 `reference.SampleResult` as four tensors; the wrappers below rebuild it.
 """
 
@@ -25,6 +27,40 @@ Tensors5 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.T
 
 def _fields(result: SampleResult) -> Tensors4:
     return result.sample, result.argmax, result.entropy, result.lse
+
+
+# -- norm and head ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("canvas::rms_norm", mutates_args=())
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return reference.rms_norm_fused(x, weight, eps)
+
+
+@_rms_norm.register_kernel("cuda")
+def _rms_norm_cuda(*args: Any) -> torch.Tensor:
+    return cuda_impl("triton_norm", "rms_norm")(*args)  # type: ignore[operator]
+
+
+@_rms_norm.register_fake
+def _rms_norm_fake(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    return fake(x, x.shape)
+
+
+@torch.library.custom_op("canvas::softcap", mutates_args=())
+def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    # The twin caps fp32 logits in place; an op's output may not alias its input.
+    return reference.softcap(logits.clone() if logits.dtype == torch.float32 else logits, cap)
+
+
+@_softcap.register_kernel("cuda")
+def _softcap_cuda(*args: Any) -> torch.Tensor:
+    return cuda_impl("triton_norm", "softcap")(*args)  # type: ignore[operator]
+
+
+@_softcap.register_fake
+def _softcap_fake(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return fake(logits, logits.shape, torch.float32)
 
 
 # -- router and experts ----------------------------------------------------------------------
@@ -156,7 +192,37 @@ def _sample_and_embed_fake(logits: torch.Tensor, *args: Any) -> Tensors5:
     return (*fake_sample(logits), fake(weight, (logits.shape[0], weight.shape[1])))  # type: ignore[return-value]
 
 
+@torch.library.custom_op("canvas::philox_uniform", mutates_args=())
+def _philox_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    return reference.philox_uniform(seeds, counters)
+
+
+@_philox_uniform.register_kernel("cuda")
+def _philox_uniform_cuda(*args: Any) -> torch.Tensor:
+    return cuda_impl("triton_sampler", "philox_uniform")(*args)  # type: ignore[operator]
+
+
+@_philox_uniform.register_fake
+def _philox_uniform_fake(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    return fake(counters, torch.broadcast_shapes(seeds.shape, counters.shape), torch.float32)
+
+
 # -- the wrappers KernelSet binds (the twins' signatures) ------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`reference.rms_norm_fused` as `canvas::rms_norm`."""
+    return torch.ops.canvas.rms_norm(x, weight, eps)
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """`reference.softcap` as `canvas::softcap` (a new tensor, never in place)."""
+    return torch.ops.canvas.softcap(logits, cap)
+
+
+def philox_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """`reference.philox_uniform` as `canvas::philox_uniform`."""
+    return torch.ops.canvas.philox_uniform(seeds, counters)
 
 
 def route_experts(

@@ -35,6 +35,14 @@ def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> 
     return out if weight is None else out.mul_(weight)
 
 
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The LM head's soft cap: cap * tanh(logits / cap) in fp32 (without a cap: fp32 only).
+    In place on fp32 logits (the [rows, vocab] buffer is a step's largest), so autograd cannot
+    run through it; on other dtypes the fp32 copy is capped."""
+    logits = logits.float()
+    return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+
+
 # sgemm row results depend on the number of rows only below this many rows (a different
 # small-M code path); at or above it each row's result is independent of the others.
 SMALL_ROWS = 16
@@ -213,5 +221,6 @@ __all__ = [
     "sample_and_embed",
     "segment_linear",
     "soft_embedding",
+    "softcap",
     "write_kv",
 ]

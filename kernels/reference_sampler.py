@@ -89,6 +89,10 @@ class SampleResult:
 
 # Positions per chunk of the twin sampler: bounds its [chunk, V] fp32 temporaries to 64 MiB.
 _SAMPLE_CHUNK_ELEMENTS = 1 << 24
+# The Triton soft embedding writes its probabilities [chunk, V] (in the embedding's dtype) at
+# most this many bytes at a time before their GEMM: 1 GiB, 2,048 positions of a 262,144-token
+# vocabulary in bf16.
+PROBS_CHUNK_BYTES = 1 << 30
 # Probabilities below e^-70 of the largest count as 0 in the twins (mass dropped < V * 4e-31).
 _NEGLIGIBLE_LOG_PROB = -70.0
 _NEGLIGIBLE_PROB = 4.3e-31  # just above e^-70

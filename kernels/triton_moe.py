@@ -268,7 +268,9 @@ def fused_moe(
     expect(ids, "ids", (num_tokens, top_k), (torch.int64, torch.int32), dev)
     assert gate_up.stride(1) == hidden_size and down.stride(1) == inter, "expert rows packed"
     num_pairs = num_tokens * top_k
-    out_pairs = torch.zeros(num_pairs, hidden_size, dtype=torch.float32, device=dev)
+    # No zero fill: align_pairs places every pair in exactly one row of an expert's block, so
+    # the down GEMM writes each row of every column block once.
+    out_pairs = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=dev)
     if num_pairs == 0:
         return out_pairs.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
     block_m = _block_m()

@@ -1,5 +1,6 @@
 """The fused diffusion sampler, in Triton. Twins: `reference.fused_sample`,
-`reference.entropy_accept`, `reference.soft_embedding` (same signatures, same contracts).
+`reference.entropy_accept`, `reference.soft_embedding`, `reference.sample_and_embed`,
+`reference.philox_uniform` (same signatures, same contracts).
 
 - `fused_sample`: one program per canvas position streams its logits over the vocabulary
   (BLOCK_V at a time): a first pass keeps, per lane, an online softmax (max, normaliser, sum
@@ -8,9 +9,13 @@
   size V is written: the outputs are four numbers per position.
 - `entropy_accept`: one program per canvas sorts (entropy, position) pairs packed into int64
   keys, takes the exclusive prefix sum and scatters the acceptance back.
-- `soft_embedding`: a GEMM whose A operand, the probabilities exp(logits / T - lse), is
-  computed from the logits tile by tile and never stored; split over the vocabulary with an
-  fp32 partial sum per split, reduced in a fixed order (deterministic, batch invariant).
+- `soft_embedding`: the probabilities exp(logits / T - lse) written once in the embedding's
+  dtype, a chunk of positions at a time (one read of the fp32 logits), then the twin's GEMM
+  (cuBLAS on a GPU: fp32 accumulation, as the twin). In `sample_and_embed` the sampler's second
+  pass writes them, so the logits are read twice in all (a kernel that made them inside the
+  GEMM re-read and re-exponentiated the logits once per 128 hidden columns: 22 times).
+- `philox_uniform`: `tl.rand` per (seed, counter) pair, broadcast through strides: one launch
+  where the PyTorch twin is ~200 small ones.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import dot_precision, expect, interpreting
+from kernels import expect, interpreting
 from kernels.reference import SampleResult
+from kernels.reference_sampler import PROBS_CHUNK_BYTES
 
 
 @triton.jit
@@ -39,8 +45,8 @@ def _argmax_finish(best, best_id, vocab):
 @triton.jit
 def _sample_kernel(
     logits_ptr, temp_ptr, uniform_ptr,
-    sample_ptr, argmax_ptr, entropy_ptr, lse_ptr,
-    vocab, stride_p, BLOCK_V: tl.constexpr,
+    sample_ptr, argmax_ptr, entropy_ptr, lse_ptr, probs_ptr,
+    vocab, stride_p, stride_q, BLOCK_V: tl.constexpr, WRITE_PROBS: tl.constexpr,
 ):  # fmt: skip
     pos = tl.program_id(0)
     row = logits_ptr + pos.to(tl.int64) * stride_p
@@ -86,6 +92,9 @@ def _sample_kernel(
         mask = cols < vocab
         s = tl.load(row + cols, mask=mask, other=float("-inf")) / temp
         e = tl.where(mask, tl.exp(s - m_all), 0.0)
+        if WRITE_PROBS:  # the soft embedding's A operand, in the embedding's dtype
+            probs = (e / z_all).to(probs_ptr.dtype.element_ty)
+            tl.store(probs_ptr + pos.to(tl.int64) * stride_q + cols, probs, mask=mask)
         cdf = tl.cumsum(e, 0) + running
         found = tl.minimum(found, tl.min(tl.where((cdf > target) & mask, cols, vocab), 0))
         last = tl.maximum(last, tl.max(tl.where(e > 0.0, cols, 0), 0))
@@ -115,41 +124,29 @@ def _accept_kernel(
 
 
 @triton.jit
-def _soft_embedding_kernel(
-    logits_ptr, temp_ptr, lse_ptr, w_ptr, part_ptr,
-    num_pos, vocab, hidden, stride_p, stride_v, stride_s, split_len, num_m, num_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+def _probs_kernel(
+    logits_ptr, temp_ptr, lse_ptr, probs_ptr, vocab, stride_p, stride_q, BLOCK_V: tl.constexpr
+):
+    pos = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < vocab
+    x = tl.load(logits_ptr + pos.to(tl.int64) * stride_p + cols, mask=mask, other=float("-inf"))
+    probs = tl.exp(x / tl.load(temp_ptr + pos) - tl.load(lse_ptr + pos))
+    out = probs_ptr + pos.to(tl.int64) * stride_q + cols
+    tl.store(out, probs.to(probs_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _philox_kernel(
+    seed_ptr, counter_ptr, out_ptr, num, cols, stride_sr, stride_sc, stride_cr, stride_cc,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # Position blocks vary fastest, so programs sharing an embedding tile run together and
-    # read it from L2 once.
-    pid = tl.program_id(0)
-    pid_m, pid_n, split = pid % num_m, (pid // num_m) % num_n, pid // (num_m * num_n)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    r_mask = rows < num_pos
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_mask = cols < hidden
-    temp = tl.load(temp_ptr + rows, mask=r_mask, other=1.0)
-    lse = tl.load(lse_ptr + rows, mask=r_mask, other=0.0)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    v_end = tl.minimum(vocab, (split + 1) * split_len)
-    for v0 in range(split * split_len, v_end, BLOCK_K):
-        kk = v0 + tl.arange(0, BLOCK_K)
-        k_mask = kk < v_end
-        x = tl.load(
-            logits_ptr + rows.to(tl.int64)[:, None] * stride_p + kk[None, :],
-            mask=r_mask[:, None] & k_mask[None, :],
-            other=float("-inf"),
-        )
-        probs = tl.exp(x / temp[:, None] - lse[:, None])
-        w = tl.load(
-            w_ptr + kk.to(tl.int64)[:, None] * stride_v + cols[None, :],
-            mask=k_mask[:, None] & c_mask[None, :],
-            other=0.0,
-        )
-        acc = tl.dot(probs.to(w.dtype), w, acc, input_precision=PRECISION)
-    out = part_ptr + split * stride_s + rows[:, None] * hidden + cols[None, :]
-    tl.store(out, acc, mask=r_mask[:, None] & c_mask[None, :])
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < num
+    row, col = idx // cols, idx % cols
+    seed = tl.load(seed_ptr + row * stride_sr + col * stride_sc, mask=mask, other=0)
+    counter = tl.load(counter_ptr + row * stride_cr + col * stride_cc, mask=mask, other=0)
+    tl.store(out_ptr + idx, tl.rand(seed, counter), mask=mask)
 
 
 def _check_positions(logits: torch.Tensor, *per_position: tuple[torch.Tensor, str, torch.dtype]):
@@ -159,6 +156,34 @@ def _check_positions(logits: torch.Tensor, *per_position: tuple[torch.Tensor, st
         expect(tensor, name, (num_pos,), (dtype,), logits.device)
 
 
+def _results(num_pos: int, device: torch.device) -> SampleResult:
+    return SampleResult(
+        sample=torch.empty(num_pos, dtype=torch.int64, device=device),
+        argmax=torch.empty(num_pos, dtype=torch.int64, device=device),
+        entropy=torch.empty(num_pos, dtype=torch.float32, device=device),
+        lse=torch.empty(num_pos, dtype=torch.float32, device=device),
+    )
+
+
+def _launch_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    uniform: torch.Tensor,
+    out: SampleResult,
+    probs: torch.Tensor | None,
+) -> None:
+    """`_sample_kernel` over the positions of `logits` into `out`; with `probs` ([P, V]),
+    the softmax is written there too (during the pass that reads the logits anyway)."""
+    num_pos, vocab = logits.shape
+    block_v = min(64 if interpreting() else 2048, triton.next_power_of_2(vocab))
+    _sample_kernel[(num_pos,)](
+        logits, temperature, uniform, out.sample, out.argmax, out.entropy, out.lse,
+        logits if probs is None else probs, vocab, logits.stride(0),
+        0 if probs is None else probs.stride(0),
+        BLOCK_V=block_v, WRITE_PROBS=probs is not None, num_warps=8,
+    )  # fmt: skip
+
+
 def fused_sample(
     logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
 ) -> SampleResult:
@@ -166,22 +191,9 @@ def fused_sample(
     _check_positions(
         logits, (temperature, "temperature", torch.float32), (uniform, "uniform", torch.float32)
     )
-    num_pos, vocab = logits.shape
-    dev = logits.device
-    result = SampleResult(
-        sample=torch.empty(num_pos, dtype=torch.int64, device=dev),
-        argmax=torch.empty(num_pos, dtype=torch.int64, device=dev),
-        entropy=torch.empty(num_pos, dtype=torch.float32, device=dev),
-        lse=torch.empty(num_pos, dtype=torch.float32, device=dev),
-    )
-    if num_pos == 0:
-        return result
-    block_v = min(64 if interpreting() else 2048, triton.next_power_of_2(vocab))
-    _sample_kernel[(num_pos,)](
-        logits, temperature, uniform,
-        result.sample, result.argmax, result.entropy, result.lse,
-        vocab, logits.stride(0), BLOCK_V=block_v, num_warps=8,
-    )  # fmt: skip
+    result = _results(logits.shape[0], logits.device)
+    if logits.shape[0]:
+        _launch_sample(logits, temperature, uniform, result, None)
     return result
 
 
@@ -199,9 +211,13 @@ def entropy_accept(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     return out.bool()
 
 
-# Vocabulary splits of the soft-embedding GEMM: a constant, so that the fp32 partial sums of
-# a position never depend on the batch.
-SOFT_EMBEDDING_SPLITS = 8
+def _check_embedding(logits: torch.Tensor, weight: torch.Tensor) -> list[slice]:
+    """Check the embedding matrix [V, H]; the position chunks of the probabilities."""
+    num_pos, vocab = logits.shape
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    expect(weight, "weight", (vocab, weight.shape[1]), floats, logits.device)
+    chunk = max(1, PROBS_CHUNK_BYTES // max(1, vocab * weight.element_size()))
+    return [slice(p0, min(p0 + chunk, num_pos)) for p0 in range(0, num_pos, chunk)]
 
 
 def soft_embedding(
@@ -211,29 +227,25 @@ def soft_embedding(
     weight: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """See `reference.soft_embedding`. Returns [P, H] in weight's dtype."""
+    """See `reference.soft_embedding`. Returns [P, H] in weight's dtype: the probabilities
+    exp(logits / T - lse) written once in weight's dtype (one read of the logits), then the
+    twin's GEMM (cuBLAS on a GPU) and scale."""
     _check_positions(
         logits, (temperature, "temperature", torch.float32), (lse, "lse", torch.float32)
     )
+    chunks = _check_embedding(logits, weight)
     num_pos, vocab = logits.shape
-    hidden = weight.shape[1]
-    floats = (torch.float32, torch.bfloat16, torch.float16)
-    expect(weight, "weight", (vocab, hidden), floats, logits.device)
-    splits = SOFT_EMBEDDING_SPLITS
-    parts = torch.empty(splits, num_pos, hidden, dtype=torch.float32, device=logits.device)
-    if num_pos:
-        block_m, block_n, block_k = (16, 16, 16) if interpreting() else (64, 128, 64)
-        split_len = triton.cdiv(triton.cdiv(vocab, splits), block_k) * block_k
-        num_m, num_n = triton.cdiv(num_pos, block_m), triton.cdiv(hidden, block_n)
-        _soft_embedding_kernel[(num_m * num_n * splits,)](
-            logits, temperature, lse, weight, parts,
-            num_pos, vocab, hidden, logits.stride(0), weight.stride(0), parts.stride(0),
-            split_len, num_m, num_n,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            PRECISION=dot_precision(weight.dtype), num_warps=8,
-        )  # fmt: skip
-    # Fixed-order sum of the splits; the twin's (bf16) matmul output rounding, then the scale.
-    out = parts.sum(0).to(weight.dtype)
+    out = torch.empty(num_pos, weight.shape[1], dtype=weight.dtype, device=logits.device)
+    if chunks:
+        probs = torch.empty(chunks[0].stop, vocab, dtype=weight.dtype, device=logits.device)
+        block_v = min(1 << 14 if interpreting() else 2048, triton.next_power_of_2(vocab))
+        for rows in chunks:
+            part = probs[: rows.stop - rows.start]
+            _probs_kernel[(part.shape[0], triton.cdiv(vocab, block_v))](
+                logits[rows], temperature[rows], lse[rows], part, vocab, logits.stride(0),
+                part.stride(0), BLOCK_V=block_v, num_warps=4,
+            )  # fmt: skip
+            torch.matmul(part, weight, out=out[rows])
     # A host scalar tensor (a kernel argument): one made on the device would be a blocking copy.
     return out * torch.tensor(scale, dtype=weight.dtype)
 
@@ -245,9 +257,45 @@ def sample_and_embed(
     weight: torch.Tensor,
     scale: float,
 ) -> tuple[SampleResult, torch.Tensor]:
-    """See `reference.sample_and_embed`: the two kernels, the second on the first's lse."""
-    result = fused_sample(logits, temperature, uniform)
-    return result, soft_embedding(logits, temperature, result.lse, weight, scale)
+    """See `reference.sample_and_embed`: the sampler kernel also writes the probabilities (in
+    weight's dtype, during its second pass over the logits), then the twin's GEMM and scale;
+    a chunk of positions at a time (`PROBS_CHUNK_BYTES`)."""
+    _check_positions(
+        logits, (temperature, "temperature", torch.float32), (uniform, "uniform", torch.float32)
+    )
+    chunks = _check_embedding(logits, weight)
+    num_pos, vocab = logits.shape
+    result = _results(num_pos, logits.device)
+    soft = torch.empty(num_pos, weight.shape[1], dtype=weight.dtype, device=logits.device)
+    if chunks:
+        probs = torch.empty(chunks[0].stop, vocab, dtype=weight.dtype, device=logits.device)
+        for rows in chunks:
+            part = probs[: rows.stop - rows.start]
+            out = SampleResult(*(getattr(result, f)[rows] for f in _FIELDS))
+            _launch_sample(logits[rows], temperature[rows], uniform[rows], out, part)
+            torch.matmul(part, weight, out=soft[rows])
+    return result, soft * torch.tensor(scale, dtype=weight.dtype)
 
 
-KERNELS = (fused_sample, entropy_accept, soft_embedding, sample_and_embed)
+def philox_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """See `reference.philox_uniform` (`tl.rand` itself, so bit for bit): int64 seeds and
+    counters, broadcastable, read through their strides (broadcasts copy nothing up to two
+    dimensions). Returns fp32 of the broadcast shape."""
+    assert seeds.dtype == counters.dtype == torch.int64, "seeds and counters must be int64"
+    assert seeds.device == counters.device, "seeds and counters must be on one device"
+    shape = torch.broadcast_shapes(seeds.shape, counters.shape)
+    out = torch.empty(shape, dtype=torch.float32, device=counters.device)
+    cols = shape[-1] if shape else 1
+    if out.numel() == 0:
+        return out
+    s2, c2 = (t.expand(shape).reshape(-1, cols) for t in (seeds, counters))
+    block = 1 << 14 if interpreting() else 1024
+    _philox_kernel[(triton.cdiv(out.numel(), block),)](
+        s2, c2, out, out.numel(), cols, *s2.stride(), *c2.stride(), BLOCK=block, num_warps=4
+    )
+    return out
+
+
+_FIELDS = ("sample", "argmax", "entropy", "lse")
+
+KERNELS = (fused_sample, entropy_accept, soft_embedding, sample_and_embed, philox_uniform)

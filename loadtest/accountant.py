@@ -30,6 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from kernels.reference_sampler import PROBS_CHUNK_BYTES
+
 aten = torch.ops.aten
 
 
@@ -316,9 +318,12 @@ class Part:
     cost: dict[str, Any]
 
 
+Rule = Callable[["Accountant", tuple[Any, ...], Any], list[Part]]
+
+
 def _attention(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     q, k = args[0], args[1]
-    window = args[11]
+    window = args[-2]  # the op's arguments end with (window, scale)
     num_tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     rows = acct.rows.rows or [(0, num_tokens, True)]
@@ -353,7 +358,7 @@ def touched_experts(num_tokens: int, num_experts: int, top_k: int) -> float:
 
 def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     """Triton's fused_moe (kernels/triton_moe.py): align the pairs, a GEGLU grouped GEMM, a
-    weighted down GEMM into an fp32 [N*K, H] buffer zero-filled first, the slot sum, a cast."""
+    weighted down GEMM writing each row of an fp32 [N*K, H] buffer once, the slot sum, a cast."""
     hidden, gate_up, down, weights, ids = args
     num_tokens, hid = hidden.shape
     num_experts, two_inter, _ = gate_up.shape
@@ -370,7 +375,6 @@ def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     parts = [Part("fused_moe.align_pairs", cost) for cost in align_pairs_costs(ids, num_experts)]
     fp32_pairs = pairs * hid * 4
     return [
-        Part("fused_moe.zero_fill", {"bytes": fp32_pairs}),
         *parts,
         Part("fused_moe.expert_gemms", gemm),
         Part("fused_moe.slot_sum_cast", {"bytes": fp32_pairs + num_tokens * hid * (8 + el)}),
@@ -396,28 +400,35 @@ def align_pairs_costs(ids: torch.Tensor, num_experts: int) -> list[dict[str, Any
     return [cost, *({"launches": 0, "sync": kind, "where": where} for _ in syncs[1:])]
 
 
-def _sample_cost(logits: torch.Tensor) -> dict[str, Any]:
-    # `_sample_kernel`: one program per position, two passes over the vocabulary.
-    return {"bytes": 2 * logits.numel() * logits.element_size()}
+def _sample_cost(logits: torch.Tensor, probs_size: int = 0) -> dict[str, Any]:
+    # `_sample_kernel`: one program per position, two passes over the vocabulary; with
+    # `probs_size` (bytes per probability), the second pass writes the soft embedding's.
+    return {"bytes": logits.numel() * (2 * logits.element_size() + probs_size)}
+
+
+def _probs_chunks(logits: torch.Tensor, weight: torch.Tensor) -> int:
+    positions, vocab = logits.shape
+    per_chunk = max(1, PROBS_CHUNK_BYTES // max(1, vocab * weight.element_size()))
+    return max(1, math.ceil(positions / per_chunk))
 
 
 def _soft_cost(logits: torch.Tensor, weight: torch.Tensor) -> list[Part]:
-    """`_soft_embedding_kernel`: each 128-column block of H re-reads the fp32 logits, 8
-    vocabulary splits summed in fp32 after (a sum, a cast and the scale: 3 launches)."""
+    """The soft embedding's GEMM of `triton_sampler`: probabilities [P, V] in weight's dtype
+    (written by the sampler or `_probs_kernel`) times the embedding matrix, a chunk of
+    positions at a time (cuBLAS: the matrix read once per chunk), then the scale."""
     positions, vocab = logits.shape
-    hidden = weight.shape[1]
-    reads = math.ceil(hidden / 128) * logits.numel() * logits.element_size()
-    parts_bytes = 8 * positions * hidden * 4
+    hidden, chunks = weight.shape[1], _probs_chunks(logits, weight)
+    el = weight.element_size()
     gemm = {
         "flops": 2 * positions * vocab * hidden,
-        "bytes": reads + weight.numel() * weight.element_size() + parts_bytes,
+        "bytes": positions * vocab * el + chunks * weight.numel() * el + positions * hidden * el,
+        "launches": chunks,
         "gemm": True,
     }
-    epilogue = {
-        "bytes": parts_bytes + 4 * positions * hidden * weight.element_size(),
-        "launches": 3,
-    }
-    return [Part("soft_embedding", gemm), Part("soft_embedding.epilogue", epilogue)]
+    return [
+        Part("soft_embedding.gemm", gemm),
+        Part("soft_embedding.scale", {"bytes": 2 * positions * hidden * el}),
+    ]
 
 
 def _fused_sample(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
@@ -425,19 +436,40 @@ def _fused_sample(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Par
 
 
 def _soft_embedding(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
-    return _soft_cost(args[0], args[3])
+    logits, weight = args[0], args[3]
+    probs = {
+        "bytes": logits.numel() * (logits.element_size() + weight.element_size()),
+        "launches": _probs_chunks(logits, weight),
+    }
+    return [Part("soft_embedding.probs", probs), *_soft_cost(logits, weight)]
 
 
 def _sample_and_embed(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
-    return [Part("fused_sample", _sample_cost(args[0])), *_soft_cost(args[0], args[3])]
+    logits, weight = args[0], args[3]
+    sample = _sample_cost(logits, weight.element_size())
+    sample["launches"] = _probs_chunks(logits, weight)
+    return [Part("fused_sample", sample), *_soft_cost(logits, weight)]
+
+
+def _one_pass(name: str) -> Rule:
+    """A memory-bound kernel of one launch that reads its inputs and writes its output once:
+    `triton_norm`'s RMSNorm (x, weight, out) and softcap (the head's output, fp32 logits), the
+    Philox kernel (seeds, counters, uniforms)."""
+
+    def rule(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
+        return [Part(name, {"bytes": _nbytes(_tensors(args, out))})]
+
+    return rule
 
 
 def _accept(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     return [Part("entropy_accept", {"bytes": 2 * _nbytes([args[0], out]), "launches": 2})]
 
 
-Rule = Callable[[Accountant, tuple[Any, ...], Any], list[Part]]
 CUSTOM_RULES: dict[str, Rule] = {
+    "rms_norm": _one_pass("rms_norm"),
+    "softcap": _one_pass("softcap"),
+    "philox_uniform": _one_pass("philox_uniform"),
     "canvas_attention": _attention,
     "write_kv": _write_kv,
     "route_experts": _route,

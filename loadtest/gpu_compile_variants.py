@@ -11,7 +11,8 @@ TRITON_INTERPRET is known to be unset: the launchers choose their block sizes fr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -100,10 +101,23 @@ def moe(
     return launch
 
 
+@contextmanager
+def _without_gemm() -> Iterator[None]:
+    """The soft embedding's GEMM is cuBLAS's (`torch.matmul`), nothing to compile: skipped, so
+    that the CPU does not multiply the real [positions, vocab] x [vocab, hidden] here."""
+    matmul = torch.matmul
+    torch.matmul = lambda a, b, out=None: out  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.matmul = matmul  # type: ignore[assignment]
+
+
 def sampler(
-    vocab: int, hidden: int, dtype: torch.dtype, positions: int = 16
+    vocab: int, hidden: int, dtype: torch.dtype, positions: int = 16, fused: bool = True
 ) -> Callable[[], object]:
-    """`sample_and_embed` (fused_sample, then soft_embedding on its lse)."""
+    """`sample_and_embed` (the sampler writing the probabilities, then the GEMM), or, not
+    `fused`, `soft_embedding` alone (the probabilities kernel)."""
 
     def launch() -> object:
         from kernels import triton_sampler
@@ -111,7 +125,43 @@ def sampler(
         logits = torch.empty(positions, vocab)
         temp, uniform = torch.empty(positions), torch.empty(positions)
         weight = torch.empty(vocab, hidden, dtype=dtype)
-        return triton_sampler.sample_and_embed(logits, temp, uniform, weight, hidden**0.5)
+        with _without_gemm():
+            if not fused:
+                return triton_sampler.soft_embedding(logits, temp, uniform, weight, hidden**0.5)
+            return triton_sampler.sample_and_embed(logits, temp, uniform, weight, hidden**0.5)
+
+    return launch
+
+
+def norm(shape: tuple[int, ...], dtype: torch.dtype, weighted: bool = True) -> Callable[[], object]:
+    """`rms_norm` over the last dimension of a contiguous [*shape] (hidden states, heads)."""
+
+    def launch() -> object:
+        from kernels import triton_norm
+
+        weight = torch.empty(shape[-1], dtype=dtype) if weighted else None
+        return triton_norm.rms_norm(torch.empty(shape, dtype=dtype), weight, 1e-6)
+
+    return launch
+
+
+def softcap(positions: int, vocab: int, dtype: torch.dtype) -> Callable[[], object]:
+    def launch() -> object:
+        from kernels import triton_norm
+
+        return triton_norm.softcap(torch.empty(positions, vocab, dtype=dtype), 30.0)
+
+    return launch
+
+
+def philox(rows: int, length: int) -> Callable[[], object]:
+    """`philox_uniform` of a seed per row [rows, 1] at counters [rows, length]."""
+
+    def launch() -> object:
+        from kernels import triton_sampler
+
+        seeds = torch.empty(rows, 1, dtype=torch.int64)
+        return triton_sampler.philox_uniform(seeds, torch.empty(rows, length, dtype=torch.int64))
 
     return launch
 
@@ -137,7 +187,17 @@ def _real() -> list[Variant]:
         Variant("router", "real", moe(CANVAS, BF16)),
         Variant("experts", "real", moe(CANVAS, BF16, route=False)),
         Variant("sample_and_embed", "real", sampler(REAL["vocab_size"], REAL["hidden_size"], BF16)),
+        Variant(
+            "soft_embedding",
+            "real",
+            sampler(REAL["vocab_size"], REAL["hidden_size"], BF16, fused=False),
+        ),
         Variant("entropy_accept L=256", "real", accept(CANVAS)),
+        Variant("rms_norm hidden", "real", norm((1, CANVAS, REAL["hidden_size"]), BF16)),
+        Variant("rms_norm heads D=256", "real", norm((1, CANVAS, 16, d), BF16)),
+        Variant("rms_norm v D=512", "real", norm((1, CANVAS, kv_full, d_full), BF16, False)),
+        Variant("softcap", "real", softcap(CANVAS, REAL["vocab_size"], BF16)),
+        Variant("philox", "real", philox(16, CANVAS)),
     ]
 
 
@@ -162,6 +222,8 @@ def _others() -> list[Variant]:
         Variant("one-token experts", "edge", moe(1, BF16, route=False)),
         Variant("entropy_accept L=1", "edge", accept(1)),
         Variant("entropy_accept L=37", "edge", accept(37)),
+        Variant("one-token rms_norm", "edge", norm((1, 1, REAL["hidden_size"]), BF16)),
+        Variant("one-position philox", "edge", philox(1, 1)),
         Variant("test_attention sliding", "test", attention(d, kv, window, BF16, **mixed)),
         Variant("test_attention full", "test", attention(d_full, kv_full, 0, BF16, **mixed)),
         Variant("test_moe router", "test", moe(4096, BF16, misaligned=True)),
@@ -169,6 +231,8 @@ def _others() -> list[Variant]:
         # gpu-train's evaluation: SmolLM2-135M (9 heads, 3 KV heads of 64, vocab 49,152).
         Variant("SmolLM2 attention fp32", "fp32", attention(64, 3, 0, FP32, heads=9)),
         Variant("SmolLM2 sample_and_embed fp32", "fp32", sampler(49_152, 576, FP32)),
+        Variant("SmolLM2 rms_norm fp32", "fp32", norm((1, 64, 576), FP32)),
+        Variant("toy softcap fp32", "fp32", softcap(64, 1000, FP32)),
         Variant("toy experts fp32", "fp32", moe(64, FP32, 64, 8, 2, 32, route=False)),
     ]
 

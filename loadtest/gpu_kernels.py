@@ -188,6 +188,9 @@ def time_kernels(
         4 * n * cfg.vocab_size,
         0.0,
     )
+    seeds = torch.arange(canvases, device=dev)[:, None]  # [R, 1]: one stream per canvas
+    counters = torch.arange(n, device=dev).view(canvases, length)  # [R, L]
+    add("philox_uniform", lambda: ks.philox_uniform(seeds, counters), 12 * n, 0.0)
     with recorded(errors, f"entropy_accept, soft_embedding at {canvases} canvases (sampling)"):
         result = ks.fused_sample(logits, temperature, uniform)
         entropy = result.entropy.view(canvases, length)

@@ -116,12 +116,12 @@ class DiffusionLM(nn.Module):
         return F.linear(hidden, self.embed_tokens.weight).float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied, soft-capped head in fp32, for inference: capped in place (the [rows, vocab]
-        buffer is the step's largest), so autograd cannot run through it; training uses
-        `engine.adapt.forward.train_logits` (the same values, bit for bit)."""
-        logits = self.lm_head(hidden)
-        cap = self.cfg.final_logit_softcapping
-        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+        """Tied, soft-capped head in fp32, for inference, through the bound `softcap` (the twin
+        caps in place, the [rows, vocab] buffer being the step's largest; Triton converts and
+        caps in one pass), so autograd cannot run through it; training uses
+        `engine.adapt.forward.train_logits` (the twin's values, bit for bit)."""
+        raw = F.linear(hidden, self.embed_tokens.weight)  # the model dtype
+        return self.kernels.softcap(raw, self.cfg.final_logit_softcapping)
 
     def _rope(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -31,8 +31,11 @@ REAL_KERNELS = {
     "_router_kernel",
     "_expert_gemm_kernel",
     "_sample_kernel",
-    "_soft_embedding_kernel",
+    "_probs_kernel",
     "_accept_kernel",
+    "_philox_kernel",
+    "_rms_norm_kernel",
+    "_softcap_kernel",
 }
 
 

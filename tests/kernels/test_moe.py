@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -85,6 +86,26 @@ def test_fused_moe_fp16_rounds_like_the_twin(device: torch.device) -> None:
     got, want = triton_moe.fused_moe(*args), reference.fused_moe(*args)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+def test_fused_moe_writes_every_pair_row_without_a_zero_fill(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher's buffers start as NaN: a pair row the kernels never wrote would show."""
+    s = SHAPES["odd-tokens-non-power-of-two-dims"]
+    w = make_layer(s, device, torch.float32)
+    weights, ids = route(reference, w, s)
+    args = (w["hidden"], w["gate_up"], w["down"], weights, ids)
+    want = triton_moe.fused_moe(*args)
+    empty = torch.empty
+
+    def poisoned(*shape: Any, **kwargs: Any) -> torch.Tensor:
+        out = empty(*shape, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    got = triton_moe.fused_moe(*args)
+    assert not got.isnan().any() and torch.equal(got, want)
 
 
 def test_fused_moe_is_batch_invariant(device: torch.device) -> None:

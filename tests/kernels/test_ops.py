@@ -92,16 +92,18 @@ def test_no_kernel_choice_reads_the_environment() -> None:
 
 def test_triton_ops_bind_every_twin_name_to_a_kernel_or_the_twin() -> None:
     pytest.importorskip("triton")
-    from kernels import triton_attention, triton_moe, triton_sampler
+    from kernels import triton_attention, triton_moe, triton_norm, triton_sampler
 
     module = kernels.triton_ops()
     for name in ("canvas_attention", "write_kv"):
         assert getattr(module, name) is getattr(triton_attention, name)
     for name in ("route_experts", "fused_moe", "grouped_mm"):
         assert getattr(module, name) is getattr(triton_moe, name)
-    for name in ("fused_sample", "entropy_accept", "soft_embedding"):
+    for name in ("rms_norm", "softcap"):
+        assert getattr(module, name) is getattr(triton_norm, name)
+    for name in ("fused_sample", "entropy_accept", "soft_embedding", "philox_uniform"):
         assert getattr(module, name) is getattr(triton_sampler, name)
-    for name in ("rms_norm", "segment_linear", "linear", "attention", "PagedRows", "SampleResult"):
+    for name in ("rms_norm_fused", "linear", "attention", "PagedRows", "SampleResult"):
         assert getattr(module, name) is getattr(reference, name)
 
 

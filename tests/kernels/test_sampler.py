@@ -158,3 +158,37 @@ def test_sample_and_embed_twin_equals_its_two_kernels_and_the_triton_version(
     got, got_soft = triton_sampler.sample_and_embed(*x.values(), weight, 6.5)
     assert torch.equal(got.sample, result.sample)
     torch.testing.assert_close(got_soft, soft, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "seed_shape,counter_shape",
+    [((5, 1), (5, 37)), ((7,), (7,)), ((), (300,)), ((), ()), ((2, 1, 1), (2, 3, 4))],
+)
+def test_philox_kernel_is_the_twins_stream_bit_for_bit(
+    seed_shape: tuple[int, ...], counter_shape: tuple[int, ...], device: torch.device
+) -> None:
+    gen = torch.Generator().manual_seed(len(seed_shape) * 10 + len(counter_shape))
+    seeds = torch.randint(0, 2**62, seed_shape, generator=gen)
+    counters = torch.randint(0, 2**61, counter_shape, generator=gen)
+    got = triton_sampler.philox_uniform(seeds.to(device), counters.to(device))
+    want = reference.philox_uniform(seeds, counters)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert torch.equal(got.cpu(), want)
+
+
+def test_sample_and_embed_chunks_give_the_unchunked_result(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
+    x = make_logits(7, 301, device)
+    weight = torch.randn(301, 24, generator=torch.Generator().manual_seed(3)).to(device)
+    whole, whole_soft = triton_sampler.sample_and_embed(*x.values(), weight, 2.0)
+    alone = triton_sampler.soft_embedding(x["logits"], x["temperature"], whole.lse, weight, 2.0)
+    monkeypatch.setattr(triton_sampler, "PROBS_CHUNK_BYTES", 3 * 301 * 4)  # 3 positions
+    parts, parts_soft = triton_sampler.sample_and_embed(*x.values(), weight, 2.0)
+    for name in ("sample", "argmax", "entropy", "lse"):
+        assert torch.equal(getattr(parts, name), getattr(whole, name)), name
+    # The GEMM's rounding may depend on its row count (fast numerics: reassociation only).
+    torch.testing.assert_close(parts_soft, whole_soft, rtol=1e-6, atol=1e-6)
+    chunked = triton_sampler.soft_embedding(x["logits"], x["temperature"], whole.lse, weight, 2.0)
+    torch.testing.assert_close(chunked, alone, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(alone, whole_soft, rtol=1e-5, atol=1e-5)
