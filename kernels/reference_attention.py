@@ -344,6 +344,7 @@ def write_kv(
         where = rows.memo[key] = (keep, flat)
     assert isinstance(where, tuple)
     keep, flat = where
-    for new, pool in ((k, k_pool), (v, v_pool)):
-        src = new if keep is None else new.index_select(0, keep)
-        pool.view(-1, pool.shape[-1]).index_copy_(0, flat, src.reshape(-1, src.shape[-1]))
+    if keep is not None:
+        k, v = k.index_select(0, keep), v.index_select(0, keep)
+    k_pool.view(-1, k_pool.shape[-1]).index_copy_(0, flat, k.reshape(-1, k.shape[-1]))
+    v_pool.view(-1, v_pool.shape[-1]).index_copy_(0, flat, v.reshape(-1, v.shape[-1]))
