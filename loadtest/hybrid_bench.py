@@ -99,7 +99,7 @@ def engines(model: Path) -> dict[str, tuple[LLM, DecodeMode]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="default: the built-in model")
-    parser.add_argument("--questions", type=int, default=6, help="prompts one at a time")
+    parser.add_argument("--questions", type=int, default=6, help="prompts one at a time (0: none)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = max(args.questions, args.concurrency)
     prompts = [question_ids(tokenizer, questions[i % len(questions)]) for i in range(wanted)]
     shapes = {1: prompts[: args.questions], args.concurrency: prompts[: args.concurrency]}
+    shapes = {c: batch for c, batch in shapes.items() if batch}  # --questions 0: skip one-by-one
     hw = _hardware()
     print(f"# hybrid vs AR: {args.model.name}, {hw['cpu']} ({hw['cpu_count']} CPUs)")
     print(f"# command: python -m loadtest.hybrid_bench {' '.join(sys.argv[1:])}".rstrip())
