@@ -453,7 +453,8 @@ def _sample_and_embed(acct: Accountant, args: tuple[Any, ...], out: Any) -> list
 
 def _one_pass(name: str) -> Rule:
     """A memory-bound kernel of one launch that reads its inputs and writes its output once:
-    `triton_norm`'s RMSNorm (x, weight, out) and softcap (the head's output, fp32 logits), the
+    `triton_norm`'s RMSNorm (x, weight, out), q/k/v norms and RoPE (q, k, v, their weights,
+    cos, sin and the three outputs) and softcap (the head's output, fp32 logits), the
     Philox kernel (seeds, counters, uniforms)."""
 
     def rule(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
@@ -468,6 +469,7 @@ def _accept(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
 
 CUSTOM_RULES: dict[str, Rule] = {
     "rms_norm": _one_pass("rms_norm"),
+    "qkv_norm_rope": _one_pass("qkv_norm_rope"),
     "softcap": _one_pass("softcap"),
     "philox_uniform": _one_pass("philox_uniform"),
     "canvas_attention": _attention,

@@ -35,6 +35,7 @@ REAL_KERNELS = {
     "_accept_kernel",
     "_philox_kernel",
     "_rms_norm_kernel",
+    "_qkv_norm_rope_kernel",
     "_softcap_kernel",
 }
 
