@@ -157,6 +157,48 @@ def route_experts(
     return weights * per_expert_scale[ids], ids
 
 
+# Pairs per program of `triton_moe.align_pairs` (its count and placement kernels).
+ALIGN_CHUNK = 128
+
+
+def align_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of `align_pairs`' output: every pair plus each used expert's padding to a whole
+    block, bounded on the host (nothing waits for the device)."""
+    padding = min(num_experts, num_pairs) * (block_m - 1)
+    return -(-(num_pairs + padding) // block_m) * block_m
+
+
+def align_pairs(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the N*K token-expert pairs of ids [N, K] (pair = token * K + slot) by expert, in
+    pair order within an expert (a stable sort), each expert padded to whole blocks of
+    `block_m` rows. Returns (sorted pair ids [capacity] int32, padding rows = N*K; expert of
+    each block [capacity / block_m] int32, num_experts for unused blocks). The Triton experts'
+    grouping (`triton_moe.align_pairs`); ids are < num_experts by contract."""
+    flat = ids.reshape(-1)
+    num_pairs = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    # Counts by a scatter into E bins: `bincount` sizes its output from the largest id, which
+    # CUDA reads back to the host.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    expert_sorted = flat[order]
+    rank = (
+        torch.arange(num_pairs, device=ids.device)
+        - (torch.cumsum(counts, 0) - counts)[expert_sorted]
+    )
+    dest = (padded_end - padded)[expert_sorted] + rank
+    capacity = align_capacity(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=ids.device)
+    sorted_pairs[dest] = order.to(torch.int32)
+    block_start = torch.arange(0, capacity, block_m, device=ids.device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows of x [S, In] grouped by expert (offsets [E] = cumulative row counts, int32) times
     weight [E, Out, In]^T. Returns [S, Out]."""
@@ -266,9 +308,12 @@ from kernels.reference_sampler import (  # noqa: E402
 )
 
 __all__ = [
+    "ALIGN_CHUNK",
     "PagedRows",
     "SMALL_ROWS",
     "SampleResult",
+    "align_capacity",
+    "align_pairs",
     "apply_rope_fused",
     "attention",
     "canvas_attention",

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from kernels.reference import ALIGN_CHUNK, align_capacity
 from kernels.reference_sampler import PROBS_CHUNK_BYTES
 
 aten = torch.ops.aten
@@ -382,22 +383,16 @@ def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
 
 
 def align_pairs_costs(ids: torch.Tensor, num_experts: int) -> list[dict[str, Any]]:
-    """The host code of `triton_moe.align_pairs` run on meta under its own accountant: its
-    launches and syncs as they are now (a fixed estimate without triton)."""
-    try:
-        from kernels.triton_moe import align_pairs
-    except ImportError:
-        return [{"launches": 17, "sync": "bincount: data-dependent shape", "where": "?"}]
-    sub = Accountant("meta")
-    with sub:
-        align_pairs(torch.empty(ids.shape, dtype=ids.dtype, device="meta"), num_experts, 64)
-    bytes_ = sum(r.bytes for r in sub.records)
-    syncs = [r for r in sub.records if r.sync]
-    launches = sum(r.launches for r in sub.records)
-    kind = ", ".join(f"{r.name}: {r.sync}" for r in syncs)
-    where = syncs[0].where if syncs else ""
-    cost: dict[str, Any] = {"bytes": bytes_, "launches": launches, "sync": kind, "where": where}
-    return [cost, *({"launches": 0, "sync": kind, "where": where} for _ in syncs[1:])]
+    """`triton_moe.align_pairs`: three launches and no sync (per-chunk expert counts, one
+    program's prefix sums, the placement with the block map and padding rows); it reads the
+    ids twice and the [chunks, E] counts three times, and writes the rows and the block map."""
+    num_pairs, block_m = ids.numel(), 64
+    capacity = align_capacity(num_pairs, num_experts, block_m)
+    counts = math.ceil(num_pairs / ALIGN_CHUNK) * max(16, 1 << (num_experts - 1).bit_length())
+    io = (
+        2 * num_pairs * ids.element_size() + 3 * counts * 4 + capacity * 4 + capacity // block_m * 4
+    )
+    return [{"bytes": io, "launches": 3}]
 
 
 def _sample_cost(logits: torch.Tensor, probs_size: int = 0) -> dict[str, Any]:
