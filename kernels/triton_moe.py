@@ -9,7 +9,8 @@
   belongs to one expert; padding rows are skipped; `align_pairs`: a stable counting sort in
   three launches, no host sync), then two grouped GEMMs: gate_up with the
   GeGLU (gelu tanh) epilogue, and down with the routing weight epilogue. Pair outputs land in
-  (token, slot) order and are summed over the slots in fp32, as the twin does.
+  (token, slot) order and are summed over the slots in fp32, as the twin does, and cast to
+  the hidden dtype in one pass (`_slot_sum_kernel`).
 
 Every pair's value is computed by one program over a fixed K order, independent of the other
 pairs, so results are batch invariant by construction; `segments` is accepted and not needed.
@@ -145,6 +146,38 @@ def _expert_gemm_kernel(
         token, slot = pair // TOP_K, pair % TOP_K
         acc *= tl.load(weights_ptr + token * sr_n + slot * sr_k, mask=valid, other=0.0)[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _slot_sum_kernel(
+    pairs_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """out[token] = the sum of its TOP_K weighted pair rows (fp32, in slot order), in out's
+    dtype: the twin's sum over the slots and its cast in one pass."""
+    tokens = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (tokens < num_tokens)[:, None] & (cols < hidden)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+    for slot in tl.static_range(TOP_K):
+        rows = tokens * TOP_K + slot
+        acc += tl.load(pairs_ptr + rows[:, None] * hidden + cols[None, :], mask=mask, other=0.0)
+    out = out_ptr + tokens[:, None] * hidden + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _slot_sum(
+    out_pairs: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[N * K, H] fp32 pair rows to [N, H] in `dtype` (`_slot_sum_kernel`)."""
+    hidden = out_pairs.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=dtype, device=out_pairs.device)
+    block_n, block_h = (64, 1024) if interpreting() else (4, 512)
+    grid = (triton.cdiv(num_tokens, block_n), triton.cdiv(hidden, block_h))
+    _slot_sum_kernel[grid](
+        out_pairs, out, num_tokens, hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_H=block_h
+    )
+    return out
 
 
 def _block_m() -> int:
@@ -368,8 +401,8 @@ def fused_moe(
         down.stride(1), out_pairs.stride(0), weights.stride(0), weights.stride(1),
         EPILOGUE=WEIGHTED, **common,
     )  # fmt: skip
-    # Sum over the slots in (token, slot) order in fp32, exactly as the twin does.
-    return out_pairs.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
+    # Sum over the slots in (token, slot) order in fp32, as the twin does, and cast: one pass.
+    return _slot_sum(out_pairs, num_tokens, top_k, hidden.dtype)
 
 
 KERNELS = (route_experts, fused_moe, grouped_mm)

@@ -359,7 +359,8 @@ def touched_experts(num_tokens: int, num_experts: int, top_k: int) -> float:
 
 def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     """Triton's fused_moe (kernels/triton_moe.py): align the pairs, a GEGLU grouped GEMM, a
-    weighted down GEMM writing each row of an fp32 [N*K, H] buffer once, the slot sum, a cast."""
+    weighted down GEMM writing each row of an fp32 [N*K, H] buffer once, the slot sum and the
+    cast in one pass."""
     hidden, gate_up, down, weights, ids = args
     num_tokens, hid = hidden.shape
     num_experts, two_inter, _ = gate_up.shape
@@ -378,7 +379,7 @@ def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     return [
         *parts,
         Part("fused_moe.expert_gemms", gemm),
-        Part("fused_moe.slot_sum_cast", {"bytes": fp32_pairs + num_tokens * hid * (8 + el)}),
+        Part("fused_moe.slot_sum_cast", {"bytes": fp32_pairs + num_tokens * hid * el}),
     ]
 
 

@@ -33,6 +33,7 @@ REAL_KERNELS = {
     "_chunk_counts_kernel",
     "_expert_offsets_kernel",
     "_place_pairs_kernel",
+    "_slot_sum_kernel",
     "_sample_kernel",
     "_probs_kernel",
     "_accept_kernel",
