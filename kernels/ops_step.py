@@ -64,7 +64,7 @@ def _qkv_norm_rope(
 
 @_qkv_norm_rope.register_kernel("cuda")
 def _qkv_norm_rope_cuda(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return cuda_impl("triton_norm", "qkv_norm_rope")(*args)  # type: ignore[operator,no-any-return]
+    return cuda_impl("triton_norm", "qkv_norm_rope")(*args)  # type: ignore[operator]
 
 
 @_qkv_norm_rope.register_fake
