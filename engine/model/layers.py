@@ -44,7 +44,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension through the bound kernel set, with a weight used as is
-    (Gemma's convention) or, with `with_weight=False`, none (DiffusionGemma's v_norm)."""
+    (Gemma's convention) or, with `with_weight=False`, none (the self-conditioning post-norm)."""
 
     def __init__(self, dim: int, eps: float, with_weight: bool = True) -> None:
         super().__init__()
@@ -72,11 +72,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * spec.head_dim, hidden, bias=False)
         self.lora: nn.ModuleDict | None = None  # a decoder adapter's deltas (DECODE rows only)
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else spec.head_dim**-0.5
-        self.qkv_norm = cfg.qk_norm  # Gemma: weighted q/k norms and an unweighted v norm
+        # Gemma: weighted q/k norms and an unweighted v norm (`qkv_norm_rope` applies all three;
+        # q_norm and k_norm hold the weights and eps)
+        self.qkv_norm = cfg.qk_norm
         if self.qkv_norm:
             self.q_norm = RMSNorm(spec.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, cfg.rms_norm_eps)
-            self.v_norm = RMSNorm(spec.head_dim, cfg.rms_norm_eps, with_weight=False)
 
     def forward(
         self,
