@@ -236,12 +236,16 @@ def _place_pairs_kernel(
     expert in earlier chunks + its rank in the chunk: a stable sort); then the expert of each
     of its share of the blocks, and the padding rows of those blocks."""
     chunk = tl.program_id(0)
-    pairs, onehot = _chunk_onehot(ids_ptr, chunk, num_pairs, CHUNK, E_PAD)
-    e = tl.arange(0, E_PAD)
-    base = tl.load(hist_ptr + chunk * E_PAD + e) + tl.load(start_ptr + e)
-    rank = tl.sum(onehot * (tl.cumsum(onehot, 0) - 1 + base[None, :]), 1)
-    tl.store(sorted_ptr + rank, pairs.to(tl.int32), mask=pairs < num_pairs)
-    padded_end = tl.load(padded_end_ptr + e)
+    slot = tl.arange(0, CHUNK)
+    pairs = chunk * CHUNK + slot
+    valid = pairs < num_pairs
+    pair_expert = tl.load(ids_ptr + pairs, mask=valid, other=0).to(tl.int32)
+    # The pairs of the same expert before each one in the chunk: its rank there.
+    same = (pair_expert[:, None] == pair_expert[None, :]) & (slot[None, :] < slot[:, None])
+    rank = tl.sum(same.to(tl.int32), 1)
+    rank += tl.load(hist_ptr + chunk * E_PAD + pair_expert) + tl.load(start_ptr + pair_expert)
+    tl.store(sorted_ptr + rank, pairs.to(tl.int32), mask=valid)
+    padded_end = tl.load(padded_end_ptr + tl.arange(0, E_PAD))
     first = chunk * blocks_per_program
     last = tl.minimum(first + blocks_per_program, num_blocks)
     for b0 in range(first, last, TILE_B):

@@ -212,7 +212,6 @@ def _real() -> list[Variant]:
         Variant("entropy_accept L=256", "real", accept(CANVAS)),
         Variant("rms_norm hidden", "real", norm((1, CANVAS, REAL["hidden_size"]), BF16)),
         Variant("qkv_norm_rope sliding D=256", "real", norm_rope(heads, kv, d, BF16)),
-        Variant("qkv_norm_rope full D=512", "real", norm_rope(heads, kv_full, d_full, BF16, True)),
         Variant("softcap", "real", softcap(CANVAS, REAL["vocab_size"], BF16)),
         Variant("philox", "real", philox(16, CANVAS)),
     ]
@@ -235,6 +234,8 @@ def _others() -> list[Variant]:
             "edge",
             attention(d, kv, window, BF16, decode=False, write=True, **ar),
         ),
+        # The full layers' norms and RoPE (V is k): the sliding variant's kernel, other blocks.
+        Variant("qkv_norm_rope full D=512", "edge", norm_rope(16, kv_full, d_full, BF16, True)),
         Variant("one-token router", "edge", moe(1, BF16)),
         Variant("one-token experts", "edge", moe(1, BF16, route=False)),
         Variant("entropy_accept L=1", "edge", accept(1)),
