@@ -80,6 +80,7 @@ class KernelSet:
     backend: str  # "triton" | "twins"
     exact: bool
     rms_norm: Callable[..., torch.Tensor]
+    qkv_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     softcap: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor]
     route_experts: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -106,10 +107,9 @@ class KernelSet:
 
     def with_custom_ops(self) -> KernelSet:
         """This set with every kernel as a `torch.library` custom op (`kernels.ops`: the KV
-        write and attention; `kernels.ops_step`: norms, softcap, router, experts, sampler,
-        random numbers), so that a step runs
-        on the meta device and traces through them. Fast numerics only: the ops' CPU
-        implementations are the batched twins."""
+        write and attention; `kernels.ops_step`: norms, q/k/v norms and RoPE, softcap, router,
+        experts, sampler, random numbers), so that a step runs on the meta device and traces
+        through them. Fast numerics only: the ops' CPU implementations are the batched twins."""
         if self.exact:
             raise ValueError("custom ops carry fast numerics only (the batched twins)")
         from kernels import ops, ops_step
@@ -117,6 +117,7 @@ class KernelSet:
         return replace(
             self,
             rms_norm=ops_step.rms_norm,
+            qkv_norm_rope=ops_step.qkv_norm_rope,
             softcap=ops_step.softcap,
             philox_uniform=ops_step.philox_uniform,
             write_kv=ops.write_kv,
@@ -148,6 +149,7 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
             backend=backend,
             exact=True,
             rms_norm=reference.rms_norm,
+            qkv_norm_rope=reference.qkv_norm_rope_exact,
             softcap=reference.softcap,
             linear=reference.segment_linear,
             route_experts=ops.route_experts,
@@ -167,6 +169,8 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
         exact=False,
         # Triton's norm is one pass (the twin's fp32 operations are six on a GPU).
         rms_norm=ops.rms_norm if backend == "triton" else reference.rms_norm_fused,
+        # Triton: attention's q/k/v norms and RoPE in one kernel (the twin's are ~15 passes).
+        qkv_norm_rope=ops.qkv_norm_rope,
         softcap=ops.softcap,
         linear=reference.linear,
         route_experts=_batched(ops.route_experts),

@@ -1,5 +1,6 @@
 """The step's other kernels as `torch.library` custom ops, beside `kernels.ops` (KV write,
-attention): the norm `canvas::rms_norm`, the head's `canvas::softcap`, the router
+attention): the norm `canvas::rms_norm`, attention's q/k/v norms and RoPE
+`canvas::qkv_norm_rope`, the head's `canvas::softcap`, the router
 `canvas::route_experts`, the experts `canvas::fused_moe`, and the sampler's
 `canvas::fused_sample`, `canvas::entropy_accept`, `canvas::soft_embedding`,
 `canvas::sample_and_embed` and `canvas::philox_uniform`. With them a fast-numerics step
@@ -45,6 +46,32 @@ def _rms_norm_cuda(*args: Any) -> torch.Tensor:
 @_rms_norm.register_fake
 def _rms_norm_fake(x: torch.Tensor, *args: Any) -> torch.Tensor:
     return fake(x, x.shape)
+
+
+@torch.library.custom_op("canvas::qkv_norm_rope", mutates_args=())
+def _qkv_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return reference.qkv_norm_rope(q, k, v, q_weight, k_weight, cos, sin, eps)
+
+
+@_qkv_norm_rope.register_kernel("cuda")
+def _qkv_norm_rope_cuda(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return cuda_impl("triton_norm", "qkv_norm_rope")(*args)  # type: ignore[operator]
+
+
+@_qkv_norm_rope.register_fake
+def _qkv_norm_rope_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return fake(q, q.shape), fake(k, k.shape), fake(v, v.shape)
 
 
 @torch.library.custom_op("canvas::softcap", mutates_args=())
@@ -213,6 +240,20 @@ def _philox_uniform_fake(seeds: torch.Tensor, counters: torch.Tensor) -> torch.T
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """`reference.rms_norm_fused` as `canvas::rms_norm`."""
     return torch.ops.canvas.rms_norm(x, weight, eps)
+
+
+def qkv_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference.qkv_norm_rope` as `canvas::qkv_norm_rope`."""
+    return torch.ops.canvas.qkv_norm_rope(q, k, v, q_weight, k_weight, cos, sin, eps)
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -8,6 +8,9 @@ in fp32 Canvas reproduces the reference's numbers (and therefore its sampled tok
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +36,69 @@ def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> 
     inv = torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps).rsqrt_().unsqueeze(-1)
     out = x * inv
     return out if weight is None else out.mul_(weight)
+
+
+def apply_rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, `engine.model.layers.apply_rope`'s values bit for bit (both numerics), in
+    half-width passes written into one output, without the rotated copy. x [B, T, H, D] with
+    cos, sin [B, T, D], or x [N, H, D] with cos, sin [N, D]. cos and sin repeat their first half
+    (`DiffusionLM._rope` builds them from cat(freqs, freqs)), so out = (x1 c - x2 s,
+    x2 c + x1 s) with c, s the first halves. Each product is rounded on its own, as in
+    `apply_rope`: no fused multiply-add (`addcmul` fuses in its vectorised loop but not in its
+    scalar tail, so a value would depend on where the batch's size puts it)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., None, :half], sin[..., None, :half]
+    if torch.is_grad_enabled():  # training: autograd takes no out= and no in-place here
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    out = torch.empty_like(x)
+    torch.mul(x1, c, out=out[..., :half]).sub_(x2 * s)
+    torch.mul(x2, c, out=out[..., half:]).add_(x1 * s)
+    return out
+
+
+def qkv_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gemma attention's per-head norms and RoPE in fast numerics: q [N, Hq, D] and
+    k [N, Hkv, D] RMS-normed with their weights (used as is), then rotated by cos, sin [N, D]
+    (`apply_rope_fused`: the halves repeat; partial and proportional RoPE are in the tables,
+    cos 1 and sin 0 on the dimensions left unrotated); v [N, Hkv, D] (may be k itself: a full
+    layer's V is the raw k_proj output) normed without weight and not rotated. Returns new
+    (q, k, v) of the inputs' shapes and dtype."""
+    return qkv_norm_rope_with(rms_norm_fused, q, k, v, q_weight, k_weight, cos, sin, eps)
+
+
+def qkv_norm_rope_exact(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`qkv_norm_rope` with the reference-exact norm (`rms_norm`): exact numerics."""
+    return qkv_norm_rope_with(rms_norm, q, k, v, q_weight, k_weight, cos, sin, eps)
+
+
+def qkv_norm_rope_with(
+    norm: Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor],
+    *args: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`qkv_norm_rope`'s sequence with a given norm: the norms, then RoPE on q and k."""
+    q, k, v, q_weight, k_weight, cos, sin, eps = args
+    q = apply_rope_fused(norm(q, q_weight, eps), cos, sin)
+    k = apply_rope_fused(norm(k, k_weight, eps), cos, sin)
+    return q, k, norm(v, None, eps)
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -89,6 +155,48 @@ def route_experts(
     weights, ids = torch.topk(probs, k=top_k, dim=-1)
     weights /= weights.sum(dim=-1, keepdim=True)
     return weights * per_expert_scale[ids], ids
+
+
+# Pairs per program of `triton_moe.align_pairs` (its count and placement kernels).
+ALIGN_CHUNK = 128
+
+
+def align_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of `align_pairs`' output: every pair plus each used expert's padding to a whole
+    block, bounded on the host (nothing waits for the device)."""
+    padding = min(num_experts, num_pairs) * (block_m - 1)
+    return -(-(num_pairs + padding) // block_m) * block_m
+
+
+def align_pairs(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the N*K token-expert pairs of ids [N, K] (pair = token * K + slot) by expert, in
+    pair order within an expert (a stable sort), each expert padded to whole blocks of
+    `block_m` rows. Returns (sorted pair ids [capacity] int32, padding rows = N*K; expert of
+    each block [capacity / block_m] int32, num_experts for unused blocks). The Triton experts'
+    grouping (`triton_moe.align_pairs`); ids are < num_experts by contract."""
+    flat = ids.reshape(-1)
+    num_pairs = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    # Counts by a scatter into E bins: `bincount` sizes its output from the largest id, which
+    # CUDA reads back to the host.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    expert_sorted = flat[order]
+    rank = (
+        torch.arange(num_pairs, device=ids.device)
+        - (torch.cumsum(counts, 0) - counts)[expert_sorted]
+    )
+    dest = (padded_end - padded)[expert_sorted] + rank
+    capacity = align_capacity(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=ids.device)
+    sorted_pairs[dest] = order.to(torch.int32)
+    block_start = torch.arange(0, capacity, block_m, device=ids.device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    return sorted_pairs, block_expert
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -200,9 +308,13 @@ from kernels.reference_sampler import (  # noqa: E402
 )
 
 __all__ = [
+    "ALIGN_CHUNK",
     "PagedRows",
     "SMALL_ROWS",
     "SampleResult",
+    "align_capacity",
+    "align_pairs",
+    "apply_rope_fused",
     "attention",
     "canvas_attention",
     "canvas_attention_rowwise",
@@ -214,6 +326,9 @@ __all__ = [
     "grouped_mm",
     "linear",
     "philox_uniform",
+    "qkv_norm_rope",
+    "qkv_norm_rope_exact",
+    "qkv_norm_rope_with",
     "prefix_range",
     "rms_norm",
     "rms_norm_fused",

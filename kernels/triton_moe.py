@@ -1,13 +1,16 @@
 """The DiffusionGemma router and fused mixture of experts, in Triton. Twins:
-`reference.route_experts`, `reference.fused_moe`, `reference.grouped_mm` (same signatures).
+`reference.route_experts`, `reference.fused_moe`, `reference.grouped_mm`,
+`reference.align_pairs` (same signatures).
 
 - Router: one program per block of tokens computes rmsnorm(hidden) * scale / sqrt(H), the
   expert scores, the fp32 softmax, the top-k (ties to the lowest expert id), the renormalised
   weights and the per_expert_scale product, without writing the scores.
 - Experts: token-expert pairs are grouped by expert into blocks of BLOCK_M rows (each block
-  belongs to one expert; padding rows are skipped), then two grouped GEMMs: gate_up with the
+  belongs to one expert; padding rows are skipped; `align_pairs`: a stable counting sort in
+  three launches, no host sync), then two grouped GEMMs: gate_up with the
   GeGLU (gelu tanh) epilogue, and down with the routing weight epilogue. Pair outputs land in
-  (token, slot) order and are summed over the slots in fp32, as the twin does.
+  (token, slot) order and are summed over the slots in fp32, as the twin does, and cast to
+  the hidden dtype in one pass (`_slot_sum_kernel`).
 
 Every pair's value is computed by one program over a fixed K order, independent of the other
 pairs, so results are batch invariant by construction; `segments` is accepted and not needed.
@@ -21,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import dot_precision, expect, interpreting
+from kernels.reference import ALIGN_CHUNK, align_capacity
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -144,40 +148,148 @@ def _expert_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _slot_sum_kernel(
+    pairs_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """out[token] = the sum of its TOP_K weighted pair rows (fp32, in slot order), in out's
+    dtype: the twin's sum over the slots and its cast in one pass."""
+    tokens = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (tokens < num_tokens)[:, None] & (cols < hidden)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+    for slot in tl.static_range(TOP_K):
+        rows = tokens * TOP_K + slot
+        acc += tl.load(pairs_ptr + rows[:, None] * hidden + cols[None, :], mask=mask, other=0.0)
+    out = out_ptr + tokens[:, None] * hidden + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _slot_sum(
+    out_pairs: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[N * K, H] fp32 pair rows to [N, H] in `dtype` (`_slot_sum_kernel`)."""
+    hidden = out_pairs.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=dtype, device=out_pairs.device)
+    block_n, block_h = (64, 1024) if interpreting() else (4, 512)
+    grid = (triton.cdiv(num_tokens, block_n), triton.cdiv(hidden, block_h))
+    _slot_sum_kernel[grid](
+        out_pairs, out, num_tokens, hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_H=block_h
+    )
+    return out
+
+
 def _block_m() -> int:
     # Fixed (not chosen from the token count) so that each pair's arithmetic never depends on
     # the batch; 64 rows fill a Hopper warpgroup MMA.
     return 16 if interpreting() else 64
 
 
+@triton.jit
+def _chunk_onehot(ids_ptr, chunk, num_pairs, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    """The chunk's pair ids [CHUNK] and their experts one-hot [CHUNK, E_PAD] (int32)."""
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+    expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=E_PAD).to(tl.int32)
+    return pairs, (expert[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _chunk_counts_kernel(
+    ids_ptr, hist_ptr, num_pairs, CHUNK: tl.constexpr, E_PAD: tl.constexpr
+):  # fmt: skip
+    """hist[chunk, e]: the pairs of one chunk of CHUNK pairs that go to expert e."""
+    chunk = tl.program_id(0)
+    _, onehot = _chunk_onehot(ids_ptr, chunk, num_pairs, CHUNK, E_PAD)
+    tl.store(hist_ptr + chunk * E_PAD + tl.arange(0, E_PAD), tl.sum(onehot, 0))
+
+
+@triton.jit
+def _expert_offsets_kernel(
+    hist_ptr, start_ptr, valid_end_ptr, padded_end_ptr, num_chunks, num_experts, block_m,
+    ROWS: tl.constexpr, E_PAD: tl.constexpr,
+):  # fmt: skip
+    """One program: hist becomes each chunk's exclusive prefix per expert (in place); then each
+    expert's first row (padded to whole blocks), end of its pairs and end of its blocks."""
+    e = tl.arange(0, E_PAD)
+    seen = tl.zeros([E_PAD], tl.int32)
+    for c0 in range(0, num_chunks, ROWS):
+        rows = c0 + tl.arange(0, ROWS)
+        ptrs = hist_ptr + rows[:, None] * E_PAD + e[None, :]
+        tile = tl.load(ptrs, mask=(rows < num_chunks)[:, None], other=0)
+        tl.store(ptrs, tl.cumsum(tile, 0) - tile + seen[None, :], mask=(rows < num_chunks)[:, None])
+        seen += tl.sum(tile, 0)
+    padded = tl.where(e < num_experts, (seen + block_m - 1) // block_m * block_m, 0)
+    padded_end = tl.cumsum(padded, 0)
+    tl.store(start_ptr + e, padded_end - padded)
+    tl.store(valid_end_ptr + e, padded_end - padded + seen)
+    tl.store(padded_end_ptr + e, tl.where(e < num_experts, padded_end, 1 << 30))
+
+
+@triton.jit
+def _place_pairs_kernel(
+    ids_ptr, hist_ptr, start_ptr, valid_end_ptr, padded_end_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, num_blocks, blocks_per_program, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    E_PAD: tl.constexpr, TILE_B: tl.constexpr,
+):  # fmt: skip
+    """Program c: each pair of chunk c to its row (its expert's first row + the pairs of that
+    expert in earlier chunks + its rank in the chunk: a stable sort); then the expert of each
+    of its share of the blocks, and the padding rows of those blocks."""
+    chunk = tl.program_id(0)
+    slot = tl.arange(0, CHUNK)
+    pairs = chunk * CHUNK + slot
+    valid = pairs < num_pairs
+    pair_expert = tl.load(ids_ptr + pairs, mask=valid, other=0).to(tl.int32)
+    # The pairs of the same expert before each one in the chunk: its rank there.
+    same = (pair_expert[:, None] == pair_expert[None, :]) & (slot[None, :] < slot[:, None])
+    rank = tl.sum(same.to(tl.int32), 1)
+    rank += tl.load(hist_ptr + chunk * E_PAD + pair_expert) + tl.load(start_ptr + pair_expert)
+    tl.store(sorted_ptr + rank, pairs.to(tl.int32), mask=valid)
+    padded_end = tl.load(padded_end_ptr + tl.arange(0, E_PAD))
+    first = chunk * blocks_per_program
+    last = tl.minimum(first + blocks_per_program, num_blocks)
+    for b0 in range(first, last, TILE_B):
+        blocks = b0 + tl.arange(0, TILE_B)
+        in_range = blocks < last
+        rows = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [TILE_B, BLOCK_M]
+        # searchsorted(padded_end, block start, right=True); unused blocks get num_experts.
+        expert = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)
+        tl.store(block_expert_ptr + blocks, expert, mask=in_range)
+        valid_end = tl.load(valid_end_ptr + expert, mask=in_range & (expert < E_PAD), other=0)
+        pad = in_range[:, None] & (rows >= valid_end[:, None])
+        tl.store(sorted_ptr + rows, tl.zeros(rows.shape, tl.int32) + num_pairs, mask=pad)
+
+
 def align_pairs(
     ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group the N*K token-expert pairs (pair = token * K + slot) by expert, each expert padded
-    to whole blocks of `block_m` rows. Returns (sorted pair ids [capacity] int32, padding rows
-    = N*K; expert of each block [capacity / block_m] int32, num_experts for unused blocks).
-    Capacity is a bound known on the host, so nothing waits for the device."""
+    """See `reference.align_pairs` (the same outputs), in three launches and without a host
+    sync: per-chunk expert counts, one program's prefix sums over chunks and experts, then
+    each chunk's pairs placed by rank (and the block map and padding rows written)."""
     flat = ids.reshape(-1)
-    num_pairs = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    # Counts by a scatter into E bins: `bincount` sizes its output from the largest id, which
-    # CUDA reads back to the host (a sync per layer); ids are < num_experts by contract.
-    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
-    counts.index_add_(0, flat, torch.ones_like(flat))  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    expert_sorted = flat[order]
-    rank = (
-        torch.arange(num_pairs, device=ids.device)
-        - (torch.cumsum(counts, 0) - counts)[expert_sorted]
+    num_pairs, dev = flat.numel(), ids.device
+    capacity = align_capacity(num_pairs, num_experts, block_m)
+    num_blocks = capacity // block_m
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    if num_pairs == 0:
+        return sorted_pairs, block_expert
+    assert block_m & (block_m - 1) == 0, f"block_m must be a power of two, got {block_m}"
+    chunk, e_pad = ALIGN_CHUNK, max(16, triton.next_power_of_2(num_experts))
+    num_chunks = triton.cdiv(num_pairs, chunk)
+    hist = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=dev)
+    ends = torch.empty(3, e_pad, dtype=torch.int32, device=dev)  # start, valid end, padded end
+    _chunk_counts_kernel[(num_chunks,)](
+        flat, hist, num_pairs, CHUNK=chunk, E_PAD=e_pad, num_warps=8
     )
-    dest = (padded_end - padded)[expert_sorted] + rank
-    capacity = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
-    capacity *= block_m
-    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=ids.device)
-    sorted_pairs[dest] = order.to(torch.int32)
-    block_start = torch.arange(0, capacity, block_m, device=ids.device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    _expert_offsets_kernel[(1,)](
+        hist, ends[0], ends[1], ends[2], num_chunks, num_experts, block_m, ROWS=32, E_PAD=e_pad
+    )
+    _place_pairs_kernel[(num_chunks,)](
+        flat, hist, ends[0], ends[1], ends[2], sorted_pairs, block_expert, num_pairs, num_blocks,
+        triton.cdiv(num_blocks, num_chunks), BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad,
+        TILE_B=16, num_warps=8,
+    )  # fmt: skip
     return sorted_pairs, block_expert
 
 
@@ -293,8 +405,8 @@ def fused_moe(
         down.stride(1), out_pairs.stride(0), weights.stride(0), weights.stride(1),
         EPILOGUE=WEIGHTED, **common,
     )  # fmt: skip
-    # Sum over the slots in (token, slot) order in fp32, exactly as the twin does.
-    return out_pairs.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
+    # Sum over the slots in (token, slot) order in fp32, as the twin does, and cast: one pass.
+    return _slot_sum(out_pairs, num_tokens, top_k, hidden.dtype)
 
 
 KERNELS = (route_experts, fused_moe, grouped_mm)

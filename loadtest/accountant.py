@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from kernels.reference import ALIGN_CHUNK, align_capacity
 from kernels.reference_sampler import PROBS_CHUNK_BYTES
 
 aten = torch.ops.aten
@@ -358,7 +359,8 @@ def touched_experts(num_tokens: int, num_experts: int, top_k: int) -> float:
 
 def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     """Triton's fused_moe (kernels/triton_moe.py): align the pairs, a GEGLU grouped GEMM, a
-    weighted down GEMM writing each row of an fp32 [N*K, H] buffer once, the slot sum, a cast."""
+    weighted down GEMM writing each row of an fp32 [N*K, H] buffer once, the slot sum and the
+    cast in one pass."""
     hidden, gate_up, down, weights, ids = args
     num_tokens, hid = hidden.shape
     num_experts, two_inter, _ = gate_up.shape
@@ -377,27 +379,21 @@ def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     return [
         *parts,
         Part("fused_moe.expert_gemms", gemm),
-        Part("fused_moe.slot_sum_cast", {"bytes": fp32_pairs + num_tokens * hid * (8 + el)}),
+        Part("fused_moe.slot_sum_cast", {"bytes": fp32_pairs + num_tokens * hid * el}),
     ]
 
 
 def align_pairs_costs(ids: torch.Tensor, num_experts: int) -> list[dict[str, Any]]:
-    """The host code of `triton_moe.align_pairs` run on meta under its own accountant: its
-    launches and syncs as they are now (a fixed estimate without triton)."""
-    try:
-        from kernels.triton_moe import align_pairs
-    except ImportError:
-        return [{"launches": 17, "sync": "bincount: data-dependent shape", "where": "?"}]
-    sub = Accountant("meta")
-    with sub:
-        align_pairs(torch.empty(ids.shape, dtype=ids.dtype, device="meta"), num_experts, 64)
-    bytes_ = sum(r.bytes for r in sub.records)
-    syncs = [r for r in sub.records if r.sync]
-    launches = sum(r.launches for r in sub.records)
-    kind = ", ".join(f"{r.name}: {r.sync}" for r in syncs)
-    where = syncs[0].where if syncs else ""
-    cost: dict[str, Any] = {"bytes": bytes_, "launches": launches, "sync": kind, "where": where}
-    return [cost, *({"launches": 0, "sync": kind, "where": where} for _ in syncs[1:])]
+    """`triton_moe.align_pairs`: three launches and no sync (per-chunk expert counts, one
+    program's prefix sums, the placement with the block map and padding rows); it reads the
+    ids twice and the [chunks, E] counts three times, and writes the rows and the block map."""
+    num_pairs, block_m = ids.numel(), 64
+    capacity = align_capacity(num_pairs, num_experts, block_m)
+    counts = math.ceil(num_pairs / ALIGN_CHUNK) * max(16, 1 << (num_experts - 1).bit_length())
+    io = (
+        2 * num_pairs * ids.element_size() + 3 * counts * 4 + capacity * 4 + capacity // block_m * 4
+    )
+    return [{"bytes": io, "launches": 3}]
 
 
 def _sample_cost(logits: torch.Tensor, probs_size: int = 0) -> dict[str, Any]:
@@ -453,7 +449,8 @@ def _sample_and_embed(acct: Accountant, args: tuple[Any, ...], out: Any) -> list
 
 def _one_pass(name: str) -> Rule:
     """A memory-bound kernel of one launch that reads its inputs and writes its output once:
-    `triton_norm`'s RMSNorm (x, weight, out) and softcap (the head's output, fp32 logits), the
+    `triton_norm`'s RMSNorm (x, weight, out), q/k/v norms and RoPE (q, k, v, their weights,
+    cos, sin and the three outputs) and softcap (the head's output, fp32 logits), the
     Philox kernel (seeds, counters, uniforms)."""
 
     def rule(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
@@ -468,6 +465,7 @@ def _accept(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
 
 CUSTOM_RULES: dict[str, Rule] = {
     "rms_norm": _one_pass("rms_norm"),
+    "qkv_norm_rope": _one_pass("qkv_norm_rope"),
     "softcap": _one_pass("softcap"),
     "philox_uniform": _one_pass("philox_uniform"),
     "canvas_attention": _attention,

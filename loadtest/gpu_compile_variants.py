@@ -145,6 +145,23 @@ def norm(shape: tuple[int, ...], dtype: torch.dtype, weighted: bool = True) -> C
     return launch
 
 
+def norm_rope(
+    heads: int, kv_heads: int, dim: int, dtype: torch.dtype, v_is_k: bool = False
+) -> Callable[[], object]:
+    """`qkv_norm_rope` over the projections' [N, heads, D] views; `v_is_k`: a full layer (V is
+    the raw k_proj output)."""
+
+    def launch() -> object:
+        from kernels import triton_norm
+
+        q, k = (torch.empty(CANVAS, h, dim, dtype=dtype) for h in (heads, kv_heads))
+        v = k if v_is_k else torch.empty(CANVAS, kv_heads, dim, dtype=dtype)
+        weight, table = torch.empty(dim, dtype=dtype), torch.empty(CANVAS, dim, dtype=dtype)
+        return triton_norm.qkv_norm_rope(q, k, v, weight, weight, table, table, 1e-6)
+
+    return launch
+
+
 def softcap(positions: int, vocab: int, dtype: torch.dtype) -> Callable[[], object]:
     def launch() -> object:
         from kernels import triton_norm
@@ -176,7 +193,7 @@ def accept(length: int, rows: int = 4) -> Callable[[], object]:
 
 
 def _real() -> list[Variant]:
-    d, kv = REAL["head_dim"], REAL["num_key_value_heads"]
+    d, kv, heads = REAL["head_dim"], REAL["num_key_value_heads"], REAL["num_attention_heads"]
     d_full, kv_full = REAL["global_head_dim"], REAL["num_global_key_value_heads"]
     window = REAL["sliding_window"]
     return [
@@ -194,8 +211,7 @@ def _real() -> list[Variant]:
         ),
         Variant("entropy_accept L=256", "real", accept(CANVAS)),
         Variant("rms_norm hidden", "real", norm((1, CANVAS, REAL["hidden_size"]), BF16)),
-        Variant("rms_norm heads D=256", "real", norm((1, CANVAS, 16, d), BF16)),
-        Variant("rms_norm v D=512", "real", norm((1, CANVAS, kv_full, d_full), BF16, False)),
+        Variant("qkv_norm_rope sliding D=256", "real", norm_rope(heads, kv, d, BF16)),
         Variant("softcap", "real", softcap(CANVAS, REAL["vocab_size"], BF16)),
         Variant("philox", "real", philox(16, CANVAS)),
     ]
@@ -218,6 +234,8 @@ def _others() -> list[Variant]:
             "edge",
             attention(d, kv, window, BF16, decode=False, write=True, **ar),
         ),
+        # The full layers' norms and RoPE (V is k): the sliding variant's kernel, other blocks.
+        Variant("qkv_norm_rope full D=512", "edge", norm_rope(16, kv_full, d_full, BF16, True)),
         Variant("one-token router", "edge", moe(1, BF16)),
         Variant("one-token experts", "edge", moe(1, BF16, route=False)),
         Variant("entropy_accept L=1", "edge", accept(1)),
@@ -232,6 +250,7 @@ def _others() -> list[Variant]:
         Variant("SmolLM2 attention fp32", "fp32", attention(64, 3, 0, FP32, heads=9)),
         Variant("SmolLM2 sample_and_embed fp32", "fp32", sampler(49_152, 576, FP32)),
         Variant("SmolLM2 rms_norm fp32", "fp32", norm((1, 64, 576), FP32)),
+        Variant("qkv_norm_rope heads D=64 fp32", "fp32", norm_rope(9, 3, 64, FP32)),
         Variant("toy softcap fp32", "fp32", softcap(64, 1000, FP32)),
         Variant("toy experts fp32", "fp32", moe(64, FP32, 64, 8, 2, 32, route=False)),
     ]

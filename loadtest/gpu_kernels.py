@@ -156,6 +156,12 @@ def time_kernels(
         flops = 4 * heads * d * length * (hi - lo + length) * canvases
         name = f"attention {'full' if full else 'sliding'}"
         add(name, lambda: ks.canvas_attention(q, k, v, *pools, rows, window, 1.0), moved, flops)  # noqa: B023
+        attn, tables = layer.self_attn, (randn(n, d), randn(n, d))
+        if attn.qkv_norm:  # a full layer's V is its raw k_proj output (k read twice)
+            qkv = (q, k, k if full else v, attn.q_norm.weight, attn.k_norm.weight, *tables)
+            moved = (2 * n * heads * d + 4 * n * kv * d + n * d) * el  # cos, sin: half each
+            qkv_fn = lambda: ks.qkv_norm_rope(*qkv, cfg.rms_norm_eps)  # noqa: B023, E731
+            add(f"qkv_norm_rope {'full' if full else 'sliding'}", qkv_fn, moved, 0.0)
         if not full:  # a commit pass: ENCODE rows write their canvas into the pages
             enc, _ = paged_rows(canvases, prefix, length, window, page, False, dev)
             add("write_kv", lambda: ks.write_kv(k, v, *pools, enc), 4 * n * kv * d * el, 0.0)  # noqa: B023

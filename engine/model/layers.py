@@ -12,6 +12,7 @@ from torch import nn
 from engine.model.config import LayerSpec, RopeSpec, TextConfig
 from engine.model.kv_cache import ForwardBatch, KVCache
 from kernels import KernelSet, resolve_kernels
+from kernels.reference import apply_rope_fused
 
 # Until `DiffusionLM.bind_kernels` runs (load_model does): fast numerics, the PyTorch twins.
 UNBOUND = resolve_kernels("cpu", "twins", exact=False)
@@ -41,28 +42,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]
 
 
-def apply_rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rope`'s values bit for bit (both numerics), in half-width passes written into one
-    output, without the rotated copy. cos and sin repeat their first half (`DiffusionLM._rope`
-    builds them from cat(freqs, freqs)), so out = (x1 c - x2 s, x2 c + x1 s) with c, s the
-    first halves. Each
-    product is rounded on its own, as in `apply_rope`: no fused multiply-add (`addcmul` fuses
-    in its vectorised loop but not in its scalar tail, so a value would depend on where the
-    batch's size puts it)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, :, None, :half], sin[:, :, None, :half]
-    if torch.is_grad_enabled():  # training: autograd takes no out= and no in-place here
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    out = torch.empty_like(x)
-    torch.mul(x1, c, out=out[..., :half]).sub_(x2 * s)
-    torch.mul(x2, c, out=out[..., half:]).add_(x1 * s)
-    return out
-
-
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension through the bound kernel set, with a weight used as is
-    (Gemma's convention) or, with `with_weight=False`, none (DiffusionGemma's v_norm)."""
+    (Gemma's convention) or, with `with_weight=False`, none (the self-conditioning post-norm)."""
 
     def __init__(self, dim: int, eps: float, with_weight: bool = True) -> None:
         super().__init__()
@@ -90,11 +72,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * spec.head_dim, hidden, bias=False)
         self.lora: nn.ModuleDict | None = None  # a decoder adapter's deltas (DECODE rows only)
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else spec.head_dim**-0.5
-        self.qkv_norm = cfg.qk_norm  # Gemma: weighted q/k norms and an unweighted v norm
+        # Gemma: weighted q/k norms and an unweighted v norm (`qkv_norm_rope` applies all three;
+        # q_norm and k_norm hold the weights and eps)
+        self.qkv_norm = cfg.qk_norm
         if self.qkv_norm:
             self.q_norm = RMSNorm(spec.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, cfg.rms_norm_eps)
-            self.v_norm = RMSNorm(spec.head_dim, cfg.rms_norm_eps, with_weight=False)
 
     def forward(
         self,
@@ -113,14 +96,15 @@ class Attention(nn.Module):
         v = k  # full layers of DiffusionGemma have no v_proj: V is the raw k_proj output
         if self.v_proj is not None:
             v = self._project("v_proj", x, batch).view(shape)
-        if self.qkv_norm:
-            q = self.q_norm(q)
-            v = self.v_norm(v)
-            k = self.k_norm(k)
-        q = apply_rope_fused(q, cos, sin)[0]  # [N, Hq, D]
-        k = apply_rope_fused(k, cos, sin)[0]  # [N, Hkv, D]
+        if self.qkv_norm:  # the norms and RoPE of q, k and v in one call (one Triton kernel)
+            weights = (self.q_norm.weight, self.k_norm.weight)
+            q, k, v = ks.qkv_norm_rope(q[0], k[0], v[0], *weights, cos[0], sin[0], self.q_norm.eps)
+        else:
+            q = apply_rope_fused(q, cos, sin)[0]  # [N, Hq, D]
+            k = apply_rope_fused(k, cos, sin)[0]  # [N, Hkv, D]
+            v = v[0]
         window = batch.sliding_window if self.spec.is_sliding else 0
-        out = cache.attend(ks, layer, q, k, v[0], batch, window, self.scale)  # [N, Hq, D]
+        out = cache.attend(ks, layer, q, k, v, batch, window, self.scale)  # [N, Hq, D]
         return self._project("o_proj", out.reshape(1, x.shape[1], -1), batch)
 
     def _project(self, name: str, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = (
     "attention sliding",
     "attention full",
+    "qkv_norm_rope sliding",
+    "qkv_norm_rope full",
     "write_kv",
     "route_experts",
     "fused_moe",

@@ -30,11 +30,16 @@ REAL_KERNELS = {
     "_write_kv_kernel",
     "_router_kernel",
     "_expert_gemm_kernel",
+    "_chunk_counts_kernel",
+    "_expert_offsets_kernel",
+    "_place_pairs_kernel",
+    "_slot_sum_kernel",
     "_sample_kernel",
     "_probs_kernel",
     "_accept_kernel",
     "_philox_kernel",
     "_rms_norm_kernel",
+    "_qkv_norm_rope_kernel",
     "_softcap_kernel",
 }
 

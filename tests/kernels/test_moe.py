@@ -133,6 +133,29 @@ def test_align_pairs_groups_every_pair_once_by_expert() -> None:
 
 
 @pytest.mark.parametrize(
+    "num_tokens,top_k,num_experts,block_m",
+    [
+        (0, 8, 128, 16),  # no pairs
+        (1, 8, 128, 64),  # one token, the real router's experts and block
+        (37, 3, 5, 2),  # few experts, tiny blocks: most rows padding-free
+        (300, 4, 20, 16),  # ten chunks of pairs, counts carried across them
+        (9, 1, 33, 4),  # grouped_mm's use: one slot, an expert count not a power of two
+    ],
+)
+def test_align_pairs_matches_twin(
+    num_tokens: int, top_k: int, num_experts: int, block_m: int, device: torch.device
+) -> None:
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)
+    if num_tokens > 100:  # a skewed routing: some experts full, some empty
+        ids = ids % (num_experts // 2)
+    got = triton_moe.align_pairs(ids.to(device), num_experts, block_m)
+    want = reference.align_pairs(ids, num_experts, block_m)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.int32 and torch.equal(g.cpu(), w)
+
+
+@pytest.mark.parametrize(
     "offsets", [[3, 3, 8, 9, 9, 14], [0, 0, 0, 0, 0, 14], [14, 14, 14, 14, 14, 14]]
 )
 def test_grouped_mm_matches_twin(offsets: list[int], device: torch.device) -> None:

@@ -99,7 +99,7 @@ def test_triton_ops_bind_every_twin_name_to_a_kernel_or_the_twin() -> None:
         assert getattr(module, name) is getattr(triton_attention, name)
     for name in ("route_experts", "fused_moe", "grouped_mm"):
         assert getattr(module, name) is getattr(triton_moe, name)
-    for name in ("rms_norm", "softcap"):
+    for name in ("rms_norm", "qkv_norm_rope", "softcap"):
         assert getattr(module, name) is getattr(triton_norm, name)
     for name in ("fused_sample", "entropy_accept", "soft_embedding", "philox_uniform"):
         assert getattr(module, name) is getattr(triton_sampler, name)
