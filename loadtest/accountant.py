@@ -47,6 +47,9 @@ class Hardware:
     bandwidth: float  # memory B/s
     launch_s: float
     sync_s: float
+    # attention's FLOP/s where it is measured apart from the matmuls (a CPU's SDPA runs far
+    # below its GEMM rate); 0: the matmul rate
+    attention_flops: float = 0.0
 
 
 # Datasheet dense peaks (no sparsity); fp32 matmuls run in IEEE fp32 (TF32 is off by default).
@@ -67,6 +70,8 @@ _SHAPE_SYNCS = {
     aten.unique_dim,
 }  # fmt: skip
 _COPIES = {aten._to_copy, aten.copy_, aten.to}
+# Attention as the CPU runs it: the composite op (seen whole) and its CPU kernel.
+_SDPA_CPU = {aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention_for_cpu}
 
 
 @dataclass(slots=True)
@@ -81,6 +86,7 @@ class OpRecord:
     launches: int = 1
     gemm: bool = False
     fp32: bool = False
+    attention: bool = False  # an attention kernel (SDPA, canvas attention): its own rate
     host: bool = False
     sync: str = ""
     where: str = ""
@@ -90,6 +96,8 @@ class OpRecord:
         if self.host:
             return 0.0
         rate = hw.fp32_flops if self.fp32 else hw.tensor_flops
+        if self.attention and hw.attention_flops:
+            rate = hw.attention_flops
         time = max(self.flops / rate, self.bytes / hw.bandwidth) + self.launches * hw.launch_s
         return time + (hw.sync_s if self.sync else 0.0)
 
@@ -100,6 +108,14 @@ class StepRows:
     rules need: a meta tensor holds no per-row values."""
 
     rows: list[tuple[int, int, bool]] = field(default_factory=list)
+
+
+def sdpa_flops(q: torch.Tensor, k: torch.Tensor) -> float:
+    """An attention call's FLOPs: q [..., H, T, D] against k [..., Hkv, S, D] (grouped heads
+    share keys): Q·Kᵀ and P·V, 2 FLOPs per multiply-add each, masked entries included (as
+    `torch.utils.flop_counter` counts the GPU kernels)."""
+    batch = q.numel() // (q.shape[-1] * q.shape[-2])  # every query head of every row
+    return 4.0 * batch * q.shape[-2] * k.shape[-2] * q.shape[-1]
 
 
 def _nbytes(tensors: list[Any]) -> int:
@@ -204,10 +220,16 @@ class Accountant(TorchDispatchMode):
             out_dim = tensors[1].shape[0] if packet is aten.linear else tensors[1].shape[-1]
             record.flops = 2.0 * tensors[0].numel() * out_dim
             record.gemm, record.fp32 = True, tensors[0].dtype == torch.float32
+        elif packet in _SDPA_CPU:  # CPU attention, which the registry does not know
+            record.flops, record.attention = sdpa_flops(tensors[0], tensors[1]), True
+        elif packet is aten._grouped_mm:  # x [M, K] by w [E, K, N], each row by one expert
+            record.flops = 2.0 * tensors[0].shape[0] * tensors[0].shape[1] * tensors[1].shape[-1]
+            record.gemm, record.fp32 = True, tensors[0].dtype == torch.float32
         elif packet in flop_registry:
             record.flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
             record.gemm = packet in GEMMS
             record.fp32 = record.gemm and tensors[0].dtype == torch.float32
+            record.attention = "scaled_dot_product" in str(packet)
         if sync:
             record.where = project_frame()
             if self.current == "forward" and _in_prepare():
@@ -335,7 +357,8 @@ def _attention(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
         flops += 4 * heads * dim * new * keys
         kv_bytes += 2 * (prefix + new) * kv_heads * dim * k.element_size()
     io = 2 * q.numel() * q.element_size() + kv_bytes
-    return [Part("canvas_attention", {"flops": flops, "bytes": io, "gemm": True})]
+    cost = {"flops": flops, "bytes": io, "gemm": True, "attention": True}
+    return [Part("canvas_attention", cost)]
 
 
 def _write_kv(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:

@@ -14,11 +14,12 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from engine.model.config import ModelConfig, parse_text_config
 from engine.testing import PRESETS, preset_text_config
 from kernels import resolve_kernels
-from loadtest.accountant import Accountant, Hardware
+from loadtest.accountant import Accountant, Hardware, sdpa_flops
 from loadtest.gpu_bench import meta_model
 
 PRESET = "bench-small"
@@ -36,8 +37,9 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure_cpu() -> Hardware:
-    """This CPU's fp32 GEMM rate (1024^3), memory bandwidth (a 256 MiB copy: read + write)
-    and per-op cost (a 16-element add), each the best of a few runs."""
+    """This CPU's fp32 GEMM rate (1024^3), memory bandwidth (a 256 MiB copy: read + write),
+    per-op cost (a 16-element add) and attention rate (`sdpa_rate`), each the best of a few
+    runs."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     gemm = 2 * 1024**3 / _best(lambda: a @ b, 5)
     src = torch.empty(64 << 20)
@@ -45,7 +47,25 @@ def measure_cpu() -> Hardware:
     bandwidth = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), 5)
     tiny = torch.zeros(16)
     per_op = _best(lambda: [tiny.add_(1) for _ in range(1000)], 3) / 1000
-    return Hardware("this CPU", gemm, gemm, bandwidth, per_op, 0.0)
+    return Hardware("this CPU", gemm, gemm, bandwidth, per_op, 0.0, sdpa_rate())
+
+
+def sdpa_rate(preset: str = PRESET, rows: int = 16) -> float:
+    """FLOP/s of one fp32 SDPA call as the attention twin makes it at `preset`'s shapes:
+    `rows` canvases of its canvas length over a prefix of as many keys again, GQA, with a
+    boolean mask (FLOPs as the accountant counts them, `sdpa_flops`)."""
+    cfg = preset_text_config(preset)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    dim, length = cfg["head_dim"], PRESETS[preset].canvas_length
+    q = torch.randn(rows, heads, length, dim)
+    k = torch.randn(rows, kv_heads, 2 * length, dim)
+    v = torch.randn_like(k)
+    mask = torch.ones(rows, 1, length, 2 * length, dtype=torch.bool).tril(length)
+
+    def call() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return sdpa_flops(q, k) / _best(call, 5)
 
 
 def cpu_model(preset: str = PRESET) -> torch.nn.Module:
@@ -75,7 +95,8 @@ def calibrate(kinds: tuple[str, ...] = ("denoise", "commit"), repeats: int = 3) 
     cpu = torch.device("cpu")
     lines = [
         f"Calibration on this CPU ({torch.get_num_threads()} threads): fp32 GEMM "
-        f"{hw.tensor_flops / 1e9:.0f} GFLOP/s, copy {hw.bandwidth / 1e9:.1f} GB/s, "
+        f"{hw.tensor_flops / 1e9:.0f} GFLOP/s, fp32 SDPA {hw.attention_flops / 1e9:.1f} GFLOP/s, "
+        f"copy {hw.bandwidth / 1e9:.1f} GB/s, "
         f"{hw.launch_s * 1e6:.1f} µs per op; {PRESET}, fp32, fast twins\n",
         "| step | canvases | ops | predicted ms | ops' own ms | measured ms | predicted / measured "
         "|",

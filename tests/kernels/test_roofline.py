@@ -4,6 +4,8 @@ sampler) at the real shapes on meta, whose forward and sampler must not synchron
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -24,6 +26,23 @@ def test_a_gemm_counts_its_flops_and_bytes_and_a_view_moves_nothing() -> None:
     assert mm.flops == 2 * 64 * 32 * 16 and mm.gemm and mm.fp32
     assert mm.bytes == (64 * 32 + 32 * 16 + 64 * 16) * 4
     assert acct.launches == 1 and acct.seconds(H200) > 0
+
+
+def test_the_cpu_twins_grouped_gemms_and_attention_count_their_flops() -> None:
+    """The CPU calibration runs the twins: `_grouped_mm` and SDPA are not in torch's FLOP
+    registry, and counted as bytes alone they made the CPU prediction half the measured step."""
+    x, w = torch.randn(12, 16), torch.randn(3, 16, 8)
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8)
+    acct = Accountant("cpu")
+    with acct:
+        torch.nn.functional.grouped_mm(x, w, offs=torch.tensor([4, 8, 12], dtype=torch.int32))
+        torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    flops = {r.name: r for r in acct.records if r.flops}
+    assert flops["_grouped_mm"].flops == 2 * 12 * 16 * 8 and flops["_grouped_mm"].gemm
+    (attention,) = [r for r in acct.records if r.attention]
+    assert attention.flops == 4 * 2 * 4 * 5 * 7 * 8
+    slow = dataclasses.replace(H200, attention_flops=1e9)
+    assert attention.seconds(slow) > attention.seconds(H200)  # its own rate where measured
 
 
 def test_syncs_are_recorded_on_meta_and_the_step_runs_on() -> None:
