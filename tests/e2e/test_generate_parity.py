@@ -16,7 +16,7 @@ SEEDS = (0, 1, 2)
 # On the real canvas length a reference generate() takes minutes on 2 cores, so there each
 # prompt runs with one seed and the seeds take turns: every prompt and every seed still runs
 # (5 generations instead of 15, the slowest test of the suite before); likewise on the
-# sliding-window preset, whose every seed also runs on three prompts in the TPF test below.
+# sliding-window preset. The TPF test below reuses these runs.
 ONE_SEED_PER_PROMPT = {"c256", "gqa8", "c32-window"}
 # Presets whose random weights are confident enough for canvases to stop before the step cap
 # (see engine.testing): on these the adaptive stop must be exercised.
@@ -104,15 +104,14 @@ def test_tokens_per_forward_matches_reference_when_nothing_is_cut(
     llm = LLM.from_pretrained(path, exact=True)
     max_tokens = 2 * llm.canvas_length
     checked = 0
-    for prompt in prompts_for(llm)[:3]:
-        for seed in SEEDS:
-            ref_ids, ref_tpf = reference_run(path, prompt, seed, max_tokens)
-            (out,) = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, seed=seed))
-            if out.finish_reason != "length" or llm.defaults.pad_token_id in ref_ids:
-                continue  # an EOS cut (or a generated pad id, which the reference does not count)
-            assert out.output_ids == ref_ids
-            assert out.tokens_per_forward == pytest.approx(ref_tpf, rel=1e-6)
-            checked += 1
+    for prompt, seed in cases(prompts_for(llm), preset)[:9]:  # the parity test's runs
+        ref_ids, ref_tpf = reference_run(path, prompt, seed, max_tokens)
+        (out,) = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, seed=seed))
+        if out.finish_reason != "length" or llm.defaults.pad_token_id in ref_ids:
+            continue  # an EOS cut (or a generated pad id, which the reference does not count)
+        assert out.output_ids == ref_ids
+        assert out.tokens_per_forward == pytest.approx(ref_tpf, rel=1e-6)
+        checked += 1
     assert checked >= 3
 
 
