@@ -16,14 +16,13 @@ rows' optional `span` (`Tensor?`: None on the plain causal path).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from kernels import reference, triton_available
+from kernels import reference
+from kernels.op_support import cuda_impl, fake
 from kernels.reference import PagedRows
 
 
@@ -48,16 +47,6 @@ def _rows(
     )  # fmt: skip
 
 
-@functools.cache
-def _cuda_kernels() -> ModuleType:
-    """Triton's launchers on CUDA, the twins without triton."""
-    if not triton_available():
-        return reference
-    from kernels import triton_attention
-
-    return triton_attention
-
-
 @torch.library.custom_op("canvas::write_kv", mutates_args=("k_pool", "v_pool"))
 def _write_kv(
     k: torch.Tensor,
@@ -79,7 +68,7 @@ def _write_kv(
 @_write_kv.register_kernel("cuda")
 def _write_kv_cuda(*args: Any) -> None:
     k, v, k_pool, v_pool, *flat, host = args
-    _cuda_kernels().write_kv(k, v, k_pool, v_pool, _rows(flat, host))
+    cuda_impl("triton_attention", "write_kv")(k, v, k_pool, v_pool, _rows(flat, host))  # type: ignore[operator]
 
 
 @_write_kv.register_fake
@@ -112,12 +101,13 @@ def _canvas_attention(
 def _canvas_attention_cuda(*args: Any) -> torch.Tensor:
     q, k, v, k_pool, v_pool, *flat, span, host, window, scale = args
     rows = _rows(flat, host, span)
-    return _cuda_kernels().canvas_attention(q, k, v, k_pool, v_pool, rows, window, scale)
+    attend = cuda_impl("triton_attention", "canvas_attention")
+    return attend(q, k, v, k_pool, v_pool, rows, window, scale)  # type: ignore[operator]
 
 
 @_canvas_attention.register_fake
 def _canvas_attention_fake(*args: Any) -> torch.Tensor:
-    return torch.empty_like(args[0], memory_format=torch.contiguous_format)  # q's shape
+    return fake(args[0], args[0].shape)  # q's shape
 
 
 def write_kv(
