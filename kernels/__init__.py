@@ -22,6 +22,7 @@ from kernels import reference
 # Each module exports KERNELS: its launchers, named exactly as their twins in `reference`.
 TRITON_MODULES = (
     "kernels.triton_attention",
+    "kernels.triton_layer",
     "kernels.triton_moe",
     "kernels.triton_norm",
     "kernels.triton_sampler",
@@ -80,6 +81,10 @@ class KernelSet:
     backend: str  # "triton" | "twins"
     exact: bool
     rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., torch.Tensor]
+    rms_norm_pair: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    close_layer: Callable[..., torch.Tensor]
+    gated_act: Callable[..., torch.Tensor]
     qkv_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     softcap: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor]
@@ -107,16 +112,21 @@ class KernelSet:
 
     def with_custom_ops(self) -> KernelSet:
         """This set with every kernel as a `torch.library` custom op (`kernels.ops`: the KV
-        write and attention; `kernels.ops_step`: norms, q/k/v norms and RoPE, softcap, router,
+        write and attention; `kernels.ops_layer`: a layer's fused norm tails and MLP product;
+        `kernels.ops_step`: norms, q/k/v norms and RoPE, softcap, router,
         experts, sampler, random numbers), so that a step runs on the meta device and traces
         through them. Fast numerics only: the ops' CPU implementations are the batched twins."""
         if self.exact:
             raise ValueError("custom ops carry fast numerics only (the batched twins)")
-        from kernels import ops, ops_step
+        from kernels import ops, ops_layer, ops_step
 
         return replace(
             self,
             rms_norm=ops_step.rms_norm,
+            add_rms_norm=ops_layer.add_rms_norm,
+            rms_norm_pair=ops_layer.rms_norm_pair,
+            close_layer=ops_layer.close_layer,
+            gated_act=ops_layer.gated_act,
             qkv_norm_rope=ops_step.qkv_norm_rope,
             softcap=ops_step.softcap,
             philox_uniform=ops_step.philox_uniform,
@@ -149,6 +159,10 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
             backend=backend,
             exact=True,
             rms_norm=reference.rms_norm,
+            add_rms_norm=reference.add_rms_norm_exact,
+            rms_norm_pair=reference.rms_norm_pair_exact,
+            close_layer=reference.close_layer_exact,
+            gated_act=reference.gated_act,
             qkv_norm_rope=reference.qkv_norm_rope_exact,
             softcap=reference.softcap,
             linear=reference.segment_linear,
@@ -169,6 +183,12 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
         exact=False,
         # Triton's norm is one pass (the twin's fp32 operations are six on a GPU).
         rms_norm=ops.rms_norm if backend == "triton" else reference.rms_norm_fused,
+        # Triton: a layer's norms, residual adds, layer scalar and MLP product in 4 launches
+        # (unfused: 16); the twins run the same ops in the layer's order.
+        add_rms_norm=ops.add_rms_norm,
+        rms_norm_pair=ops.rms_norm_pair,
+        close_layer=ops.close_layer,
+        gated_act=ops.gated_act,
         # Triton: attention's q/k/v norms and RoPE in one kernel (the twin's are ~15 passes).
         qkv_norm_rope=ops.qkv_norm_rope,
         softcap=ops.softcap,

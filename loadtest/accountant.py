@@ -474,7 +474,8 @@ def _one_pass(name: str) -> Rule:
     """A memory-bound kernel of one launch that reads its inputs and writes its output once:
     `triton_norm`'s RMSNorm (x, weight, out), q/k/v norms and RoPE (q, k, v, their weights,
     cos, sin and the three outputs) and softcap (the head's output, fp32 logits), the
-    Philox kernel (seeds, counters, uniforms)."""
+    Philox kernel (seeds, counters, uniforms), and `triton_layer`'s tails (the norms' inputs,
+    weights, residual and layer scalar; their one or two outputs)."""
 
     def rule(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
         return [Part(name, {"bytes": _nbytes(_tensors(args, out))})]
@@ -491,6 +492,10 @@ CUSTOM_RULES: dict[str, Rule] = {
     "qkv_norm_rope": _one_pass("qkv_norm_rope"),
     "softcap": _one_pass("softcap"),
     "philox_uniform": _one_pass("philox_uniform"),
+    "add_rms_norm": _one_pass("add_rms_norm"),
+    "rms_norm_pair": _one_pass("rms_norm_pair"),
+    "close_layer": _one_pass("close_layer"),
+    "gated_act": _one_pass("gated_act"),
     "canvas_attention": _attention,
     "write_kv": _write_kv,
     "route_experts": _route,

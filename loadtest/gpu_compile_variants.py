@@ -145,6 +145,27 @@ def norm(shape: tuple[int, ...], dtype: torch.dtype, weighted: bool = True) -> C
     return launch
 
 
+def tails(tokens: int, hidden: int, inter: int, dtype: torch.dtype) -> Callable[[], object]:
+    """`triton_layer`'s tails over [1, tokens, hidden] rows (the layer scalar per token: mixed
+    modes) and the dense MLP's [1, tokens, inter] product, GeGLU in bf16, SwiGLU in fp32."""
+
+    def launch() -> object:
+        from kernels import triton_layer
+
+        rows = [torch.empty(1, tokens, hidden, dtype=dtype) for _ in range(3)]
+        weight, scale = torch.empty(hidden, dtype=dtype), torch.empty(1, tokens, 1, dtype=dtype)
+        gate = torch.empty(1, tokens, inter, dtype=dtype)
+        activation = "silu" if dtype == FP32 else "gelu_pytorch_tanh"
+        return (
+            triton_layer.add_rms_norm(rows[0], rows[1], weight, 1e-6),
+            triton_layer.rms_norm_pair(rows[0], weight, weight, 1e-6),
+            triton_layer.close_layer(*rows, weight, weight, weight, scale, 1e-6),
+            triton_layer.gated_act(gate, gate, activation),
+        )
+
+    return launch
+
+
 def norm_rope(
     heads: int, kv_heads: int, dim: int, dtype: torch.dtype, v_is_k: bool = False
 ) -> Callable[[], object]:
@@ -211,6 +232,11 @@ def _real() -> list[Variant]:
         ),
         Variant("entropy_accept L=256", "real", accept(CANVAS)),
         Variant("rms_norm hidden", "real", norm((1, CANVAS, REAL["hidden_size"]), BF16)),
+        Variant(
+            "layer tails",
+            "real",
+            tails(CANVAS, REAL["hidden_size"], REAL["intermediate_size"], BF16),
+        ),
         Variant("qkv_norm_rope sliding D=256", "real", norm_rope(heads, kv, d, BF16)),
         Variant("softcap", "real", softcap(CANVAS, REAL["vocab_size"], BF16)),
         Variant("philox", "real", philox(16, CANVAS)),
@@ -241,6 +267,11 @@ def _others() -> list[Variant]:
         Variant("entropy_accept L=1", "edge", accept(1)),
         Variant("entropy_accept L=37", "edge", accept(37)),
         Variant("one-token rms_norm", "edge", norm((1, 1, REAL["hidden_size"]), BF16)),
+        Variant(
+            "one-token layer tails",
+            "edge",
+            tails(1, REAL["hidden_size"], REAL["intermediate_size"], BF16),
+        ),
         Variant("one-position philox", "edge", philox(1, 1)),
         Variant("test_attention sliding", "test", attention(d, kv, window, BF16, **mixed)),
         Variant("test_attention full", "test", attention(d_full, kv_full, 0, BF16, **mixed)),
@@ -250,6 +281,7 @@ def _others() -> list[Variant]:
         Variant("SmolLM2 attention fp32", "fp32", attention(64, 3, 0, FP32, heads=9)),
         Variant("SmolLM2 sample_and_embed fp32", "fp32", sampler(49_152, 576, FP32)),
         Variant("SmolLM2 rms_norm fp32", "fp32", norm((1, 64, 576), FP32)),
+        Variant("SmolLM2 layer tails fp32", "fp32", tails(64, 576, 1536, FP32)),
         Variant("qkv_norm_rope heads D=64 fp32", "fp32", norm_rope(9, 3, 64, FP32)),
         Variant("toy softcap fp32", "fp32", softcap(64, 1000, FP32)),
         Variant("toy experts fp32", "fp32", moe(64, FP32, 64, 8, 2, 32, route=False)),

@@ -86,16 +86,18 @@ class Layer(nn.Module):
         batch: ForwardBatch,
         cache: KVCache,
     ) -> torch.Tensor:
-        ops = self.kernels
-        residual = x
+        ops, eps = self.kernels, self.cfg.rms_norm_eps
         h = self.self_attn(self.input_layernorm(x), rope, layer, batch, cache)
-        x = residual + self.post_attention_layernorm(h)
+        # x + post_attention_layernorm(h)
+        x = ops.add_rms_norm(x, h, self.post_attention_layernorm.weight, eps)
 
         residual = x
         seg = batch.segments
-        dense = self.post_feedforward_layernorm_1(
-            self.mlp(self.pre_feedforward_layernorm(x), seg, batch),
+        # pre_feedforward_layernorm(x) and pre_feedforward_layernorm_2(x), one read of x
+        pre_dense, pre_moe = ops.rms_norm_pair(
+            x, self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm_2.weight, eps
         )
+        dense = self.mlp(pre_dense, seg, batch)
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = ops.route_experts(
             flat,
@@ -107,16 +109,25 @@ class Layer(nn.Module):
             segments=seg,
         )
         moe = ops.fused_moe(
-            self.pre_feedforward_layernorm_2(flat),
+            pre_moe.reshape(flat.shape),
             self.experts.gate_up_proj,
             self.experts.down_proj,
             weights,
             ids,
             segments=seg,
         )
-        moe = self.post_feedforward_layernorm_2(moe.reshape(x.shape))
-        x = residual + self.post_feedforward_layernorm(dense + moe)
-        return x * self.layer_scalar(batch)
+        # (residual + post_feedforward_layernorm(post_feedforward_layernorm_1(dense) +
+        # post_feedforward_layernorm_2(moe))) * layer scalar
+        return ops.close_layer(
+            dense,
+            moe.reshape(x.shape),
+            residual,
+            self.post_feedforward_layernorm_1.weight,
+            self.post_feedforward_layernorm_2.weight,
+            self.post_feedforward_layernorm.weight,
+            self.layer_scalar(batch),
+            eps,
+        )
 
     def layer_scalar(self, batch: ForwardBatch) -> torch.Tensor:
         """The per-mode layer scalar: one value when all rows share a mode, else [1, N, 1]."""

@@ -6,13 +6,13 @@ self-conditioning block. Modules that call kernels hold `self.kernels`, bound on
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import LayerSpec, RopeSpec, TextConfig
 from engine.model.kv_cache import ForwardBatch, KVCache
 from kernels import KernelSet, resolve_kernels
 from kernels.reference import apply_rope_fused
+from kernels.reference_layer import ACTIVATIONS
 
 # Until `DiffusionLM.bind_kernels` runs (load_model does): fast numerics, the PyTorch twins.
 UNBOUND = resolve_kernels("cpu", "twins", exact=False)
@@ -120,18 +120,13 @@ class Attention(nn.Module):
         self.kernels = kernels
 
 
-ACTIVATIONS = {
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-}
-
-
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): GeGLU (Gemma) or SwiGLU (Llama)."""
 
     def __init__(self, hidden: int, intermediate: int, activation: str) -> None:
         super().__init__()
         self.kernels = UNBOUND
+        self.activation = activation
         self.act = ACTIVATIONS[activation]
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -144,10 +139,10 @@ class GatedMLP(nn.Module):
         """`batch` (the forward's rows) is needed only when an adapter is attached."""
         linear = self.kernels.linear
         if self.lora is None or batch is None:
-            gate = self.act(linear(x, self.gate_proj.weight, segments))
-            return linear(
-                gate * linear(x, self.up_proj.weight, segments), self.down_proj.weight, segments
-            )
+            gate = linear(x, self.gate_proj.weight, segments)
+            up = linear(x, self.up_proj.weight, segments)
+            hidden = self.kernels.gated_act(gate, up, self.activation)  # act(gate) * up
+            return linear(hidden, self.down_proj.weight, segments)
         lora = self.lora
         gate = self.act(lora["gate_proj"](x, linear(x, self.gate_proj.weight, segments), batch))
         up = lora["up_proj"](x, linear(x, self.up_proj.weight, segments), batch)

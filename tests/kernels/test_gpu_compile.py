@@ -41,6 +41,8 @@ REAL_KERNELS = {
     "_rms_norm_kernel",
     "_qkv_norm_rope_kernel",
     "_softcap_kernel",
+    "_norm_tail_kernel",
+    "_gated_act_kernel",
 }
 
 
