@@ -382,8 +382,8 @@ def touched_experts(num_tokens: int, num_experts: int, top_k: int) -> float:
 
 def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     """Triton's fused_moe (kernels/triton_moe.py): align the pairs, a GEGLU grouped GEMM, a
-    weighted down GEMM writing each row of an fp32 [N*K, H] buffer once, the slot sum and the
-    cast in one pass."""
+    weighted down GEMM writing each row of a [N*K, H] buffer (the hidden dtype) once, the slot
+    sum and the cast in one pass."""
     hidden, gate_up, down, weights, ids = args
     num_tokens, hid = hidden.shape
     num_experts, two_inter, _ = gate_up.shape
@@ -393,16 +393,16 @@ def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     w_bytes = experts * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
     gemm = {
         "flops": 2 * pairs * hid * two_inter + 2 * pairs * inter * hid,
-        "bytes": w_bytes + pairs * hid * el + 2 * pairs * inter * el + pairs * hid * 4,
+        "bytes": w_bytes + pairs * hid * el + 2 * pairs * inter * el + pairs * hid * el,
         "launches": 2,
         "gemm": True,
     }
     parts = [Part("fused_moe.align_pairs", cost) for cost in align_pairs_costs(ids, num_experts)]
-    fp32_pairs = pairs * hid * 4
+    pair_rows = pairs * hid * el
     return [
         *parts,
         Part("fused_moe.expert_gemms", gemm),
-        Part("fused_moe.slot_sum_cast", {"bytes": fp32_pairs + num_tokens * hid * el}),
+        Part("fused_moe.slot_sum_cast", {"bytes": pair_rows + num_tokens * hid * el}),
     ]
 
 

@@ -169,7 +169,18 @@ def time_kernels(
     hidden, top_k, experts = cfg.hidden_size, cfg.top_k_experts, cfg.num_experts
     x = randn(n, hidden)
     norm = layer.input_layernorm.weight
-    add("rms_norm", lambda: ks.rms_norm(x, norm, cfg.rms_norm_eps), 2 * n * hidden * el, 0.0)
+    eps, rows_bytes = cfg.rms_norm_eps, n * hidden * el
+    add("rms_norm", lambda: ks.rms_norm(x, norm, eps), 2 * rows_bytes, 0.0)
+    # A layer's fused tails (one launch each): the post-attention norm with its residual add,
+    # the two pre-norms of one input, the branches' close, the MLP's gelu(gate) * up.
+    h, moe_out, scale = randn(n, hidden), randn(n, hidden), layer.decoder_layer_scalar
+    add("add_rms_norm", lambda: ks.add_rms_norm(x, h, norm, eps), 3 * rows_bytes, 0.0)
+    add("rms_norm_pair", lambda: ks.rms_norm_pair(x, norm, norm, eps), 3 * rows_bytes, 0.0)
+    close = (h, moe_out, x, norm, norm, norm, scale, eps)
+    add("close_layer", lambda: ks.close_layer(*close), 4 * rows_bytes, 0.0)
+    gate = randn(n, cfg.intermediate_size)
+    act = cfg.hidden_activation
+    add("gated_act", lambda: ks.gated_act(gate, gate, act), 3 * gate.numel() * el, 0.0)
     r = layer.router
     route = (x, r.scale, r.proj.weight, r.per_expert_scale, top_k, cfg.rms_norm_eps)
     add(

@@ -42,6 +42,25 @@ def test_fast_rms_norm_gives_the_twins_values(shape: tuple[int, ...], weighted: 
     )
 
 
+@pytest.mark.parametrize("dim", [37, 256, 576, 2816])
+def test_fast_rms_norm_gives_a_row_the_same_bits_alone_and_in_a_big_batch(dim: int) -> None:
+    """A few rows take one `F.rms_norm` call, many rows `rms_norm_fused`'s passes
+    (`reference.SMALL_NORM`): a row's bits must not depend on which (batch invariance)."""
+    gen = torch.Generator().manual_seed(dim)
+    rows = reference.SMALL_NORM // dim + 8  # the batch is past the switch, a row is not
+    x = torch.randn(1, rows, dim, generator=gen) * torch.rand(1, rows, 1, generator=gen) * 10
+    weight = torch.rand(dim, generator=gen) + 0.5
+    together = reference.rms_norm_fused(x, weight, 1e-6)
+    alone = torch.cat(
+        [reference.rms_norm_fused(x[:, i : i + 1], weight, 1e-6) for i in range(rows)], 1
+    )
+    assert torch.equal(together, alone)
+    pair = reference.rms_norm_pair(x, weight, weight.flip(0), 1e-6)
+    assert torch.equal(pair[0], together)
+    few = reference.rms_norm_pair(x[:, :3], weight, weight.flip(0), 1e-6)
+    assert torch.equal(pair[1][:, :3], few[1]) and torch.equal(few[0], together[:, :3])
+
+
 def test_cuda_without_triton_gets_the_twins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "triton_available", lambda: False)
     assert kernels.resolve_kernels("cuda").backend == "twins"

@@ -68,16 +68,15 @@ def test_syncs_are_recorded_on_meta_and_the_step_runs_on() -> None:
 
 @pytest.mark.parametrize("kind", roofline.KINDS)
 def test_a_fast_step_has_no_host_sync_inside_the_forward_or_the_sampler(kind: str) -> None:
-    """Allowed outside them: the inputs' blocking copies, made before the forward is queued
-    (`PagedRows.build`'s `torch.tensor(..., device=)`), and the step's one copy of its results
-    to the host (`to_host`, after the sampler)."""
+    """Allowed outside them: the step's one copy of its results to the host (`to_host`, after
+    the sampler). The inputs move without blocking (`PagedRows.build`: one non-blocking copy
+    of every column; it made five blocking `torch.tensor(..., device=)` copies per pool kind)."""
     kernels = resolve_kernels("cpu", "twins").with_custom_ops()
     model = roofline.build(model_config(toy=True), kernels, META)
     step = roofline.account(model, kind, 2)
     assert step.acct.syncs(("forward", "sampler")) == []
-    outside = {(r.phase, r.sync) for r in step.acct.syncs()}
-    allowed = {("inputs", "blocking host to device copy"), ("publish", "device to host copy")}
-    assert outside <= allowed, outside
+    outside = [(r.phase, r.sync) for r in step.acct.syncs()]
+    assert outside in ([], [("publish", "device to host copy")]), outside
     assert step.acct.launches > 0 and step.acct.gemm_flops > 0
 
 
