@@ -53,9 +53,16 @@ def apply_rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     (`DiffusionLM._rope` builds them from cat(freqs, freqs)), so out = (x1 c - x2 s,
     x2 c + x1 s) with c, s the first halves. Each product is rounded on its own, as in
     `apply_rope`: no fused multiply-add (`addcmul` fuses in its vectorised loop but not in its
-    scalar tail, so a value would depend on where the batch's size puts it)."""
+    scalar tail, so a value would depend on where the batch's size puts it).
+
+    A few tokens (up to `SMALL_NORM` elements: an AR step's) take `apply_rope`'s own sequence,
+    x * cos + rotate_half(x) * sin — the same products and sums, so the same bits, in 9
+    dispatches instead of 16 (the step's cost there is dispatches, not passes)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
+    if x.numel() <= SMALL_NORM:
+        rotated = torch.cat((-x2, x1), dim=-1)  # a - b is a + (-b), exactly
+        return x * cos[..., None, :] + rotated * sin[..., None, :]
     c, s = cos[..., None, :half], sin[..., None, :half]
     if torch.is_grad_enabled():  # training: autograd takes no out= and no in-place here
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
