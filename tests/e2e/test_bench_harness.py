@@ -129,6 +129,7 @@ def test_ratios_are_taken_within_each_round(toy_bench):
             "canvas-ar c=2",
             "reference-ar static batch 2",
         ),
+        "canvas-ar c=2 / reference-ar 1-at-a-time": ("canvas-ar c=2", "reference-ar 1-at-a-time"),
     }.items():
         expected = [t / b for t, b in zip(series[top], series[bottom], strict=True)]
         assert ratios[name]["per_round"] == pytest.approx(expected)
