@@ -247,7 +247,7 @@ def write_kv(
     """See `reference.write_kv`: ENCODE rows' new k, v into their pages, in place."""
     num_tokens, num_kv_heads, head_dim = _check_kv(k, v, k_pool, v_pool)
     _check_rows(rows, num_tokens, k.device)
-    if num_tokens == 0:
+    if num_tokens == 0 or rows.all_decode:  # DECODE rows write no KV: nothing to launch
         return
     block_t = 16
     grid = (rows.start.shape[0], triton.cdiv(rows.max_tokens, block_t), num_kv_heads)

@@ -60,7 +60,7 @@ GPUS = (H200, H100)
 GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._grouped_mm}
 _ALLOCATIONS = {
     aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided,
-    aten.detach, aten.alias, aten._local_scalar_dense,
+    aten.detach, aten.detach_, aten.alias, aten._local_scalar_dense,
 }  # fmt: skip
 _GATHERS = {aten.embedding, aten.index, aten.index_select, aten.gather}
 _SCATTERS_IN_PLACE = {aten.index_put_, aten.index_copy_, aten.index_add_, aten.scatter_}
@@ -365,7 +365,8 @@ def _write_kv(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     k, v = args[0], args[1]
     rows = acct.rows.rows or [(0, k.shape[0], False)]
     share = sum(n for _, n, d in rows if not d) / max(sum(n for _, n, _ in rows), 1)
-    return [Part("write_kv", {"bytes": 2 * share * _nbytes([k, v])})]
+    # No launch when every row is a DECODE row (a denoise step writes no KV).
+    return [Part("write_kv", {"bytes": 2 * share * _nbytes([k, v]), "launches": int(share > 0)})]
 
 
 def _route(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
