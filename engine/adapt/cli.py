@@ -140,6 +140,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         ("distill_prompts", int, "generated prompts distilled besides the shipped ones"),
         ("adapter_rank", int, "LoRA rank of --adapter"),
         ("max_seconds", float, "--adapter: stop, save after this long, distilling included"),
+        ("draft_decay", float, "--draft-regime: loss weight decay ** (i - 1) at position i"),
+        ("standard_every", int, "--draft-regime: every Nth step the diffusion objective"),
     ):
         flag = "--" + name.replace("_", "-")
         train.add_argument(flag, type=kind, default=d[name], help=help_text)
@@ -153,6 +155,19 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         dest="adapter_shift",
         action="store_false",
         help="canvas position i reads its own hidden state (default: position i - 1's)",
+    )
+    train.add_argument(
+        "--init-adapter",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="--adapter: fine-tune this adapter instead of starting a fresh one",
+    )
+    train.add_argument(
+        "--draft-regime",
+        action="store_true",
+        help="--adapter: train hybrid's drafter (a canvas at every position, slot 0 the true "
+        "token, the rest noise, one step, the loss weighted toward the left)",
     )
     train.add_argument("--resume", action="store_true", help="continue from OUT's latest")
     add_device_arguments(train, dtype=d["dtype"])

@@ -65,3 +65,12 @@ def generated_prompts(count: int, seed: int = 0) -> list[str]:
     prompts = sorted(pool - eval_questions())
     rng.shuffle(prompts)
     return prompts[:count]
+
+
+def held_out_prompts(count: int) -> list[str]:
+    """The last `count` prompts of the pool in seed 0's order: never among
+    `generated_prompts(n, 0)` while n + count <= the pool's size (481), so a drafter trained on
+    up to 441 generated prompts at seed 0 can be measured on the last 40
+    (`engine.adapt.acceptance`)."""
+    pool = generated_prompts(1 << 30, 0)
+    return pool[len(pool) - count :] if count > 0 else []

@@ -76,6 +76,14 @@ class TrainConfig:
     adapter: bool = False  # train a decoder adapter only (engine.adapt.train_adapter)
     adapter_rank: int = 8
     adapter_shift: bool = True
+    # --adapter: start from this trained adapter (fine-tune) instead of a fresh one
+    init_adapter: Path | None = None
+    # --adapter: train hybrid's drafter (`engine.adapt.train_adapter.draft_losses`): a canvas
+    # at every completion position, slot 0 the true token, the rest noise, one step, the loss
+    # weighted by `draft_decay` ** (i - 1) at canvas position i >= 1
+    draft_regime: bool = False
+    draft_decay: float = 0.7
+    standard_every: int = 0  # with draft_regime: every Nth step is the diffusion objective
     # --adapter: the run's wall-clock limit, distillation included (it starts no new prompts
     # after half of it); training stops and saves at it; 0 = off
     max_seconds: float = 0.0
@@ -102,6 +110,10 @@ class TrainConfig:
             )
         if self.max_seconds and not self.adapter:
             raise ValueError("--max-seconds is for --adapter runs")
+        if (self.init_adapter is not None or self.draft_regime) and not self.adapter:
+            raise ValueError("--init-adapter and --draft-regime are for --adapter runs")
+        if not 0.0 < self.draft_decay <= 1.0 or self.standard_every < 0:
+            raise ValueError("--draft-decay must be in (0, 1] and --standard-every >= 0")
         if self.ar_loss_weight < 0 or self.distill_temperature < 0:
             raise ValueError("--ar-loss-weight and --distill-temperature must be >= 0")
 
@@ -115,6 +127,9 @@ class StepMetrics:
     noise_level: float  # mean t of the batch's canvases
     self_cond: bool
     seconds: float
+    # --draft-regime steps: mean number of leading canvas positions 1.. whose argmax is the
+    # target (the drafts the verifier would accept, on the training batch)
+    accepted: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,16 @@ decoder's read-only prefix), each canvas is corrupted with uniform noise at its 
 t ~ U(0, 1), a self-conditioning first pass runs with probability `self_cond_prob`, and the loss
 is the canvas cross-entropy. Only the adapter's parameters get gradients and optimizer state.
 
+`draft_regime` trains the adapter as hybrid decoding's drafter instead (`draft_losses`): the
+canvas starts at every completion position, slot 0 holds the true token (the pending one),
+every other position is noise (t = 1), one pass without self-conditioning (hybrid drafts with
+one denoising step, `canvas_hybrid_draft_steps`), and the cross-entropy of canvas position i >= 1
+is weighted by `draft_decay` ** (i - 1): the verifier accepts a prefix, so position i only
+counts when 1..i-1 are right; positions past an answer's EOS have no target (a hybrid request
+ends there). `standard_every` N makes every Nth step the diffusion objective above (on
+canvas-boundary examples), which keeps diffusion mode from drifting away. Fine-tunes
+`init_adapter` when given.
+
 Output: `OUT/checkpoint-{step}/` (`adapter/` and `trainer_state.pt`) every `save_every` steps
 and at the last one, `OUT/adapter/` (the trained adapter: `load_model(..., adapter=...)`,
 `canvas serve --adapter`), `OUT/loss_log.jsonl`. `resume` continues exactly from the latest
@@ -42,7 +52,13 @@ from engine.adapt.train import (
     restore,
     truncate_log,
 )
-from engine.adapt.train_data import Example, ExampleSampler
+from engine.adapt.train_data import (
+    DataSpec,
+    Example,
+    ExampleSampler,
+    TrainSequence,
+    every_position,
+)
 from engine.model import DiffusionLM, Mode, load_model
 from engine.model.adapter import (
     AdapterConfig,
@@ -56,6 +72,7 @@ from engine.params import DecodingDefaults
 logger = logging.getLogger(__name__)
 
 ADAPTER_OUT = "adapter"
+MIN_DRAFT_WEIGHT = 1e-3  # draft_losses skips the head of canvas positions weighing less
 
 
 class EncoderPrefixes:
@@ -130,6 +147,73 @@ def adapter_losses(
     return loss, float(t.mean()), self_cond
 
 
+def draft_weights(length: int, decay: float) -> torch.Tensor:
+    """[L] loss weights of the draft regime: 0 for slot 0 (the pinned token), decay ** (i - 1)
+    for canvas position i >= 1, cut to 0 below `MIN_DRAFT_WEIGHT`."""
+    weights = decay ** (torch.arange(length, dtype=torch.float32) - 1)
+    weights[0] = 0.0
+    return torch.where(weights >= MIN_DRAFT_WEIGHT, weights, 0.0)
+
+
+def draft_canvases(
+    clean: torch.Tensor, vocab_size: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Hybrid's first draft step of clean canvases [B, L]: slot 0 holds the true token, every
+    other position a uniformly random one (the sampler's fresh canvas, t = 1)."""
+    noisy = torch.randint(0, vocab_size, clean.shape, generator=generator)
+    noisy[:, 0] = clean[:, 0]
+    return noisy
+
+
+def past_eos(canvas: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[B, L] bool: positions after the first EOS of each canvas (the EOS filling past a
+    finished answer, which a hybrid request never drafts: it ends at the EOS)."""
+    eos = (canvas == eos_id).long()
+    return (eos.cumsum(dim=1) - eos) > 0
+
+
+def accepted_prefix(correct: torch.Tensor) -> torch.Tensor:
+    """[B] number of leading True of `correct` [B, K]: what a verifier accepts of a draft."""
+    return correct.long().cumprod(dim=1).sum(dim=1)
+
+
+def draft_losses(
+    model: DiffusionLM,
+    prefixes: EncoderPrefixes,
+    picks: list[int],
+    cfg: TrainConfig,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, float]:
+    """(weighted canvas cross-entropy with its graph, mean accepted draft tokens) of the batch
+    of pair indices `picks` in the draft regime. Random draws on the CPU generator: the noise."""
+    examples = [prefixes.sampler.example(i) for i in picks]
+    device = model.embed_tokens.weight.device
+    num = len(examples)
+    clean = torch.tensor([e.canvas for e in examples])  # [B, L]
+    length = clean.shape[1]
+    known = torch.arange(length)[None] < torch.tensor([e.num_known for e in examples])[:, None]
+    known &= ~past_eos(clean, prefixes.sampler.spec.eos_id)  # hybrid stops at EOS: no target
+    noisy = draft_canvases(clean, model.cfg.vocab_size, generator)
+    cache = TrainKVCache()
+    prefixes.fill(cache, picks, examples)
+    contexts = [len(e.context) for e in examples]
+    batch = train_batch(Mode.DECODE, contexts, [length] * num, model.cfg.sliding_window)
+    soft: list[torch.Tensor | None] = [None] * num
+    hidden = model(noisy.reshape(-1).to(device), soft, batch, cache).view(num, length, -1)
+    weights = draft_weights(length, cfg.draft_decay)
+    width = int((weights > 0).sum())  # positions 1..width carry weight
+    cols = slice(1, 1 + width)
+    logits = train_logits(model, hidden[:, cols].reshape(num * width, -1))  # [B * K, V]
+    targets = clean[:, cols].to(device)
+    ce = F.cross_entropy(logits, targets.reshape(-1), reduction="none").view(num, width)
+    w = (weights[cols][None] * known[:, cols]).to(device)
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-12)
+    with torch.no_grad():
+        correct = (logits.argmax(-1).view(num, width) == targets) & known[:, cols].to(device)
+        accepted = float(accepted_prefix(correct).float().mean())
+    return loss, accepted
+
+
 def adapter_step(
     model: DiffusionLM,
     optimizer: torch.optim.Optimizer,
@@ -140,9 +224,17 @@ def adapter_step(
     temps: TemperatureRange,
     generator: torch.Generator,
     step: int,
+    draft: bool = False,
 ) -> StepMetrics:
+    """One optimizer step on `picks`: the draft regime's loss when `draft`, else the
+    diffusion objective."""
     start = time.perf_counter()
-    loss, noise_level, self_cond = adapter_losses(model, prefixes, picks, cfg, temps, generator)
+    accepted = None
+    if draft:
+        loss, accepted = draft_losses(model, prefixes, picks, cfg, generator)
+        noise_level, self_cond = 1.0, False
+    else:
+        loss, noise_level, self_cond = adapter_losses(model, prefixes, picks, cfg, temps, generator)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if cfg.grad_clip > 0:
@@ -150,7 +242,7 @@ def adapter_step(
     optimizer.step()
     value = loss.item()
     seconds = time.perf_counter() - start
-    return StepMetrics(step, value, value, 0.0, noise_level, self_cond, seconds)
+    return StepMetrics(step, value, value, 0.0, noise_level, self_cond, seconds, accepted)
 
 
 def save_adapter_checkpoint(
@@ -181,6 +273,21 @@ def save_adapter_checkpoint(
     return final
 
 
+def draft_sampler(
+    sequences: list[TrainSequence], spec: DataSpec
+) -> tuple[ExampleSampler, list[int]]:
+    """The draft regime's sampler (a canvas at every position of every sequence) and the
+    indices of its pairs that start at one of the sequence's own starts (canvas boundaries:
+    what the diffusion objective trains on)."""
+    kept = [(seq, every) for seq in sequences if (every := every_position(seq)) is not None]
+    if not kept:
+        raise ValueError("the training data yields no draft examples")
+    sampler = ExampleSampler([every for _, every in kept], spec)
+    own = [set(seq.starts) for seq, _ in kept]
+    boundary = [i for i, (seq, start) in enumerate(sampler.pairs) if start in own[seq]]
+    return sampler, boundary
+
+
 def train_adapter(cfg: TrainConfig) -> Path:
     """Run `cfg` (with `cfg.adapter`); returns OUT/adapter."""
     started = time.monotonic()  # `max_seconds` counts the load and the distillation too
@@ -207,10 +314,16 @@ def train_adapter(cfg: TrainConfig) -> Path:
         )
     # Distilled with the bare source (before the adapter is attached; AR mode is unaffected).
     distill_deadline = started + cfg.max_seconds / 2 if cfg.max_seconds else None
-    sampler = ExampleSampler(load_sequences(cfg, model, spec, defaults, distill_deadline), spec)
+    sequences = load_sequences(cfg, model, spec, defaults, distill_deadline)
+    if cfg.draft_regime:
+        sampler, boundary = draft_sampler(sequences, spec)
+    else:
+        sampler, boundary = ExampleSampler(sequences, spec), []
     logger.info("Training an adapter on %d examples", len(sampler.pairs))
     if resume_from is not None:
         load_adapter(model, resume_from / ADAPTER_OUT)
+    elif cfg.init_adapter is not None:
+        load_adapter(model, cfg.init_adapter)
     else:
         config = AdapterConfig(spec.canvas_length, cfg.adapter_rank, shift=cfg.adapter_shift)
         attach_adapter(model, config, seed=cfg.seed)
@@ -230,9 +343,13 @@ def train_adapter(cfg: TrainConfig) -> Path:
     with log.open("a") as log_file:
         while step < cfg.steps:
             step += 1
+            standard = cfg.standard_every > 0 and step % cfg.standard_every == 0
+            draft = cfg.draft_regime and not standard
             picks = sampler.draw(cfg.batch_size, generator)
+            if cfg.draft_regime and standard:  # the diffusion objective at canvas boundaries
+                picks = [boundary[i % len(boundary)] for i in picks]
             metrics = adapter_step(
-                model, optimizer, params, prefixes, picks, cfg, temps, generator, step
+                model, optimizer, params, prefixes, picks, cfg, temps, generator, step, draft
             )
             log_file.write(json.dumps(asdict(metrics)) + "\n")
             log_file.flush()

@@ -99,6 +99,14 @@ def chat_sequence(
     return TrainSequence(tuple(ids), starts, finished)
 
 
+def every_position(seq: TrainSequence) -> TrainSequence | None:
+    """`seq` with a canvas starting at every position from its first start to its
+    second-to-last token (a canvas needs a token after slot 0): where hybrid decoding drafts,
+    since a pending token can be anywhere. None when there is no such position."""
+    starts = tuple(range(seq.starts[0], len(seq.ids) - 1))
+    return TrainSequence(seq.ids, starts, seq.finished) if starts else None
+
+
 def document_sequence(ids: list[int], spec: DataSpec) -> TrainSequence | None:
     """A finished document: a canvas may start after any position."""
     ids = [*ids, spec.eos_id]

@@ -248,3 +248,95 @@ def test_shift_rotates_each_canvas_by_one_and_leaves_encode_rows_alone():
     assert out[:, 0].tolist() == [4.0, 0.0, 2.0, 6.0, 8.0, 14.0, 10.0, 12.0]
     plain = DecoderAdapter(AdapterConfig(canvas_length=3, shift=False), hidden_size=2)
     assert torch.equal(plain.shift(hidden, batch), hidden)
+
+
+# -- the draft regime (hybrid's drafter) -----------------------------------------------------
+
+
+def test_draft_regime_pieces_match_hybrid_drafting():
+    from engine.adapt.train_adapter import (
+        accepted_prefix,
+        draft_canvases,
+        draft_weights,
+        past_eos,
+    )
+
+    weights = draft_weights(32, 0.5)
+    assert weights[0] == 0 and weights[1] == 1 and weights[2] == 0.5 and weights[10] == 0.5**9
+    assert (weights[11:] == 0).all()  # 0.5 ** 10 < MIN_DRAFT_WEIGHT: no head there
+    clean = torch.arange(2 * 32).view(2, 32) + 100
+    noisy = draft_canvases(clean, 50_000, torch.Generator().manual_seed(0))
+    assert torch.equal(noisy[:, 0], clean[:, 0])  # slot 0: the pending token
+    assert (noisy[:, 1:] != clean[:, 1:]).all()  # the rest: fresh noise
+    correct = torch.tensor([[True, True, False, True], [False, True, True, True]])
+    assert accepted_prefix(correct).tolist() == [2, 0]
+    canvas = torch.tensor([[5, 2, 2, 2], [5, 6, 7, 2]])  # EOS = 2
+    assert past_eos(canvas, 2).tolist() == [[False, False, True, True], [False] * 4]
+
+
+def test_draft_sampler_cuts_a_canvas_at_every_position():
+    from engine.adapt.train_adapter import draft_sampler
+    from engine.adapt.train_data import DataSpec, chat_sequence
+
+    spec = DataSpec(canvas_length=4, context_length=64, eos_id=2, bos_id=None)
+    seq = chat_sequence([7, 8], [20, 21, 22, 23, 24], spec)  # + EOS: 8 ids, boundaries 2, 6
+    short = chat_sequence([7], [30], spec, finished=False)  # no position with a next token
+    assert seq is not None and seq.starts == (2, 6) and short is not None
+    sampler, boundary = draft_sampler([short, seq], spec)
+    assert [start for _, start in sampler.pairs] == [2, 3, 4, 5, 6]  # a next token each
+    assert [sampler.pairs[i][1] for i in boundary] == [2, 6]
+    example = sampler.example(3)
+    assert example.context == (7, 8, 20, 21, 22) and example.canvas == (23, 24, 2, 2)
+
+
+def test_draft_regime_training_logs_acceptance_and_resumes_exactly(
+    tiny_checkpoint, easy_text, tmp_path
+):
+    model = tiny_checkpoint("c16")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    flags = ("--draft-regime", "--standard-every", "2")
+    assert run_adapter_train(model, straight, easy_text, "--steps", "4", *flags) == 0
+    log = read_log(straight)
+    assert [r["accepted"] is None for r in log] == [False, True, False, True]
+    assert [r["noise_level"] for r in log if r["accepted"] is not None] == [1.0, 1.0]
+    # Resumes exactly, from an --init-adapter start (ignored once a checkpoint exists).
+    init = straight / "checkpoint-4" / "adapter"
+    assert run_adapter_train(model, resumed, easy_text, "--steps", "2", *flags) == 0
+    more = ("--steps", "4", "--resume", "--init-adapter", str(init), *flags)
+    assert run_adapter_train(model, resumed, easy_text, *more) == 0
+    assert [r["loss"] for r in read_log(resumed)] == [r["loss"] for r in log]
+
+
+def test_init_adapter_starts_from_the_given_weights(
+    tiny_checkpoint, adapter_dir, easy_text, tmp_path
+):
+    model = tiny_checkpoint("c16")
+    fresh, tuned = tmp_path / "fresh", tmp_path / "tuned"
+    args = ("--steps", "1", "--draft-regime", "--adapter-rank", "4")
+    assert run_adapter_train(model, fresh, easy_text, *args) == 0
+    assert (
+        run_adapter_train(model, tuned, easy_text, *args, "--init-adapter", str(adapter_dir)) == 0
+    )
+    assert read_log(fresh)[0]["loss"] != read_log(tuned)[0]["loss"]
+
+
+def test_held_out_prompts_are_never_distilled():
+    from engine.adapt.prompts import generated_prompts, held_out_prompts
+
+    held = held_out_prompts(40)
+    assert len(set(held)) == 40
+    assert not set(held) & set(generated_prompts(441, seed=0))
+
+
+def test_acceptance_counts_verify_passes_of_a_policy_that_always_drafts(
+    tiny_checkpoint, adapter_dir
+):
+    from engine.adapt.acceptance import hybrid_llm, measure
+
+    llm = hybrid_llm(tiny_checkpoint("c16"), adapter_dir)
+    result = measure(llm, [[5, 6, 7], [9, 10, 11, 12]], max_tokens=24)
+    assert result.prompts == 2 and result.tokens == 48
+    # Every token after the prefill's came out of a verify pass (none from AR steps, which a
+    # policy falling back on a random drafter's poor acceptance would take).
+    assert result.tokens - result.prompts <= result.verify_passes + result.accepted
+    assert result.per_pass == result.accepted / result.verify_passes
