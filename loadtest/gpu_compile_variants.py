@@ -50,13 +50,15 @@ def attention(
     images: bool = False,
 ) -> Callable[[], object]:
     """`canvas_attention` (or `write_kv` with `write`) over rows after `prefixes` cached
-    positions; DECODE rows, or ENCODE rows (a commit or prefill) when not `decode`; `images`:
-    with spans (image tokens attended both ways: the `HAS_SPAN` specialisation)."""
+    positions; DECODE rows, or ENCODE rows (a commit or prefill) when not `decode` — always for
+    `write_kv`, which launches nothing for DECODE rows (they write no KV); `images`: with spans
+    (image tokens attended both ways: the `HAS_SPAN` specialisation)."""
 
     def launch() -> object:
         from kernels import triton_attention
 
-        rows = _rows(list(prefixes), list(lengths), [decode] * len(lengths), page)
+        encode = not decode or write
+        rows = _rows(list(prefixes), list(lengths), [not encode] * len(lengths), page)
         n, pages = sum(lengths), int(rows.page_table.max()) + 1
         if images:
             rows = replace(rows, span=torch.zeros(n, 2, dtype=torch.int32))

@@ -16,8 +16,9 @@ SEEDS = (0, 1, 2)
 # On the real canvas length a reference generate() takes minutes on 2 cores, so there each
 # prompt runs with one seed and the seeds take turns: every prompt and every seed still runs
 # (5 generations instead of 15, the slowest test of the suite before); likewise on the
-# sliding-window preset. The TPF test below reuses these runs.
-ONE_SEED_PER_PROMPT = {"c256", "gqa8", "c32-window"}
+# sliding-window preset and on c16 (43 s of the suite with 15). The TPF test below reuses
+# these runs.
+ONE_SEED_PER_PROMPT = {"c256", "gqa8", "c32-window", "c16"}
 # Presets whose random weights are confident enough for canvases to stop before the step cap
 # (see engine.testing): on these the adaptive stop must be exercised.
 EARLY_STOP_PRESETS = {"c16", "c256"}
