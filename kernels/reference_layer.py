@@ -12,6 +12,7 @@ intermediate. Both are the unfused layer's values bit for bit under their numeri
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -88,20 +89,6 @@ def close_layer(
                             moe_weight, weight, scale, eps)  # fmt: skip
 
 
-def close_layer_exact(
-    dense: torch.Tensor,
-    moe: torch.Tensor,
-    residual: torch.Tensor,
-    dense_weight: torch.Tensor,
-    moe_weight: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    return close_layer_with(rms_norm, False, dense, moe, residual, dense_weight, moe_weight,
-                            weight, scale, eps)  # fmt: skip
-
-
 def close_layer_with(
     norm: Norm,
     in_place: bool,
@@ -121,6 +108,10 @@ def close_layer_with(
         return (residual + norm(branches + moe_normed, weight, eps)) * scale
     out = norm(branches.add_(moe_normed), weight, eps).add_(residual)
     return out.mul_(scale) if out.dtype == torch.result_type(out, scale) else out * scale
+
+
+# `close_layer` with the reference's norm, out of place (exact numerics, training).
+close_layer_exact = functools.partial(close_layer_with, rms_norm, False)
 
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:

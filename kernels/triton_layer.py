@@ -71,7 +71,11 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _launch(mode: int, a: torch.Tensor, *tensors: torch.Tensor | None, **kw: object) -> None:
+def _launch(
+    mode: int, a: torch.Tensor, *tensors: torch.Tensor | None, eps: float, stride_s: int = 0
+) -> None:
+    """`_norm_tail_kernel` over a's rows [N, D]; `tensors`: its other pointers in order (None:
+    unused by the mode)."""
     num_rows, dim = a.shape
     if num_rows == 0 or dim == 0:
         return
@@ -80,7 +84,7 @@ def _launch(mode: int, a: torch.Tensor, *tensors: torch.Tensor | None, **kw: obj
     block_m = max(1, min(elements // block_d, triton.next_power_of_2(num_rows)))
     ptrs = [a if t is None else t for t in tensors]
     _norm_tail_kernel[(triton.cdiv(num_rows, block_m),)](
-        a, *ptrs, num_rows, dim, kw.get("stride_s", 0), kw["eps"],
+        a, *ptrs, num_rows, dim, stride_s, eps,
         MODE=mode, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=8 if block_d >= 2048 else 4,
     )  # fmt: skip
 

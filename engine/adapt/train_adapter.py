@@ -59,7 +59,7 @@ from engine.adapt.train_data import (
     TrainSequence,
     every_position,
 )
-from engine.model import DiffusionLM, Mode, load_model
+from engine.model import DiffusionLM, ForwardBatch, Mode, load_model
 from engine.model.adapter import (
     AdapterConfig,
     adapter_parameters,
@@ -122,18 +122,12 @@ def adapter_losses(
     """(canvas cross-entropy with its graph, mean noise level, self-conditioned?) of the batch
     of pair indices `picks`. Random draws on the CPU generator, in a fixed order: noise, then
     the self-cond coin."""
-    examples = [prefixes.sampler.example(i) for i in picks]
+    examples, clean, known = _examples(prefixes, picks)
     device = model.embed_tokens.weight.device
-    num = len(examples)
-    clean = torch.tensor([e.canvas for e in examples])  # [B, L]
-    length = clean.shape[1]
-    known = torch.arange(length)[None] < torch.tensor([e.num_known for e in examples])[:, None]
+    num, length = clean.shape
     noisy, t = corrupt(clean, known, model.cfg.vocab_size, generator)
     self_cond = bool(torch.rand((), generator=generator) < cfg.self_cond_prob)
-    cache = TrainKVCache()  # sequence i: example i
-    prefixes.fill(cache, picks, examples)
-    contexts = [len(e.context) for e in examples]
-    batch = train_batch(Mode.DECODE, contexts, [length] * num, model.cfg.sliding_window)
+    cache, batch = _decode_rows(model, prefixes, picks, examples)
     noisy_ids = noisy.reshape(-1).to(device)
     soft: list[torch.Tensor | None] = [None] * num
     if self_cond:
@@ -145,6 +139,29 @@ def adapter_losses(
     targets = torch.where(known, clean, IGNORE).reshape(-1)  # [B * L]
     loss = F.cross_entropy(logits, targets.to(device), ignore_index=IGNORE)
     return loss, float(t.mean()), self_cond
+
+
+def _examples(
+    prefixes: EncoderPrefixes, picks: list[int]
+) -> tuple[list[Example], torch.Tensor, torch.Tensor]:
+    """The batch's examples, their clean canvases [B, L] and which positions have a target
+    (the known part of each canvas) [B, L]."""
+    examples = [prefixes.sampler.example(i) for i in picks]
+    clean = torch.tensor([e.canvas for e in examples])  # [B, L]
+    known_counts = torch.tensor([e.num_known for e in examples])[:, None]
+    return examples, clean, torch.arange(clean.shape[1])[None] < known_counts
+
+
+def _decode_rows(
+    model: DiffusionLM, prefixes: EncoderPrefixes, picks: list[int], examples: list[Example]
+) -> tuple[TrainKVCache, ForwardBatch]:
+    """The examples' prefix KV (sequence i: example i) and the DECODE rows of their canvases."""
+    cache = TrainKVCache()
+    prefixes.fill(cache, picks, examples)
+    contexts = [len(e.context) for e in examples]
+    length = len(examples[0].canvas)
+    batch = train_batch(Mode.DECODE, contexts, [length] * len(examples), model.cfg.sliding_window)
+    return cache, batch
 
 
 def draft_weights(length: int, decay: float) -> torch.Tensor:
@@ -186,18 +203,12 @@ def draft_losses(
 ) -> tuple[torch.Tensor, float]:
     """(weighted canvas cross-entropy with its graph, mean accepted draft tokens) of the batch
     of pair indices `picks` in the draft regime. Random draws on the CPU generator: the noise."""
-    examples = [prefixes.sampler.example(i) for i in picks]
+    examples, clean, known = _examples(prefixes, picks)
     device = model.embed_tokens.weight.device
-    num = len(examples)
-    clean = torch.tensor([e.canvas for e in examples])  # [B, L]
-    length = clean.shape[1]
-    known = torch.arange(length)[None] < torch.tensor([e.num_known for e in examples])[:, None]
+    num, length = clean.shape
     known &= ~past_eos(clean, prefixes.sampler.spec.eos_id)  # hybrid stops at EOS: no target
     noisy = draft_canvases(clean, model.cfg.vocab_size, generator)
-    cache = TrainKVCache()
-    prefixes.fill(cache, picks, examples)
-    contexts = [len(e.context) for e in examples]
-    batch = train_batch(Mode.DECODE, contexts, [length] * num, model.cfg.sliding_window)
+    cache, batch = _decode_rows(model, prefixes, picks, examples)
     soft: list[torch.Tensor | None] = [None] * num
     hidden = model(noisy.reshape(-1).to(device), soft, batch, cache).view(num, length, -1)
     weights = draft_weights(length, cfg.draft_decay)
