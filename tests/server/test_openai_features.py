@@ -73,7 +73,11 @@ def test_content_parts_give_the_answer_of_the_joined_text(client, extra):
 
 
 @pytest.mark.parametrize("extra", MODES)
-def test_a_batch_of_prompts_answers_each_as_alone(client, extra):
+def test_a_batch_of_prompts_answers_each_as_alone(client, exact_server, extra):
+    """Each prompt of a batch gets its own n choices, in order, with the text it gets alone.
+    The texts are compared on the exact server: fast numerics' values depend on the batch
+    (a GEMM's last bits depend on its row count, and a canvas's convergence step on those
+    bits), so there a batched prompt's text equals its text alone only by luck."""
     common = {
         "model": "tiny",
         "max_tokens": 12,
@@ -83,8 +87,13 @@ def test_a_batch_of_prompts_answers_each_as_alone(client, extra):
     alone = [client.completions.create(prompt=p, n=2, **common) for p in ("abc", "xyz")]
     batch = client.completions.create(prompt=["abc", "xyz"], n=2, **common)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
-    assert [c.text for c in batch.choices] == [c.text for r in alone for c in r.choices]
+    assert all(c.finish_reason == "length" for c in batch.choices)
+    assert batch.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone) == 48
     assert batch.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone)
+    exact = openai.OpenAI(base_url=exact_server.v1, api_key="unused", max_retries=0)
+    exact_alone = [exact.completions.create(prompt=p, n=2, **common) for p in ("abc", "xyz")]
+    exact_batch = exact.completions.create(prompt=["abc", "xyz"], n=2, **common)
+    assert [c.text for c in exact_batch.choices] == [c.text for r in exact_alone for c in r.choices]
     streamed = stream_text(
         client.completions.create(prompt=["abc", "xyz"], n=2, stream=True, **common)
     )
