@@ -97,15 +97,15 @@ class KernelSet:
     soft_embedding: Callable[..., torch.Tensor]
     sample_and_embed: Callable[..., tuple[reference.SampleResult, torch.Tensor]]
     philox_uniform: Callable[..., torch.Tensor]
-    # The sampler (`fused_sample`, `sample_and_embed`) is `kernels.native_cpu`'s C kernel.
-    native_sampler: bool = False
+    # The sampler and the norms are `kernels.native_cpu`'s C kernels (CPU, fast numerics).
+    native: bool = False
 
     @property
     def numerics(self) -> str:
         return "exact" if self.exact else "fast"
 
     def describe(self) -> str:
-        native = ", native CPU sampler" if self.native_sampler else ""
+        native = ", native CPU sampler and norms" if self.native else ""
         return f"{self.numerics} numerics, {self.backend} kernels{native}"
 
     def with_twin_attention(self) -> KernelSet:
@@ -141,22 +141,22 @@ class KernelSet:
             entropy_accept=ops_step.entropy_accept,
             soft_embedding=ops_step.soft_embedding,
             sample_and_embed=ops_step.sample_and_embed,
-            native_sampler=False,
+            native=False,
         )
 
 
 def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False) -> KernelSet:
     """The kernel set for a device type ("cpu", "cuda"). backend "auto": Triton on CUDA when
-    triton is installed, else the twins, and on CPU in fast numerics the native C sampler
-    where this machine can build it (`kernels.native_cpu`); "triton" everywhere it is asked
-    for (on CPU only under TRITON_INTERPRET=1: tests); "twins": the PyTorch twins only."""
+    triton is installed, else the twins, and on CPU in fast numerics the native C sampler and
+    norms where this machine can build them (`kernels.native_cpu`); "triton" everywhere it is
+    asked for (on CPU only under TRITON_INTERPRET=1: tests); "twins": the PyTorch twins only."""
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "auto":
         backend = "triton" if device_type == "cuda" and triton_available() else "twins"
         if device_type == "cpu" and not exact:
             kernels = resolve_kernels(device_type, backend, exact)
-            return _with_native_sampler(kernels) if backend == "twins" else kernels
+            return _with_native(kernels) if backend == "twins" else kernels
     if backend == "triton" and not triton_available():
         raise ValueError("kernel backend 'triton' needs the triton package (pip install triton)")
     ops: Any = triton_ops() if backend == "triton" else reference
@@ -216,17 +216,21 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
     )
 
 
-def _with_native_sampler(kernels: KernelSet) -> KernelSet:
-    """`kernels` with the native CPU sampler bound, when this machine builds it."""
+def _with_native(kernels: KernelSet) -> KernelSet:
+    """`kernels` with the native CPU sampler and norms bound, when this machine builds them."""
     from kernels import native_cpu
 
     if not native_cpu.available():
         return kernels
     return replace(
         kernels,
+        rms_norm=native_cpu.rms_norm,
+        add_rms_norm=native_cpu.add_rms_norm,
+        rms_norm_pair=native_cpu.rms_norm_pair,
+        close_layer=native_cpu.close_layer,
         fused_sample=native_cpu.fused_sample,
         sample_and_embed=native_cpu.sample_and_embed,
-        native_sampler=True,
+        native=True,
     )
 
 

@@ -2,21 +2,26 @@
 
 The CPU fast path's twins are sequences of ATen operations, each one pass over its tensors.
 Where a kernel makes many passes over a large tensor the passes, not the arithmetic, cost the
-time: the diffusion sampler makes about fifteen over the [positions, vocabulary] logits (on
-`bench-small`, 8 M logits per step at 16 canvases, ~90 ms of a ~525 ms step). `sampler.c` does
-the same per row in three passes that stay in the core's cache.
+time. `native/sampler.c`: the diffusion sampler makes about fifteen passes over the
+[positions, vocabulary] logits (on `bench-small`, 8 M logits per step at 16 canvases, ~85 ms of
+a ~500 ms step); the C kernel does each row in three passes that stay in the core's cache.
+`native/norms.c`: RMSNorm and a layer's norm tails (`add_rms_norm`, `rms_norm_pair`,
+`close_layer`: 3 to 10 passes over the [tokens, hidden] activations each) one row at a time.
 
 Build: `cc -O3 -march=native -shared` (the compiler from $CC, else `cc`) into
 $CANVAS_CACHE/native (default ~/.cache/canvas/native), named by a hash of the source, the flags
-and the machine, once per machine (~1 s); a build that fails, or a machine without a compiler,
-leaves the twins bound (one warning), and `CANVAS_NATIVE=0` turns the native kernels off.
-No OpenMP: the rows are split among `torch.get_num_threads()` Python threads, each calling the
+and the machine, once per machine (~1 s each); a build that fails, or a machine without a
+compiler, leaves the twins bound (one warning), and `CANVAS_NATIVE=0` turns them off. Bound by
+`resolve_kernels("cpu")` (`--kernels auto`) in fast numerics; `--kernels twins` and exact
+numerics never use them; grad mode and non-fp32 operands fall back to the twins per call.
+No OpenMP: the rows are split among `torch.get_num_threads()` Python threads, each calling a
 kernel without the GIL (ctypes releases it), so torch's OpenMP runtime stays the only one.
 
-Numerics: the kernel's `exp` is a polynomial (~1 ulp) and its sums run in another order, so its
-values differ from the twin's in the last bits; a sample differs only where u falls within that
-rounding of a boundary between two tokens (tested: `tests/kernels/test_native_sampler.py`).
-Rows are independent, so a row's results never depend on its batch. Fast numerics only.
+Numerics: the kernels' `exp` is a polynomial (~1 ulp) and their sums run in another (fixed)
+order, so their values differ from the twins' in the last bits; a sample differs only where u
+falls within that rounding of a boundary between two tokens. Rows are independent and every
+sum runs in the same order whatever a row's address, so a row's results never depend on its
+batch (tested: `tests/kernels/test_native_cpu.py`).
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from kernels import reference
 from kernels.reference_sampler import SampleResult
 
 logger = logging.getLogger(__name__)
@@ -43,8 +50,10 @@ SOURCE = Path(__file__).with_name("native") / "sampler.c"
 # No -ffast-math or -fassociative-math: the kernel's vector code fixes the order of every sum
 # (a row's bits never depend on its address, so never on its batch) and its NaN checks stay.
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99", "-fno-math-errno")
-# Rows per thread below which one thread does all (a thread hand-off costs ~50 µs).
+# Rows per thread below which one thread does all (a thread hand-off costs ~50 µs): sampler
+# rows (a vocabulary each), and norm elements.
 MIN_ROWS_PER_THREAD = 8
+MIN_NORM_ELEMENTS_PER_THREAD = 1 << 16
 
 
 def enabled() -> bool:
@@ -105,24 +114,40 @@ _PTR = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
+# Each library's functions: name -> argument types (all return nothing).
+_F32 = ctypes.c_float
+SIGNATURES: dict[str, dict[str, list[type]]] = {
+    "sampler": {"canvas_sample_rows": [_PTR, _I64, _PTR, _PTR, _I64, _I64, *[_PTR] * 5]},
+    "norms": {
+        "canvas_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _F32],
+        "canvas_rms_norm_pair": [*[_PTR] * 5, _I64, _I64, _I64, _F32],
+        "canvas_close_layer": [*[_PTR] * 7, _I64, _PTR, _I64, _I64, _I64, _F32],
+    },
+}
+
+
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded sampler library, or None (twins stay bound) when disabled or unbuildable."""
+def library(name: str = "sampler") -> ctypes.CDLL | None:
+    """The loaded library `native/<name>.c`, or None (the twins stay bound) when disabled or
+    unbuildable."""
     if not enabled():
         return None
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(SOURCE.with_name(f"{name}.c"))))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        logger.warning("native CPU sampler unavailable, using the PyTorch twin: %s", exc)
+        logger.warning(
+            "native CPU kernels (%s) unavailable, using the PyTorch twins: %s", name, exc
+        )
         return None
-    fn = lib.canvas_sample_rows
-    fn.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR]
-    fn.restype = None
+    for function, argtypes in SIGNATURES[name].items():
+        fn = getattr(lib, function)
+        fn.argtypes = argtypes
+        fn.restype = None
     return lib
 
 
 def available() -> bool:
-    return library() is not None
+    return all(library(name) is not None for name in SIGNATURES)
 
 
 @functools.cache
@@ -130,10 +155,23 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="canvas-native")
 
 
-def _ranges(num_rows: int) -> list[tuple[int, int]]:
-    threads = max(1, min(torch.get_num_threads(), num_rows // MIN_ROWS_PER_THREAD))
+def _ranges(num_rows: int, min_rows: int) -> list[tuple[int, int]]:
+    threads = max(1, min(torch.get_num_threads(), num_rows // max(1, min_rows)))
     bounds = [num_rows * i // threads for i in range(threads + 1)]
     return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+def _over_rows(run: Callable[[int, int], None], num_rows: int, min_rows: int) -> None:
+    """run(begin, end) over [0, num_rows), split among torch's thread count (at least
+    `min_rows` rows each): the others on pool threads, the first here."""
+    ranges = _ranges(num_rows, min_rows)
+    if len(ranges) > 1:
+        futures = [_pool(len(ranges) - 1).submit(run, *r) for r in ranges[1:]]
+        run(*ranges[0])
+        for future in futures:
+            future.result()
+    elif ranges:
+        run(*ranges[0])
 
 
 def _sample_into(
@@ -159,17 +197,10 @@ def _sample_into(
     fixed = (pointers[0], vocab, pointers[1], pointers[2])
     tail = (pointers[3], pointers[4], pointers[5], result.entropy.data_ptr(), result.lse.data_ptr())
 
-    def run(rows: tuple[int, int]) -> None:
-        lib.canvas_sample_rows(*fixed, rows[0], rows[1], *tail)
+    def run(begin: int, end: int) -> None:
+        lib.canvas_sample_rows(*fixed, begin, end, *tail)
 
-    ranges = _ranges(num_positions)
-    if len(ranges) > 1:  # the others on pool threads, the first one here
-        futures = [_pool(len(ranges) - 1).submit(run, r) for r in ranges[1:]]
-        run(ranges[0])
-        for future in futures:
-            future.result()
-    elif ranges:
-        run(ranges[0])
+    _over_rows(run, num_positions, MIN_ROWS_PER_THREAD)
     return result
 
 
@@ -194,3 +225,115 @@ def sample_and_embed(
     soft = logits.new_empty(logits.shape[0], weight.shape[1], dtype=weight.dtype)
     torch.matmul(probs.to(weight.dtype), weight, out=soft)  # the twin's GEMM call, its bits
     return result, soft * torch.tensor(scale, dtype=weight.dtype)
+
+
+# -- norms (`norms.c`) -------------------------------------------------------------------------
+
+
+def _native_norm(*tensors: torch.Tensor | None) -> bool:
+    """Whether the native norms take these operands: fp32 CPU tensors, no autograd (training
+    keeps the twins, whose intermediates autograd needs)."""
+    if torch.is_grad_enabled():
+        return False
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _norm_rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _min_rows(hidden: int) -> int:
+    return max(1, MIN_NORM_ELEMENTS_PER_THREAD // max(1, hidden))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`reference.rms_norm_fused`, natively (fp32 CPU; the twin otherwise)."""
+    if not _native_norm(x, weight) or x.numel() == 0:
+        return reference.rms_norm_fused(x, weight, eps)
+    return _norm(x, weight, None, eps)
+
+
+def _norm(
+    x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    lib = library("norms")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+    x = x.contiguous()
+    hidden = x.shape[-1]
+    w = None if weight is None else weight.contiguous()
+    res = None if residual is None else residual.contiguous()
+    out = torch.empty_like(x)
+    args = (_ptr(x), _ptr(w), _ptr(res), out.data_ptr())
+
+    def run(begin: int, end: int) -> None:
+        lib.canvas_rms_norm(*args, begin, end, hidden, eps)
+
+    _over_rows(run, _norm_rows(x), _min_rows(hidden))
+    return out
+
+
+def add_rms_norm(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`reference.add_rms_norm`, natively."""
+    same = residual.shape == x.shape
+    if not same or not _native_norm(residual, x, weight) or x.numel() == 0:
+        return reference.add_rms_norm(residual, x, weight, eps)
+    return _norm(x, weight, residual, eps)
+
+
+def rms_norm_pair(
+    x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.rms_norm_pair`, natively."""
+    if not _native_norm(x, weight_a, weight_b) or x.numel() == 0:
+        return reference.rms_norm_pair(x, weight_a, weight_b, eps)
+    lib = library("norms")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+    x = x.contiguous()
+    hidden = x.shape[-1]
+    wa, wb = weight_a.contiguous(), weight_b.contiguous()
+    out_a, out_b = torch.empty_like(x), torch.empty_like(x)
+    args = (x.data_ptr(), wa.data_ptr(), wb.data_ptr(), out_a.data_ptr(), out_b.data_ptr())
+
+    def run(begin: int, end: int) -> None:
+        lib.canvas_rms_norm_pair(*args, begin, end, hidden, eps)
+
+    _over_rows(run, _norm_rows(x), _min_rows(hidden))
+    return out_a, out_b
+
+
+def close_layer(
+    dense: torch.Tensor,
+    moe: torch.Tensor,
+    residual: torch.Tensor,
+    dense_weight: torch.Tensor,
+    moe_weight: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """`reference.close_layer`, natively (scale: one value, or one per row)."""
+    rows = _norm_rows(dense)
+    operands = (dense, moe, residual, dense_weight, moe_weight, weight, scale)
+    shaped = dense.shape == moe.shape == residual.shape and scale.numel() in (1, rows)
+    if not shaped or not _native_norm(*operands) or dense.numel() == 0:
+        return reference.close_layer(dense, moe, residual, dense_weight, moe_weight, weight,
+                                     scale, eps)  # fmt: skip
+    lib = library("norms")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+    tensors = [t.contiguous() for t in operands]
+    hidden = dense.shape[-1]
+    out = torch.empty_like(tensors[0])
+    pointers = [t.data_ptr() for t in tensors]
+    per_row = int(scale.numel() == rows and rows > 1)
+
+    def run(begin: int, end: int) -> None:
+        lib.canvas_close_layer(*pointers, per_row, out.data_ptr(), begin, end, hidden, eps)
+
+    _over_rows(run, rows, _min_rows(hidden))
+    return out

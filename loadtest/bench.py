@@ -89,6 +89,9 @@ class BenchConfig:
     repeats: int = 2  # timed rounds: every configuration once per round
     threads: int = 2
     seed: int = 0
+    # "subprocess": each Canvas server in its own process (a sidecar, as deployed); "thread":
+    # in this process, beside the load generator (their interpreter lock is shared).
+    server: str = "subprocess"
     request_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -111,6 +114,8 @@ class BenchConfig:
             levels = getattr(self, name)
             if levels and min(levels) < 1:
                 raise ValueError(f"{name} levels must be >= 1, got {levels}")
+        if self.server not in ("subprocess", "thread"):
+            raise ValueError(f"server must be 'subprocess' or 'thread', got {self.server!r}")
         if self.prompt_set not in PROMPT_SETS:
             raise ValueError(f"unknown prompt set {self.prompt_set!r}")
         from engine.testing import PRESETS  # light: the weights code imports torch lazily
@@ -252,6 +257,7 @@ def measure(
     from engine.tokenizer import Tokenizer
     from loadtest import reference as ref
     from loadtest.inprocess import serve_in_thread
+    from loadtest.sidecar import serve_in_subprocess
 
     tokenizer = Tokenizer(checkpoint)  # the server's own tokenizer: the same prompt ids
     prompt_ids = [(p.name, tokenizer.apply_chat_template(p.chat_messages())) for p in prompts]
@@ -260,10 +266,16 @@ def measure(
     # from the second time on while the reference recomputes them, so the comparison runs
     # without one (`make bench-prefix` measures caching).
     flags = ["--max-num-seqs", str(widest), "--dtype", "float32", "--no-prefix-caching"]
+    def serve(server_flags: list[str]) -> ServerHandle:
+        if config.server == "thread":
+            return stack.enter_context(serve_in_thread(checkpoint, server_flags))
+        server = serve_in_subprocess(checkpoint, server_flags, threads=config.threads)
+        return stack.enter_context(server)
+
     with contextlib.ExitStack() as stack:
-        servers = {"fast": stack.enter_context(serve_in_thread(checkpoint, flags))}
+        servers = {"fast": serve(flags)}
         if config.exact_concurrency:
-            servers["exact"] = stack.enter_context(serve_in_thread(checkpoint, [*flags, "--exact"]))
+            servers["exact"] = serve([*flags, "--exact"])
         reference = ref.load_reference(checkpoint)
         todo = configurations(config, servers, reference, prompts, prompt_ids)
         return run_configurations(todo, config.repeats, config.warmup, ledger)
@@ -333,6 +345,7 @@ def _meta(config: BenchConfig, checkpoint: Path, num_prompts: int, command: str)
         "repeats": config.repeats,
         "seed": config.seed,
         "torch_threads": config.threads,
+        "canvas_server": config.server,
         "torch_version": torch.__version__,
         "transformers_version": _version("transformers"),
         "hardware": _hardware(),
@@ -400,6 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (>= 2)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (2)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--server",
+        choices=("subprocess", "thread"),
+        default=None,
+        help="each Canvas server in its own process (default, as deployed) or in this one",
+    )
     return p
 
 

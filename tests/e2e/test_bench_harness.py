@@ -16,7 +16,7 @@ from engine.testing import (
     estimate_parameters,
     preset_text_config,
 )
-from loadtest.bench import build_parser, configs_from_args, main
+from loadtest.bench import BenchConfig, build_parser, configs_from_args, main
 from loadtest.metrics import parse_step_totals
 from loadtest.prompts import PROMPT_SETS, make_prompts
 
@@ -36,7 +36,8 @@ META_FIELDS = {
     "canvas_length", "max_tokens", "denoising_steps", "adaptive_stop", "note", "prompt_set",
     "num_prompts", "concurrency", "ar_concurrency", "exact_concurrency", "floor",
     "reference_requests", "static_batch", "warmup", "repeats", "seed",
-    "torch_threads", "torch_version", "transformers_version", "hardware", "config", "seconds",
+    "torch_threads", "canvas_server", "torch_version", "transformers_version", "hardware",
+    "config", "seconds",
 }  # fmt: skip
 LABELS = (  # per mode and width, each Canvas run next to the reference run it is compared with
     "canvas c=1",
@@ -245,3 +246,22 @@ def test_the_hybrid_benchmark_warms_then_reports_each_configuration(tiny_checkpo
     assert all(r.split("|")[2].strip() == "1" for r in timed)  # only round 1 is reported
     assert {r.split("|")[3].strip() for r in timed} == set(hybrid_bench.CONFIGS)
     assert all(r.split("|")[-2].strip() in ("1/1", "2/2") for r in timed)  # greedy: AR's text
+
+
+def test_a_sidecar_server_that_cannot_start_says_why(tmp_path: Path) -> None:
+    from loadtest.sidecar import serve_in_subprocess
+
+    with (
+        pytest.raises(RuntimeError, match="exited") as failure,
+        serve_in_subprocess(tmp_path / "no-such-model", start_timeout_s=120),
+    ):
+        pass
+    assert "no-such-model" in str(failure.value)
+
+
+def test_the_bench_serves_canvas_from_its_own_process_unless_told(toy_bench):
+    _, result = toy_bench
+    assert result["meta"]["canvas_server"] == "subprocess"
+    assert BenchConfig(server="thread").server == "thread"
+    with pytest.raises(ValueError, match="server must be"):
+        BenchConfig(server="fork")

@@ -1,4 +1,5 @@
-"""The native CPU sampler (`kernels/native/sampler.c`) against its twin, and its fallback."""
+"""The native CPU kernels (`kernels/native/sampler.c`, `norms.c`) against their twins, and the
+fallback to the twins."""
 
 from __future__ import annotations
 
@@ -118,13 +119,14 @@ def test_draws_follow_the_distribution():
     assert chi2 < 24.32, chi2  # the 0.999 quantile of chi-square(7)
 
 
-def test_fast_cpu_kernels_bind_it_and_others_do_not():
+def test_fast_cpu_kernels_bind_them_and_others_do_not():
     fast = kernels.resolve_kernels("cpu")
-    assert fast.native_sampler and fast.sample_and_embed is native_cpu.sample_and_embed
-    assert "native CPU sampler" in fast.describe()
-    assert not kernels.resolve_kernels("cpu", "twins").native_sampler
-    assert not kernels.resolve_kernels("cpu", exact=True).native_sampler
-    assert not fast.with_custom_ops().native_sampler
+    assert fast.native and fast.sample_and_embed is native_cpu.sample_and_embed
+    assert fast.close_layer is native_cpu.close_layer and fast.rms_norm is native_cpu.rms_norm
+    assert "native CPU sampler and norms" in fast.describe()
+    assert not kernels.resolve_kernels("cpu", "twins").native
+    assert not kernels.resolve_kernels("cpu", exact=True).native
+    assert not fast.with_custom_ops().native
 
 
 def test_without_a_compiler_the_twins_stay(monkeypatch, tmp_path, caplog):
@@ -132,12 +134,12 @@ def test_without_a_compiler_the_twins_stay(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "canvas-no-such-compiler")
     with caplog.at_level(logging.WARNING, logger="kernels.native_cpu"):
         ks = kernels.resolve_kernels("cpu")
-    assert not ks.native_sampler and ks.sample_and_embed is reference.sample_and_embed
+    assert not ks.native and ks.sample_and_embed is reference.sample_and_embed
     assert "no C compiler" in caplog.text
     native_cpu.library.cache_clear()
     monkeypatch.delenv("CC")
     monkeypatch.setenv("CANVAS_NATIVE", "0")
-    assert not kernels.resolve_kernels("cpu").native_sampler
+    assert not kernels.resolve_kernels("cpu").native
 
 
 def test_a_failing_build_says_why(tmp_path):
@@ -146,3 +148,85 @@ def test_a_failing_build_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="failed"):
         native_cpu.build(broken, tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.so"))
+
+
+NORM_SHAPES = [(1, 1, 7), (3, 5, 64), (1, 300, 256), (16, 260)]
+
+
+def _norm_inputs(shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = shape[-1]
+    return [torch.randn(*shape, generator=g) for _ in range(3)] + [
+        torch.randn(hidden, generator=g) for _ in range(3)
+    ]
+
+
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+@torch.inference_mode()
+def test_norms_match_their_twins(shape):
+    x, r, d, wa, wb, w = _norm_inputs(shape, seed=len(shape) * 100 + shape[-1])
+    close = dict(rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(
+        native_cpu.rms_norm(x, wa, 1e-6), reference.rms_norm(x, wa, 1e-6), **close
+    )
+    torch.testing.assert_close(
+        native_cpu.rms_norm(x, None, 1e-6), reference.rms_norm(x, None, 1e-6), **close
+    )
+    torch.testing.assert_close(
+        native_cpu.add_rms_norm(r, x, wa, 1e-6),
+        reference.add_rms_norm_exact(r, x, wa, 1e-6),
+        **close,
+    )
+    for got, want in zip(
+        native_cpu.rms_norm_pair(x, wa, wb, 1e-6),
+        reference.rms_norm_pair_exact(x, wa, wb, 1e-6),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, **close)
+    rows = x.numel() // shape[-1]
+    for scale in (torch.tensor([0.7]), torch.rand(rows).view(*shape[:-1], 1) + 0.5):
+        got = native_cpu.close_layer(d, x, r, wa, wb, w, scale, 1e-6)
+        want = reference.close_layer_exact(d, x, r, wa, wb, w, scale, 1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_norm_row_does_not_depend_on_its_batch():
+    x, r, d, wa, wb, w = _norm_inputs((64, 200), seed=9)
+    scale = torch.rand(64, 1) + 0.5
+    whole = native_cpu.close_layer(d, x, r, wa, wb, w, scale, 1e-6)
+    whole_norm = native_cpu.rms_norm(x, wa, 1e-6)
+    for i in (0, 31, 63):
+        rows = slice(i, i + 1)
+        alone = native_cpu.close_layer(d[rows], x[rows], r[rows], wa, wb, w, scale[rows], 1e-6)
+        assert torch.equal(alone, whole[rows])
+        assert torch.equal(native_cpu.rms_norm(x[rows], wa, 1e-6), whole_norm[rows])
+
+
+def test_norms_leave_autograd_and_other_dtypes_to_the_twins():
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.randn(16)
+    out = native_cpu.rms_norm(x, w, 1e-6)  # grad mode: the twin, differentiable
+    out.sum().backward()
+    assert x.grad is not None
+    half = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = native_cpu.rms_norm(half, w.bfloat16(), 1e-6)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, reference.rms_norm(half, w.bfloat16(), 1e-6))
+
+
+@torch.inference_mode()
+def test_a_fast_forward_on_native_kernels_stays_near_the_twins(tiny_checkpoint):
+    """The engine's fast forward (prefill, a mixed canvas + commit forward, the decoder's
+    logits, the KV pools) with the native norms against the twins'."""
+    from engine.model import load_model
+    from tests.kernels.test_engine_triton import TOL, forwards
+
+    path = tiny_checkpoint("c16")
+    native = load_model(path, kernels="auto")
+    assert native.layers[0].self_attn.kernels.native
+    got, want = forwards(native), forwards(load_model(path, kernels="twins"))
+    for g, w in zip(got, want, strict=True):
+        assert torch.isfinite(w).all()
+        torch.testing.assert_close(g, w, rtol=TOL, atol=TOL)

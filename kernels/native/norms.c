@@ -1,0 +1,100 @@
+/* Canvas' fused CPU norms: the fast-numerics twins of `kernels.reference.rms_norm_fused` and of a
+ * DiffusionGemma layer's norm tails (`kernels.reference_layer`: add_rms_norm, rms_norm_pair,
+ * close_layer), one row at a time with the row in the core's cache, where the twins make 3 to
+ * 10 passes over the whole [N, H] activations (each a memory pass at a prefill's or 16
+ * canvases' size).
+ *
+ * Gemma's RMSNorm: y = x * inv * w, inv = 1 / sqrt(mean(x^2) + eps), rounded as the twin
+ * rounds it ((x * inv) * w). Every sum runs in a fixed order (vector lanes, then the lanes in
+ * order, then the scalar tail), so a row's value never depends on its batch; the values differ
+ * from the twins' in the last bits (their sums run in ATen's order). fp32, contiguous rows.
+ * GCC/Clang vector extensions, no OpenMP: the Python side (kernels/native_cpu.py) splits the
+ * rows among threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float vf __attribute__((vector_size(32)));
+#define W 8
+
+static inline vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline float inv_rms(const float *x, int64_t h, float eps) {
+    vf acc = {0};
+    int64_t i = 0;
+    for (; i + W <= h; i += W) {
+        vf v = load(x + i);
+        acc += v * v;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < W; ++j) sum += acc[j];
+    for (; i < h; ++i) sum += x[i] * x[i];
+    return 1.0f / sqrtf(sum / (float)h + eps);
+}
+
+/* out = (x * inv) * w (w NULL: x * inv), then + add (add NULL: nothing). out may be x. */
+static inline void scale_row(float *out, const float *x, float inv, const float *w,
+                             const float *add, int64_t h) {
+    int64_t i = 0;
+    for (; i + W <= h; i += W) {
+        vf y = load(x + i) * inv;
+        if (w) y = y * load(w + i);
+        if (add) y = y + load(add + i);
+        store(out + i, y);
+    }
+    for (; i < h; ++i) {
+        float y = x[i] * inv;
+        if (w) y = y * w[i];
+        if (add) y = y + add[i];
+        out[i] = y;
+    }
+}
+
+/* rms_norm(x, w) (+ residual when residual is not NULL: add_rms_norm). */
+void canvas_rms_norm(const float *x, const float *w, const float *residual, float *out,
+                     int64_t row_begin, int64_t row_end, int64_t h, float eps) {
+    for (int64_t r = row_begin; r < row_end; ++r) {
+        const float *xr = x + r * h;
+        scale_row(out + r * h, xr, inv_rms(xr, h, eps), w, residual ? residual + r * h : 0, h);
+    }
+}
+
+/* (rms_norm(x, wa), rms_norm(x, wb)) from one mean square. */
+void canvas_rms_norm_pair(const float *x, const float *wa, const float *wb, float *out_a,
+                          float *out_b, int64_t row_begin, int64_t row_end, int64_t h,
+                          float eps) {
+    for (int64_t r = row_begin; r < row_end; ++r) {
+        const float *xr = x + r * h;
+        float inv = inv_rms(xr, h, eps);
+        scale_row(out_a + r * h, xr, inv, wa, 0, h);
+        scale_row(out_b + r * h, xr, inv, wb, 0, h);
+    }
+}
+
+/* (residual + rms_norm(rms_norm(dense, wd) + rms_norm(moe, wm), w)) * scale, scale one value
+ * (scale_per_row 0) or one per row. */
+void canvas_close_layer(const float *dense, const float *moe, const float *residual,
+                        const float *wd, const float *wm, const float *w, const float *scale,
+                        int64_t scale_per_row, float *out, int64_t row_begin, int64_t row_end,
+                        int64_t h, float eps) {
+    for (int64_t r = row_begin; r < row_end; ++r) {
+        const float *d = dense + r * h, *m = moe + r * h, *res = residual + r * h;
+        float *o = out + r * h;
+        scale_row(o, d, inv_rms(d, h, eps), wd, 0, h);
+        float inv_m = inv_rms(m, h, eps);
+        int64_t i = 0;
+        for (; i + W <= h; i += W) store(o + i, load(o + i) + load(m + i) * inv_m * load(wm + i));
+        for (; i < h; ++i) o[i] = o[i] + m[i] * inv_m * wm[i];
+        scale_row(o, o, inv_rms(o, h, eps), w, res, h);
+        const float s = scale[scale_per_row ? r : 0];
+        for (i = 0; i + W <= h; i += W) store(o + i, load(o + i) * s);
+        for (; i < h; ++i) o[i] = o[i] * s;
+    }
+}
