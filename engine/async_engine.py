@@ -242,10 +242,14 @@ class AsyncEngine:
                     listener(result.stats, result.outputs)
                 except Exception:  # an observer's fault (metrics) never stops the step loop
                     logger.exception("a step listener failed")
-            for out in result.outputs:
-                # A request that failed alone ends with an engine error; the others go on.
-                failure = EngineFailure(RuntimeError(out.error)) if out.error else None
-                self._publish(out.request_id, failure or out)
+            # A request that failed alone ends with an engine error; the others go on. One
+            # hand-off per step: one wake-up of the event loop, not one per request.
+            self._publish_all(
+                [
+                    (out.request_id, EngineFailure(RuntimeError(out.error)) if out.error else out)
+                    for out in result.outputs
+                ]
+            )
 
     def _drain_commands(self, block: bool) -> None:
         while True:
@@ -297,13 +301,18 @@ class AsyncEngine:
             self._publish(request_id, EngineFailure(error))
 
     def _publish(self, request_id: str, item: StepOutput | EngineFailure) -> None:
+        self._publish_all([(request_id, item)])
+
+    def _publish_all(self, items: list[tuple[str, StepOutput | EngineFailure]]) -> None:
+        """Hand `items` to their requests' queues on the event loop, in order, in one call."""
         loop = self._loop
-        if loop is None or loop.is_closed():
+        if not items or loop is None or loop.is_closed():
             return
 
         def put() -> None:
-            out_queue = self._queues.get(request_id)
-            if out_queue is not None:  # the client may be gone already
-                out_queue.put_nowait(item)
+            for request_id, item in items:
+                out_queue = self._queues.get(request_id)
+                if out_queue is not None:  # the client may be gone already
+                    out_queue.put_nowait(item)
 
         loop.call_soon_threadsafe(put)

@@ -266,6 +266,7 @@ def measure(
     # from the second time on while the reference recomputes them, so the comparison runs
     # without one (`make bench-prefix` measures caching).
     flags = ["--max-num-seqs", str(widest), "--dtype", "float32", "--no-prefix-caching"]
+
     def serve(server_flags: list[str]) -> ServerHandle:
         if config.server == "thread":
             return stack.enter_context(serve_in_thread(checkpoint, server_flags))

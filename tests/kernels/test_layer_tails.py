@@ -144,7 +144,7 @@ def test_ops_give_the_fast_twins_values_and_shapes_on_meta() -> None:
 
 
 def test_kernel_sets_bind_the_tails_by_numerics() -> None:
-    exact, fast = resolve_kernels("cpu", exact=True), resolve_kernels("cpu")
+    exact, fast = resolve_kernels("cpu", exact=True), resolve_kernels("cpu", "twins")
     assert exact.close_layer is reference.close_layer_exact
     assert exact.add_rms_norm is reference.add_rms_norm_exact
     assert (

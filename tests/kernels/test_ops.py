@@ -30,7 +30,7 @@ def test_exact_numerics_bind_the_batch_invariant_twins() -> None:
 @pytest.mark.parametrize("weighted", [True, False])
 def test_fast_rms_norm_gives_the_twins_values(shape: tuple[int, ...], weighted: bool) -> None:
     """Fast numerics' norm: the twin's values to fp32 rounding; other dtypes take the twin."""
-    assert kernels.resolve_kernels("cpu").rms_norm is reference.rms_norm_fused
+    assert kernels.resolve_kernels("cpu", "twins").rms_norm is reference.rms_norm_fused
     gen = torch.Generator().manual_seed(len(shape))
     x = torch.randn(shape, generator=gen) * 3
     weight = torch.randn(shape[-1], generator=gen) if weighted else None
