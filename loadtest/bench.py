@@ -257,7 +257,7 @@ def measure(
     from engine.tokenizer import Tokenizer
     from loadtest import reference as ref
     from loadtest.inprocess import serve_in_thread
-    from loadtest.sidecar import serve_in_subprocess
+    from loadtest.sidecar import serve_in_subprocesses
 
     tokenizer = Tokenizer(checkpoint)  # the server's own tokenizer: the same prompt ids
     prompt_ids = [(p.name, tokenizer.apply_chat_template(p.chat_messages())) for p in prompts]
@@ -267,16 +267,18 @@ def measure(
     # without one (`make bench-prefix` measures caching).
     flags = ["--max-num-seqs", str(widest), "--dtype", "float32", "--no-prefix-caching"]
 
-    def serve(server_flags: list[str]) -> ServerHandle:
-        if config.server == "thread":
-            return stack.enter_context(serve_in_thread(checkpoint, server_flags))
-        server = serve_in_subprocess(checkpoint, server_flags, threads=config.threads)
-        return stack.enter_context(server)
-
+    flag_sets = {"fast": flags}
+    if config.exact_concurrency:
+        flag_sets["exact"] = [*flags, "--exact"]
     with contextlib.ExitStack() as stack:
-        servers = {"fast": serve(flags)}
-        if config.exact_concurrency:
-            servers["exact"] = serve([*flags, "--exact"])
+        if config.server == "thread":
+            servers = {
+                kind: stack.enter_context(serve_in_thread(checkpoint, server_flags))
+                for kind, server_flags in flag_sets.items()
+            }
+        else:  # both start at once (each imports torch and loads the checkpoint)
+            started = serve_in_subprocesses(checkpoint, list(flag_sets.values()), config.threads)
+            servers = dict(zip(flag_sets, stack.enter_context(started), strict=True))
         reference = ref.load_reference(checkpoint)
         todo = configurations(config, servers, reference, prompts, prompt_ids)
         return run_configurations(todo, config.repeats, config.warmup, ledger)

@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -38,26 +39,53 @@ def serve_in_subprocess(
     """`canvas serve` on `model_dir` (None: the built-in default model) with `flags`, on a
     free port of 127.0.0.1, with `threads` torch threads (OMP_NUM_THREADS), until the block
     ends; then stopped (SIGTERM, then SIGKILL after 30 s). `ServerHandle.state` is None."""
+    with serve_in_subprocesses(model_dir, [flags], threads, start_timeout_s) as (handle,):
+        yield handle
+
+
+@contextlib.contextmanager
+def serve_in_subprocesses(
+    model_dir: Path | None,
+    flag_sets: Sequence[Sequence[str]],
+    threads: int | None = None,
+    start_timeout_s: float = 300.0,
+) -> Iterator[list[ServerHandle]]:
+    """One server per set of flags (`serve_in_subprocess`), all started at once (each start
+    imports torch and loads the model: seconds), then waited for in order."""
     model = ["--model", str(model_dir)] if model_dir is not None else []
-    command = [sys.executable, "-m", "server.cli", "serve", *model, "--host", "127.0.0.1"]
-    command += ["--port", "0", "--drain-seconds", "0", *flags]
+    base = [sys.executable, "-m", "server.cli", "serve", *model, "--host", "127.0.0.1"]
+    base += ["--port", "0", "--drain-seconds", "0"]
     env = dict(os.environ)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    with tempfile.TemporaryFile(mode="w+") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
+    with contextlib.ExitStack() as stack:
+        started: list[tuple[subprocess.Popen, Any]] = []  # type: ignore[type-arg]
+        stack.callback(lambda: _stop([process for process, _ in started]))
+        for flags in flag_sets:
+            log = stack.enter_context(tempfile.TemporaryFile(mode="w+"))
+            process = subprocess.Popen(
+                [*base, *flags], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+            started.append((process, log))
+        handles = []
+        for process, log in started:
             url = _wait_until_up(process, log, start_timeout_s)
             name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-            yield ServerHandle(url, name, None)
-        finally:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                logger.warning("the Canvas server did not stop within 30 s; killing it")
-                process.kill()
-                process.wait()
+            handles.append(ServerHandle(url, name, None))
+        yield handles
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:  # type: ignore[type-arg]
+    """SIGTERM to every server at once (each drains for 0 s), then wait; SIGKILL after 30 s."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            logger.warning("the Canvas server did not stop within 30 s; killing it")
+            process.kill()
+            process.wait()
 
 
 def _wait_until_up(process: subprocess.Popen, log, timeout_s: float) -> str:  # type: ignore[type-arg]
