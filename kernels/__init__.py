@@ -228,6 +228,8 @@ def _with_native(kernels: KernelSet) -> KernelSet:
         add_rms_norm=native_cpu.add_rms_norm,
         rms_norm_pair=native_cpu.rms_norm_pair,
         close_layer=native_cpu.close_layer,
+        qkv_norm_rope=native_cpu.qkv_norm_rope,
+        route_experts=native_cpu.route_experts,
         fused_sample=native_cpu.fused_sample,
         sample_and_embed=native_cpu.sample_and_embed,
         native=True,

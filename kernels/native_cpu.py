@@ -164,6 +164,10 @@ def _ranges(num_rows: int, min_rows: int) -> list[tuple[int, int]]:
 def _over_rows(run: Callable[[int, int], None], num_rows: int, min_rows: int) -> None:
     """run(begin, end) over [0, num_rows), split among torch's thread count (at least
     `min_rows` rows each): the others on pool threads, the first here."""
+    if num_rows < 2 * min_rows:  # one thread's worth (an AR step's rows): no split to plan
+        if num_rows:
+            run(0, num_rows)
+        return
     ranges = _ranges(num_rows, min_rows)
     if len(ranges) > 1:
         futures = [_pool(len(ranges) - 1).submit(run, *r) for r in ranges[1:]]
@@ -235,7 +239,10 @@ def _native_norm(*tensors: torch.Tensor | None) -> bool:
     keeps the twins, whose intermediates autograd needs)."""
     if torch.is_grad_enabled():
         return False
-    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
+    for t in tensors:  # a loop, not all(<generator>): this runs a few dozen times per step
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            return False
+    return True
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -337,3 +344,40 @@ def close_layer(
 
     _over_rows(run, rows, _min_rows(hidden))
     return out
+
+
+def qkv_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference.qkv_norm_rope` with the native per-head norms (one call each for q, k and v;
+    `F.rms_norm` decomposes into ~8 dispatches at an AR step's few rows), RoPE the twin's."""
+    return reference.qkv_norm_rope_with(rms_norm, q, k, v, q_weight, k_weight, cos, sin, eps)
+
+
+def route_experts(
+    hidden: torch.Tensor,
+    scale: torch.Tensor,
+    proj: torch.Tensor,
+    per_expert_scale: torch.Tensor,
+    top_k: int,
+    eps: float,
+    segments: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.route_experts` with the native norm, and the softmax taken over the top-k
+    scores only: softmax, top-k and renormalising to one give exp(s_i - m) / sum over the
+    chosen of exp(s_j - m) (the full softmax's denominator cancels), so this is the same
+    function in three operations fewer, equal up to rounding; the experts chosen are the
+    same (softmax is monotonic). Fast numerics (`segments` ignored)."""
+    del segments
+    if not _native_norm(hidden, scale, proj):
+        return reference.route_experts(hidden, scale, proj, per_expert_scale, top_k, eps)
+    h = rms_norm(hidden, scale, eps).mul_(hidden.shape[-1] ** -0.5)
+    top, ids = torch.topk(torch.nn.functional.linear(h, proj), k=top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=torch.float32).mul_(per_expert_scale[ids]), ids

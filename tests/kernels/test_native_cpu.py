@@ -123,6 +123,8 @@ def test_fast_cpu_kernels_bind_them_and_others_do_not():
     fast = kernels.resolve_kernels("cpu")
     assert fast.native and fast.sample_and_embed is native_cpu.sample_and_embed
     assert fast.close_layer is native_cpu.close_layer and fast.rms_norm is native_cpu.rms_norm
+    assert fast.route_experts is native_cpu.route_experts
+    assert fast.qkv_norm_rope is native_cpu.qkv_norm_rope
     assert "native CPU sampler and norms" in fast.describe()
     assert not kernels.resolve_kernels("cpu", "twins").native
     assert not kernels.resolve_kernels("cpu", exact=True).native
@@ -230,3 +232,62 @@ def test_a_fast_forward_on_native_kernels_stays_near_the_twins(tiny_checkpoint):
     for g, w in zip(got, want, strict=True):
         assert torch.isfinite(w).all()
         torch.testing.assert_close(g, w, rtol=TOL, atol=TOL)
+
+
+# -- an AR step's few rows: the router, the per-head norms, the one-token experts -------------
+
+
+def _moe_layer(num_tokens: int, hidden: int, experts: int, inter: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden": torch.randn(num_tokens, hidden, generator=g),
+        "scale": torch.rand(hidden, generator=g) + 0.5,
+        "proj": torch.randn(experts, hidden, generator=g),
+        "per_expert_scale": torch.rand(experts, generator=g) + 0.5,
+        "gate_up": torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5,
+        "down": torch.randn(experts, hidden, inter, generator=g) * inter**-0.5,
+    }
+
+
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (1, 2), (5, 3), (40, 2)])
+@torch.inference_mode()
+def test_the_router_matches_its_twin(num_tokens, top_k):
+    w = _moe_layer(num_tokens, 48, 12, 16, seed=num_tokens * 10 + top_k)
+    args = (w["hidden"], w["scale"], w["proj"], w["per_expert_scale"], top_k, 1e-6)
+    got_weights, got_ids = native_cpu.route_experts(*args, segments=[num_tokens])
+    want_weights, want_ids = reference.route_experts(*args)
+    assert torch.equal(got_ids, want_ids)  # random scores: no near-ties at this size
+    torch.testing.assert_close(got_weights, want_weights, rtol=1e-5, atol=1e-6)
+    with torch.enable_grad():  # training keeps the twin
+        assert torch.equal(native_cpu.route_experts(*args)[0], want_weights)
+
+
+@pytest.mark.parametrize("tokens,heads,kv_heads", [(1, 8, 4), (7, 4, 1)])
+@torch.inference_mode()
+def test_qkv_norms_and_rope_match_their_twin(tokens, heads, kv_heads):
+    g, dim = torch.Generator().manual_seed(tokens), 32
+    q = torch.randn(tokens, heads, dim, generator=g)
+    k, v = (torch.randn(tokens, kv_heads, dim, generator=g) for _ in range(2))
+    qw, kw = torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5
+    angle = torch.rand(tokens, dim // 2, generator=g) * 6
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    got = native_cpu.qkv_norm_rope(q, k, v, qw, kw, cos, sin, 1e-6)
+    want = reference.qkv_norm_rope(q, k, v, qw, kw, cos, sin, 1e-6)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+@torch.inference_mode()
+def test_one_token_experts_give_the_grouped_paths_bits(top_k):
+    """`fused_moe_scattered` at one token runs its experts directly; each expert sees the same
+    single row as in the grouped GEMMs, so the sum is the grouped path's, bit for bit."""
+    w = _moe_layer(1, 64, 8, 24, seed=top_k)
+    for trial in range(5):
+        hidden = torch.randn(1, 64, generator=torch.Generator().manual_seed(trial))
+        weights = torch.rand(1, top_k) + 0.1
+        ids = torch.randperm(8, generator=torch.Generator().manual_seed(trial))[:top_k][None]
+        out, perm = reference._expert_outputs(hidden, w["gate_up"], w["down"], weights, ids)
+        grouped = out.new_zeros(1, 64).index_add_(0, perm // top_k, out)
+        got = reference.fused_moe_scattered(hidden, w["gate_up"], w["down"], weights, ids)
+        assert torch.equal(got, grouped)
