@@ -105,7 +105,7 @@ class KernelSet:
         return "exact" if self.exact else "fast"
 
     def describe(self) -> str:
-        native = ", native CPU sampler and norms" if self.native else ""
+        native = ", native CPU sampler, norms and experts" if self.native else ""
         return f"{self.numerics} numerics, {self.backend} kernels{native}"
 
     def with_twin_attention(self) -> KernelSet:
@@ -217,7 +217,8 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
 
 
 def _with_native(kernels: KernelSet) -> KernelSet:
-    """`kernels` with the native CPU sampler and norms bound, when this machine builds them."""
+    """`kernels` with the native CPU sampler, norms, router and one-token experts bound, when
+    this machine builds them."""
     from kernels import native_cpu
 
     if not native_cpu.available():
@@ -230,6 +231,7 @@ def _with_native(kernels: KernelSet) -> KernelSet:
         close_layer=native_cpu.close_layer,
         qkv_norm_rope=native_cpu.qkv_norm_rope,
         route_experts=native_cpu.route_experts,
+        fused_moe=native_cpu.fused_moe,
         fused_sample=native_cpu.fused_sample,
         sample_and_embed=native_cpu.sample_and_embed,
         native=True,

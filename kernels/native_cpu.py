@@ -6,7 +6,10 @@ time. `native/sampler.c`: the diffusion sampler makes about fifteen passes over 
 [positions, vocabulary] logits (on `bench-small`, 8 M logits per step at 16 canvases, ~85 ms of
 a ~500 ms step); the C kernel does each row in three passes that stay in the core's cache.
 `native/norms.c`: RMSNorm and a layer's norm tails (`add_rms_norm`, `rms_norm_pair`,
-`close_layer`: 3 to 10 passes over the [tokens, hidden] activations each) one row at a time.
+`close_layer`: 3 to 10 passes over the [tokens, hidden] activations each) one row at a time,
+also bound for attention's per-head q/k/v norms and the router's norm, where at an AR step's few
+rows `F.rms_norm`'s ~8 dispatches cost more than the arithmetic. `native/moe.c`: one token's
+experts (an AR step at one request) in one call instead of ~10 dispatches per expert.
 
 Build: `cc -O3 -march=native -shared` (the compiler from $CC, else `cc`) into
 $CANVAS_CACHE/native (default ~/.cache/canvas/native), named by a hash of the source, the flags
@@ -54,6 +57,8 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99", "-fno-math-er
 # rows (a vocabulary each), and norm elements.
 MIN_ROWS_PER_THREAD = 8
 MIN_NORM_ELEMENTS_PER_THREAD = 1 << 16
+# Expert weight bytes per thread below which one thread runs all of a token's experts.
+MIN_EXPERT_BYTES_PER_THREAD = 4 << 20
 
 
 def enabled() -> bool:
@@ -123,6 +128,7 @@ SIGNATURES: dict[str, dict[str, list[type]]] = {
         "canvas_rms_norm_pair": [*[_PTR] * 5, _I64, _I64, _I64, _F32],
         "canvas_close_layer": [*[_PTR] * 7, _I64, _PTR, _I64, _I64, _I64, _F32],
     },
+    "moe": {"canvas_moe_token": [*[_PTR] * 7, _I64, _I64, _I64, _I64]},
 }
 
 
@@ -381,3 +387,35 @@ def route_experts(
     h = rms_norm(hidden, scale, eps).mul_(hidden.shape[-1] ** -0.5)
     top, ids = torch.topk(torch.nn.functional.linear(h, proj), k=top_k, dim=-1)
     return torch.softmax(top, dim=-1, dtype=torch.float32).mul_(per_expert_scale[ids]), ids
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    segments: list[int] | None = None,
+) -> torch.Tensor:
+    """`reference.fused_moe_scattered`; one token (an AR step at one request) in one native
+    call (`moe.c`: its experts' matrix-vector products and GeGLU, each slot weighted), the
+    slots summed in slot order. More tokens, non-fp32 operands and autograd take the twin."""
+    if ids.shape[0] != 1 or not _native_norm(hidden, gate_up, down, weights):
+        return reference.fused_moe_scattered(hidden, gate_up, down, weights, ids, segments)
+    lib = library("moe")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+    num_slots, size = ids.shape[1], hidden.shape[-1]
+    inter = down.shape[-1]
+    x, gu, dn = hidden.contiguous(), gate_up.contiguous(), down.contiguous()
+    w = weights.reshape(-1).contiguous()
+    slots = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(num_slots, size, dtype=torch.float32)
+    scratch = torch.empty(num_slots, inter, dtype=torch.float32)
+    args = [t.data_ptr() for t in (x, gu, dn, w, slots, out, scratch)]
+
+    def run(begin: int, end: int) -> None:
+        lib.canvas_moe_token(*args, begin, end, size, inter)
+
+    expert_bytes = 3 * inter * size * 4
+    _over_rows(run, num_slots, max(1, MIN_EXPERT_BYTES_PER_THREAD // expert_bytes))
+    return out.sum(0, keepdim=True)

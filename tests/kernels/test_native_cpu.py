@@ -1,5 +1,5 @@
-"""The native CPU kernels (`kernels/native/sampler.c`, `norms.c`) against their twins, and the
-fallback to the twins."""
+"""The native CPU kernels (`kernels/native/sampler.c`, `norms.c`, `moe.c`) against their twins,
+and the fallback to the twins."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_fast_cpu_kernels_bind_them_and_others_do_not():
     assert fast.close_layer is native_cpu.close_layer and fast.rms_norm is native_cpu.rms_norm
     assert fast.route_experts is native_cpu.route_experts
     assert fast.qkv_norm_rope is native_cpu.qkv_norm_rope
-    assert "native CPU sampler and norms" in fast.describe()
+    assert "native CPU sampler, norms and experts" in fast.describe()
     assert not kernels.resolve_kernels("cpu", "twins").native
     assert not kernels.resolve_kernels("cpu", exact=True).native
     assert not fast.with_custom_ops().native
@@ -291,3 +291,21 @@ def test_one_token_experts_give_the_grouped_paths_bits(top_k):
         grouped = out.new_zeros(1, 64).index_add_(0, perm // top_k, out)
         got = reference.fused_moe_scattered(hidden, w["gate_up"], w["down"], weights, ids)
         assert torch.equal(got, grouped)
+
+
+@pytest.mark.parametrize("hidden,inter,top_k", [(64, 24, 1), (48, 16, 4), (44, 20, 2)])
+@torch.inference_mode()
+def test_native_one_token_experts_match_the_twin(hidden, inter, top_k):
+    """`moe.c` at one token (sizes off the 8-wide vectors exercise the tails; the twin's grouped
+    GEMM needs rows of whole 16 bytes), and the twin beyond one token."""
+    w = _moe_layer(3, hidden, 8, inter, seed=hidden)
+    weights = torch.rand(3, top_k, generator=torch.Generator().manual_seed(1)) + 0.1
+    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i))[:top_k]
+                       for i in range(3)])  # fmt: skip
+    for rows in (slice(0, 1), slice(1, 2), slice(0, 3)):
+        args = (w["hidden"][rows], w["gate_up"], w["down"], weights[rows], ids[rows])
+        want = reference.fused_moe_scattered(*args)
+        got = native_cpu.fused_moe(*args, segments=[args[0].shape[0]])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert got.shape == want.shape and got.dtype == want.dtype
+    assert kernels.resolve_kernels("cpu").fused_moe is native_cpu.fused_moe

@@ -81,10 +81,11 @@ def test_cuda_gets_triton_when_installed(monkeypatch: pytest.MonkeyPatch) -> Non
     assert kernels.resolve_kernels("cuda", "twins").canvas_attention is reference.canvas_attention
 
 
-def test_fast_kernels_ignore_per_request_segments() -> None:
+@pytest.mark.parametrize("backend", ["twins", "auto"])  # auto: the native CPU kernels too
+def test_fast_kernels_ignore_per_request_segments(backend: str) -> None:
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(20, 8, generator=gen), torch.randn(6, 8, generator=gen)
-    ks = kernels.resolve_kernels("cpu")
+    ks = kernels.resolve_kernels("cpu", backend)
     torch.testing.assert_close(ks.linear(x, w, [3, 17]), x @ w.T)
     scale, per_expert = torch.ones(8), torch.ones(4)
     proj = torch.randn(4, 8, generator=gen)
@@ -94,7 +95,7 @@ def test_fast_kernels_ignore_per_request_segments() -> None:
     # The experts: one grouping over all tokens, outputs scattered into their rows.
     weights, ids = want
     gate_up, down = torch.randn(4, 16, 8, generator=gen), torch.randn(4, 8, 8, generator=gen)
-    assert ks.fused_moe is reference.fused_moe_scattered
+    assert backend == "auto" or ks.fused_moe is reference.fused_moe_scattered
     moe = ks.fused_moe(x, gate_up, down, weights, ids, segments=[3, 17])
     torch.testing.assert_close(moe, reference.fused_moe(x, gate_up, down, weights, ids))
 
