@@ -3,6 +3,7 @@ compiled, within the architecture's shared memory, and (bf16) without register s
 
     python -m loadtest.gpu_compile                      # the real-shape bf16 kernels, sm_90
     python -m loadtest.gpu_compile --set all --arch 90 80 --json out.json   # `make gpu-compile`
+    python -m loadtest.gpu_compile --shard 1/2          # every other variant (two processes)
 
 Triton's wheel bundles `ptxas` and `cuobjdump`, so it compiles for `GPUTarget("cuda", arch, 32)`
 with no GPU, CUDA toolkit or driver. The kernels are compiled through the project's own
@@ -211,12 +212,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", choices=sorted(SETS), default="make-test", dest="which")
     p.add_argument("--arch", type=int, nargs="+", choices=sorted(SHARED_LIMITS), default=[90])
     p.add_argument("--json", type=Path, help="write the compiles and problems here")
+    p.add_argument(
+        "--shard",
+        default="0/1",
+        help="I/N: compile only every N-th variant from the I-th (N processes run in parallel)",
+    )
     args = p.parse_args(argv)
+    index, _, count = args.shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        p.error(f"--shard takes I/N with 0 <= I < N, got {args.shard!r}")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         p.error("unset TRITON_INTERPRET: the kernels must be defined for compilation")
     import triton
 
-    compiled, found = check(variants(args.which), args.arch)
+    compiled, found = check(variants(args.which)[int(index) :: int(count)], args.arch)
     print(
         f"Triton {triton.__version__}, set {args.which!r}, sm_{', sm_'.join(map(str, args.arch))}"
     )
