@@ -87,7 +87,10 @@ class BenchConfig:
     prompt_set: str = "short-chat"
     warmup: int = 1  # warm-up runs of each configuration's first wave, before any timing
     repeats: int = 2  # timed rounds: every configuration once per round
-    threads: int = 2
+    threads: int = 2  # the reference's torch threads (the benchmark's own process)
+    # The Canvas servers' `--threads`; None: the server's default (every core but one: the
+    # other is its HTTP front end's and, here, the load generator's).
+    server_threads: int | None = None
     seed: int = 0
     # "subprocess": each Canvas server in its own process (a sidecar, as deployed); "thread":
     # in this process, beside the load generator (their interpreter lock is shared).
@@ -106,6 +109,8 @@ class BenchConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.server_threads is not None and self.server_threads < 1:
+            raise ValueError(f"server_threads must be >= 1, got {self.server_threads}")
         if self.repeats < 2:
             raise ValueError(f"repeats must be >= 2 (one run has no spread), got {self.repeats}")
         if not self.concurrency or min(self.concurrency) < 1:
@@ -277,7 +282,9 @@ def measure(
                 for kind, server_flags in flag_sets.items()
             }
         else:  # both start at once (each imports torch and loads the checkpoint)
-            started = serve_in_subprocesses(checkpoint, list(flag_sets.values()), config.threads)
+            started = serve_in_subprocesses(
+                checkpoint, list(flag_sets.values()), config.server_threads
+            )
             servers = dict(zip(flag_sets, stack.enter_context(started), strict=True))
         reference = ref.load_reference(checkpoint)
         todo = configurations(config, servers, reference, prompts, prompt_ids)
@@ -349,11 +356,31 @@ def _meta(config: BenchConfig, checkpoint: Path, num_prompts: int, command: str)
         "seed": config.seed,
         "torch_threads": config.threads,
         "canvas_server": config.server,
+        "canvas_server_threads": _server_threads(config),
         "torch_version": torch.__version__,
         "transformers_version": _version("transformers"),
         "hardware": _hardware(),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
     }
+
+
+def _server_threads(config: BenchConfig) -> int:
+    """The torch threads of the Canvas servers: `--server-threads`, else a sidecar's default
+    (`canvas serve` without OMP_NUM_THREADS); in-process servers share this process's."""
+    import torch
+
+    from server.serve import choose_threads
+
+    if config.server == "thread":
+        return torch.get_num_threads()
+    if config.server_threads is not None:
+        return config.server_threads
+    saved = os.environ.pop("OMP_NUM_THREADS", None)
+    try:
+        return choose_threads(None) or torch.get_num_threads()
+    finally:
+        if saved is not None:
+            os.environ["OMP_NUM_THREADS"] = saved
 
 
 def _version(package: str) -> str | None:
@@ -414,7 +441,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-set", choices=sorted(PROMPT_SETS), default=None)
     p.add_argument("--warmup", type=int, default=None, help="warm-up runs per configuration")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (>= 2)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (2)")
+    p.add_argument("--threads", type=int, default=None, help="the reference's torch threads (2)")
+    p.add_argument(
+        "--server-threads",
+        type=int,
+        default=None,
+        help="the Canvas servers' --threads (default: the server's own, every core but one)",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
         "--server",

@@ -314,7 +314,8 @@ def bench_markdown(result: dict[str, Any]) -> str:
         f"# Canvas vs the transformers reference — `{meta['preset']}`",
         "",
         f"Hardware: {meta['hardware']['cpu']} ({meta['hardware']['cpu_count']} CPUs), "
-        f"torch {meta['torch_version']} with {meta['torch_threads']} threads. "
+        f"torch {meta['torch_version']}; the reference with {meta['torch_threads']} threads, "
+        f"Canvas with {meta.get('canvas_server_threads', meta['torch_threads'])}. "
         f"Command: `{meta['command']}`.",
         "",
         f"Checkpoint: {meta['checkpoint_description']} ({meta['parameters']['total'] / 1e6:.1f}M "

@@ -37,8 +37,9 @@ def serve_in_subprocess(
     start_timeout_s: float = 300.0,
 ) -> Iterator[ServerHandle]:
     """`canvas serve` on `model_dir` (None: the built-in default model) with `flags`, on a
-    free port of 127.0.0.1, with `threads` torch threads (OMP_NUM_THREADS), until the block
-    ends; then stopped (SIGTERM, then SIGKILL after 30 s). `ServerHandle.state` is None."""
+    free port of 127.0.0.1, with `--threads threads` (None: the server's default, every core
+    but one; this process's OMP_NUM_THREADS is not passed on), until the block ends; then
+    stopped (SIGTERM, then SIGKILL after 30 s). `ServerHandle.state` is None."""
     with serve_in_subprocesses(model_dir, [flags], threads, start_timeout_s) as (handle,):
         yield handle
 
@@ -56,8 +57,9 @@ def serve_in_subprocesses(
     base = [sys.executable, "-m", "server.cli", "serve", *model, "--host", "127.0.0.1"]
     base += ["--port", "0", "--drain-seconds", "0"]
     env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)  # `make bench` sets it for the reference's process
     if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
+        base += ["--threads", str(threads)]
     with contextlib.ExitStack() as stack:
         started: list[tuple[subprocess.Popen, Any]] = []  # type: ignore[type-arg]
         stack.callback(lambda: _stop([process for process, _ in started]))

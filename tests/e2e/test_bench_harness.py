@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -36,8 +37,8 @@ META_FIELDS = {
     "canvas_length", "max_tokens", "denoising_steps", "adaptive_stop", "note", "prompt_set",
     "num_prompts", "concurrency", "ar_concurrency", "exact_concurrency", "floor",
     "reference_requests", "static_batch", "warmup", "repeats", "seed",
-    "torch_threads", "canvas_server", "torch_version", "transformers_version", "hardware",
-    "config", "seconds",
+    "torch_threads", "canvas_server", "canvas_server_threads", "torch_version",
+    "transformers_version", "hardware", "config", "seconds",
 }  # fmt: skip
 LABELS = (  # per mode and width, each Canvas run next to the reference run it is compared with
     "canvas c=1",
@@ -262,6 +263,11 @@ def test_a_sidecar_server_that_cannot_start_says_why(tmp_path: Path) -> None:
 def test_the_bench_serves_canvas_from_its_own_process_unless_told(toy_bench):
     _, result = toy_bench
     assert result["meta"]["canvas_server"] == "subprocess"
+    # The sidecars pick their own threads (every core but one), not the reference's.
+    cores = len(os.sched_getaffinity(0))
+    assert result["meta"]["canvas_server_threads"] == max(1, cores - 1)
     assert BenchConfig(server="thread").server == "thread"
+    with pytest.raises(ValueError, match="server_threads must be >= 1"):
+        BenchConfig(server_threads=0)
     with pytest.raises(ValueError, match="server must be"):
         BenchConfig(server="fork")

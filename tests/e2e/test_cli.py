@@ -220,3 +220,24 @@ def test_serve_help_shows_the_defaults_but_never_the_api_key(monkeypatch, capsys
         assert shown in text
     assert "sekrit-key" not in text and "(default: $CANVAS_API_KEY" in text
     assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_serve_threads_default_to_every_core_but_one_unless_told(monkeypatch, capsys):
+    from server.serve import StartupError, choose_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cores, want in ((1, 1), (2, 1), (16, 15)):
+        monkeypatch.setattr("os.sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert choose_threads(None) == want
+        assert choose_threads(3) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert choose_threads(None) is None  # torch already follows it
+    with pytest.raises(StartupError, match="--threads must be at least 1, got 0"):
+        choose_threads(0)
+    threads = torch.get_num_threads()
+    assert main(["serve", "--model", "/nonexistent", "--port", "0", "--threads", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "canvas serve: error: --threads must be at least 1, got 0"
+    )
+    assert main(["serve", "--model", "/nonexistent", "--port", "0", "--threads", "1"]) == 2
+    assert torch.get_num_threads() == threads  # a failed start changes nothing

@@ -30,7 +30,8 @@ def _assert_ended_cleanly(lines: list[str]) -> None:
 
 def test_sigterm_drains_for_drain_seconds_then_ends_running_streams_with_done(tiny_checkpoint):
     """The drain used to ignore --drain-seconds: the process waited for every stream to end."""
-    with serve_process(tiny_checkpoint("c16"), ["--drain-seconds", "1"]) as server:
+    flags = ["--drain-seconds", "1", "--threads", "1"]  # --threads: over OMP_NUM_THREADS=2
+    with serve_process(tiny_checkpoint("c16"), flags) as server:
         stream = StreamReader(server.url)
         stream.wait_for_chunks(2)
         server.signal(signal.SIGTERM)
@@ -42,6 +43,7 @@ def test_sigterm_drains_for_drain_seconds_then_ends_running_streams_with_done(ti
     assert seconds < 1 + EXIT_MARGIN_S, f"exited {seconds:.1f} s after SIGTERM"
     _assert_ended_cleanly(lines)
     assert "draining for up to 1 s" in server.output
+    assert "cpu threads 1\n" in server.output
     assert "Traceback" not in server.output
 
 
@@ -61,6 +63,7 @@ def test_a_second_signal_exits_at_once_and_ends_streams_without_a_traceback(tiny
     assert seconds < EXIT_MARGIN_S, f"exited {seconds:.1f} s after the second signal"
     _assert_ended_cleanly(lines)
     assert "Traceback" not in server.output and "KeyboardInterrupt" not in server.output
+    assert "cpu threads 2\n" in server.output  # OMP_NUM_THREADS=2 (serve_process) is honoured
 
 
 def test_drain_with_nothing_running_exits_without_waiting_out_the_drain():
