@@ -167,14 +167,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="require this bearer key on /v1 (default: $CANVAS_API_KEY, which keeps it out of "
         "the process list; unset: no auth; empty: an error)",
     )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for the model's operators (default: $OMP_NUM_THREADS when set, else "
-        "every usable core but one, which is left to the HTTP front end and clients on the "
-        "same machine; at least 1)",
-    )
     parser.add_argument("--debug", action="store_true", help="traceback of a start-up error")
     _add_engine_switches(parser)
 
@@ -210,6 +202,14 @@ def _add_engine_switches(parser: argparse.ArgumentParser) -> None:
     )
     check = "verify pages, sampler slots and request sets after every step"
     parser.add_argument("--check-invariants", action="store_true", help=check)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for the model's operators (default: $OMP_NUM_THREADS when set, else "
+        "every usable core but one, which is left to the HTTP front end and clients on the "
+        "same machine; at least 1)",
+    )
     add_media_arguments(parser)
 
 
