@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.batched_sampler import new_seed
+from engine.cpu_threads import make_tuner
 from engine.images import PreparedImage, image_spans, image_token_positions
 from engine.kv_pages import KVPages, PageGeometry
 from engine.model import DiffusionLM, PagedKVCache
@@ -70,6 +71,11 @@ class EngineConfig:
     # the next request that starts with the same tokens (`canvas serve --no-prefix-caching`;
     # exact numerics never cache).
     prefix_caching: bool = True
+    # CPU threads of the model's operators (`engine.cpu_threads`): empty leaves torch's count
+    # alone; one count is set before every step; several are measured per step and the
+    # fastest runs (exact numerics keep the smallest). `canvas serve` measures every core but
+    # one against every core by default.
+    cpu_threads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
@@ -118,6 +124,8 @@ class Engine:
             self.device,
         )
         self.runner = ModelRunner(model, cache)
+        cpu = self.device.type == "cpu"
+        self.threads = make_tuner(self.config.cpu_threads, model.kernels.exact) if cpu else None
         self.sampling = make_sampling(model, sched.max_num_seqs)
         self.limits = self._limits()
         self.validator = RequestValidator(defaults, self.limits)
@@ -240,6 +248,8 @@ class Engine:
         if plan.copies:
             self.runner.copy_sliding_pages(plan.copies)
         stats = StepStats(num_rows=len(plan.rows), num_tokens=plan.num_tokens)
+        if self.threads is not None and plan.num_tokens:
+            stats.cpu_threads = self.threads.choose(plan.num_tokens)
         effects = self._execute(plan, stats)
         outputs = [*plan.ended, *self.scheduler.update(plan, effects)]
         now = time.monotonic()
@@ -254,6 +264,8 @@ class Engine:
         stats.step_seconds = time.perf_counter() - start
         if stats.num_tokens:
             self.scheduler.step_cost.observe(stats.num_tokens, stats.step_seconds)
+        if self.threads is not None and stats.cpu_threads:
+            self.threads.observe(stats.num_tokens, stats.cpu_threads, stats.step_seconds)
         if self.config.check_invariants:
             self.scheduler.check()
         return StepResult(outputs, stats)

@@ -200,6 +200,7 @@ class StepStats:
     sample_seconds: float = 0.0  # the sampler's arithmetic and its host transfer
     grammar_seconds: float = 0.0  # of which: grammars and log-probabilities (engine.postprocess)
     step_seconds: float = 0.0
+    cpu_threads: int = 0  # the CPU thread count the step ran with (0: not set by the engine)
     canvas_latencies: list[float] = field(default_factory=list)  # committed canvases
     # Hybrid: per verify pass, the draft tokens accepted, and the draft tokens offered.
     accepted_lengths: list[int] = field(default_factory=list)

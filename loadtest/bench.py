@@ -88,9 +88,10 @@ class BenchConfig:
     warmup: int = 1  # warm-up runs of each configuration's first wave, before any timing
     repeats: int = 2  # timed rounds: every configuration once per round
     threads: int = 2  # the reference's torch threads (the benchmark's own process)
-    # The Canvas servers' `--threads`; None: the server's default (every core but one: the
-    # other is its HTTP front end's and, here, the load generator's).
-    server_threads: int | None = None
+    # The Canvas servers' `--threads` (a count or "auto"); None: the server's default, "auto"
+    # (every core but one, the other left to its HTTP front end and, here, the load generator,
+    # measured per step against every core).
+    server_threads: str | None = None
     seed: int = 0
     # "subprocess": each Canvas server in its own process (a sidecar, as deployed); "thread":
     # in this process, beside the load generator (their interpreter lock is shared).
@@ -109,8 +110,9 @@ class BenchConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.server_threads is not None and self.server_threads < 1:
-            raise ValueError(f"server_threads must be >= 1, got {self.server_threads}")
+        threads = self.server_threads
+        if threads is not None and threads != "auto" and not (threads.isdigit() and int(threads)):
+            raise ValueError(f"server_threads must be 'auto' or a count >= 1, got {threads!r}")
         if self.repeats < 2:
             raise ValueError(f"repeats must be >= 2 (one run has no spread), got {self.repeats}")
         if not self.concurrency or min(self.concurrency) < 1:
@@ -364,20 +366,15 @@ def _meta(config: BenchConfig, checkpoint: Path, num_prompts: int, command: str)
     }
 
 
-def _server_threads(config: BenchConfig) -> int:
-    """The torch threads of the Canvas servers: `--server-threads`, else a sidecar's default
-    (`canvas serve` without OMP_NUM_THREADS); in-process servers share this process's."""
-    import torch
+def _server_threads(config: BenchConfig) -> str:
+    """The CPU threads of the Canvas servers, in the banner's words: `--server-threads`, else a
+    sidecar's default (`canvas serve` without OMP_NUM_THREADS: auto); in-process servers
+    follow this process's OMP_NUM_THREADS, as `canvas serve` does."""
+    from server.serve import choose_threads, describe_threads
 
-    from server.serve import choose_threads
-
-    if config.server == "thread":
-        return torch.get_num_threads()
-    if config.server_threads is not None:
-        return config.server_threads
-    saved = os.environ.pop("OMP_NUM_THREADS", None)
+    saved = os.environ.pop("OMP_NUM_THREADS", None) if config.server == "subprocess" else None
     try:
-        return choose_threads(None) or torch.get_num_threads()
+        return describe_threads(choose_threads(config.server_threads))
     finally:
         if saved is not None:
             os.environ["OMP_NUM_THREADS"] = saved
@@ -444,9 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="the reference's torch threads (2)")
     p.add_argument(
         "--server-threads",
-        type=int,
         default=None,
-        help="the Canvas servers' --threads (default: the server's own, every core but one)",
+        help="the Canvas servers' --threads: a count or 'auto' (default: the server's own, auto)",
     )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(

@@ -156,6 +156,21 @@ def step_breakdown(summary: RunSummary) -> dict[str, float | None]:
     }
 
 
+def thread_shares(runs: Sequence[dict[str, Any]]) -> str:
+    """The share of a series' steps (all rounds) run with each CPU thread count, e.g. "1: 97%,
+    2: 3%"; "–" where the server does not report it (the reference, a fixed count on GPU)."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        for n, k in ((run.get("engine_overhead") or {}).get("thread_steps") or {}).items():
+            counts[n] = counts.get(n, 0) + k
+    total = sum(counts.values())
+    if not total:
+        return "–"
+    return ", ".join(
+        f"{n}: {100 * k / total:.0f}%" for n, k in sorted(counts.items(), key=lambda x: int(x[0]))
+    )
+
+
 def series_json(s: Series) -> dict[str, Any]:
     throughputs = [r.summary.output_tokens_per_s for r in s.runs]
     steps = [step_breakdown(r.summary) for r in s.runs]

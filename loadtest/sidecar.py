@@ -33,12 +33,12 @@ _ADDRESS = re.compile(r"http://127\.0\.0\.1:(\d+)/v1")
 def serve_in_subprocess(
     model_dir: Path | None,
     flags: Sequence[str] = (),
-    threads: int | None = None,
+    threads: str | None = None,
     start_timeout_s: float = 300.0,
 ) -> Iterator[ServerHandle]:
     """`canvas serve` on `model_dir` (None: the built-in default model) with `flags`, on a
-    free port of 127.0.0.1, with `--threads threads` (None: the server's default, every core
-    but one; this process's OMP_NUM_THREADS is not passed on), until the block ends; then
+    free port of 127.0.0.1, with `--threads threads` (a count or "auto"; None: the server's
+    default, auto; this process's OMP_NUM_THREADS is not passed on), until the block ends; then
     stopped (SIGTERM, then SIGKILL after 30 s). `ServerHandle.state` is None."""
     with serve_in_subprocesses(model_dir, [flags], threads, start_timeout_s) as (handle,):
         yield handle
@@ -48,7 +48,7 @@ def serve_in_subprocess(
 def serve_in_subprocesses(
     model_dir: Path | None,
     flag_sets: Sequence[Sequence[str]],
-    threads: int | None = None,
+    threads: str | None = None,
     start_timeout_s: float = 300.0,
 ) -> Iterator[list[ServerHandle]]:
     """One server per set of flags (`serve_in_subprocess`), all started at once (each start

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +69,8 @@ class EngineOverhead:
     step_seconds: float
     forward_seconds: float
     sample_seconds: float = 0.0
+    # Steps run with each CPU thread count (`canvas:cpu_thread_steps`; `--threads auto`).
+    thread_steps: dict[int, int] = field(default_factory=dict)
 
     @property
     def overhead_fraction(self) -> float | None:
@@ -126,6 +128,7 @@ class RunSummary:
                     "sample_seconds": value.sample_seconds,
                     "mean_step_ms": value.mean_step_ms,
                     "overhead_fraction": value.overhead_fraction,
+                    "thread_steps": {str(n): k for n, k in sorted(value.thread_steps.items())},
                 }
             elif isinstance(value, tuple):
                 value = list(value)

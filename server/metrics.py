@@ -56,6 +56,15 @@ class PrefixCacheMetrics:
         self.usage.set(engine.prefix_cache_usage)
 
 
+def thread_steps_counter(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "canvas:cpu_thread_steps",
+        "Engine steps run with each CPU thread count (--threads auto measures, then picks)",
+        ["model_name", "threads"],
+        registry=registry,
+    )
+
+
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -136,6 +145,7 @@ class Metrics:
         self.drafted = counter(
             "canvas:hybrid_drafted_tokens", "Draft tokens offered to hybrid verify passes"
         )
+        self._thread_steps = thread_steps_counter(r)
 
     def success(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -152,6 +162,8 @@ class Metrics:
         for accepted in step.accepted_lengths:
             self.accepted.observe(accepted)
         self.drafted.inc(step.num_drafted)
+        if step.cpu_threads:
+            self._thread_steps.labels(self.model_name, str(step.cpu_threads)).inc()
 
     def on_finish(self, stats: RequestStats, reason: str, num_tokens: int) -> None:
         self.success(reason)

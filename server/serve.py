@@ -171,23 +171,39 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_engine_switches(parser)
 
 
-def choose_threads(requested: int | None) -> int | None:
-    """The torch thread count `canvas serve` sets: `--threads`; else None (torch's own choice)
-    when OMP_NUM_THREADS is set; else every usable core but one (at least 1). The model's
-    operators run OpenMP regions whose threads wait for each other at every operator's end:
-    when the HTTP front end (the event loop: tokenizing, streaming, JSON) or a co-located client
-    takes a core from one of them, the whole region stalls. Measured on the 2-core VM with the
-    load generator on the same machine (`bench-tiny`, interleaved, 5 rounds each): one thread
-    served 1.6-2.6x the tokens/s of two (diffusion at 1 and 16 requests, AR at 1), and on
-    `bench-small` 1.0-2.1x."""
-    if requested is not None:
-        if requested < 1:
-            raise StartupError(f"--threads must be at least 1, got {requested}")
-        return requested
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) - 1)
+def choose_threads(requested: str | None) -> tuple[int, ...]:
+    """The CPU thread counts the engine runs steps with (`EngineConfig.cpu_threads`):
+    `--threads N` fixes N; `--threads auto`, the default unless OMP_NUM_THREADS is set (then
+    torch's count, which follows it), measures every usable core but one against every core,
+    per step size, and runs each step with the faster (`engine.cpu_threads`). Why measure: a
+    sidecar's front end and co-located clients take cores from the model's OpenMP regions,
+    which then stall, so on a 2-core VM one thread served a 7M-parameter model 1.6-2.6x faster
+    than two, while a 32M one ran 16 canvases per step up to 1.6x faster on two."""
+    import torch
+
+    from engine.cpu_threads import auto_choices
+
+    if requested is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return (torch.get_num_threads(),)
+        requested = "auto"
+    if requested == "auto":
+        return auto_choices()
+    try:
+        count = int(requested)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise StartupError(f"--threads must be 'auto' or a count of at least 1, got {requested!r}")
+    return (count,)
+
+
+def describe_threads(choices: tuple[int, ...]) -> str:
+    """The banner's words for `choices`."""
+    if len(choices) == 1:
+        return str(choices[0])
+    counts = " or ".join(map(str, choices))
+    return f"{counts}, per step, whichever measures faster (--threads auto)"
 
 
 def _add_engine_switches(parser: argparse.ArgumentParser) -> None:
@@ -204,11 +220,11 @@ def _add_engine_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-invariants", action="store_true", help=check)
     parser.add_argument(
         "--threads",
-        type=int,
         default=None,
-        help="CPU threads for the model's operators (default: $OMP_NUM_THREADS when set, else "
-        "every usable core but one, which is left to the HTTP front end and clients on the "
-        "same machine; at least 1)",
+        help="CPU threads for the model's operators: a count, or 'auto' (default, unless "
+        "$OMP_NUM_THREADS is set): every usable core but one (left to the HTTP front end and "
+        "clients on the same machine) and every core are measured per step size, and each "
+        "step runs with the faster",
     )
     add_media_arguments(parser)
 
@@ -262,6 +278,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from server.state import ServerState
 
     api_key = check_api_key(args.api_key)
+    threads = choose_threads(args.threads)
     model_dir = Path(args.model) if args.model else default_model_dir()
     model = load_model(
         model_dir,
@@ -282,6 +299,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         kv_cache_tokens=args.kv_cache_tokens,
         check_invariants=args.check_invariants or CHECK_INVARIANTS,
         prefix_caching=not args.no_prefix_caching,
+        cpu_threads=threads,
     )
     engine = AsyncEngine(Engine(model, defaults, config, tokenizer))
     name = args.served_model_name or model_dir.name
@@ -297,6 +315,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         f"image input {'on' if state.media is not None else 'off'}",
         f"  max-num-seqs {args.max_num_seqs}, max-queue {args.max_queue}, "
         f"auth {'on' if api_key else 'off'}",
+        f"  cpu threads {describe_threads(threads)}",
         f"  http://{args.host}:{args.port}/v1  (docs: /docs, metrics: /metrics)",
     ]
     return state, banner
@@ -394,16 +413,10 @@ def _one_line(exc: Exception) -> str:
 def serve(args: argparse.Namespace) -> int:
     """Serve until a signal ends the drain (returns 0); raises StartupError when it cannot
     start."""
-    import torch
-
     from server.app import create_app
     from server.http import uvicorn_config
 
-    threads = choose_threads(args.threads)
     sock, state, banner = start(args)
-    if threads is not None:  # once started: a failed start leaves the caller's threads alone
-        torch.set_num_threads(threads)
-    banner.insert(-1, f"  cpu threads {torch.get_num_threads()}")
     for line in banner:
         logger.info(line)
     app = create_app(state)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.cpu_threads import auto_choices
 from engine.testing import (
     PRESETS,
     REAL_26B_A4B_TEXT_CONFIG,
@@ -18,8 +19,10 @@ from engine.testing import (
     preset_text_config,
 )
 from loadtest.bench import BenchConfig, build_parser, configs_from_args, main
-from loadtest.metrics import parse_step_totals
+from loadtest.bench_report import thread_shares
+from loadtest.metrics import StepTotals, parse_step_totals
 from loadtest.prompts import PROMPT_SETS, make_prompts
+from server.serve import describe_threads
 
 SUMMARY_FIELDS = {
     "label", "system", "concurrency", "request_rate", "num_requests", "num_errors",
@@ -233,6 +236,19 @@ def test_step_totals_sum_the_canvas_step_histograms():
     totals = parse_step_totals(text)
     assert totals is not None and totals.num_steps == 10 and totals.forward_seconds == 1.5
     assert parse_step_totals("vllm:num_requests_running 0\n") is None
+    # Steps per CPU thread count (--threads auto): the report's share of each, between scrapes.
+    threads = '{model_name="m",threads="%d"} %.1f\n'
+    before = parse_step_totals(text + "canvas:cpu_thread_steps_total" + threads % (1, 4))
+    after = parse_step_totals(
+        text
+        + "canvas:cpu_thread_steps_total" + threads % (1, 10)
+        + "canvas:cpu_thread_steps_total" + threads % (2, 2)
+        + "canvas:cpu_thread_steps_created" + threads % (2, 1.7e9)
+    )  # fmt: skip
+    overhead = StepTotals.between(before, after)
+    assert overhead is not None and overhead.thread_steps == {1: 6, 2: 2}
+    runs = [{"engine_overhead": {"thread_steps": {"1": 6, "2": 2}}}, {"engine_overhead": None}]
+    assert thread_shares(runs) == "1: 75%, 2: 25%" and thread_shares(runs[1:]) == "–"
 
 
 def test_the_hybrid_benchmark_warms_then_reports_each_configuration(tiny_checkpoint, capsys):
@@ -263,11 +279,13 @@ def test_a_sidecar_server_that_cannot_start_says_why(tmp_path: Path) -> None:
 def test_the_bench_serves_canvas_from_its_own_process_unless_told(toy_bench):
     _, result = toy_bench
     assert result["meta"]["canvas_server"] == "subprocess"
-    # The sidecars pick their own threads (every core but one), not the reference's.
+    # The sidecars pick their own threads (auto: every core but one against all), not the
+    # reference's.
     cores = len(os.sched_getaffinity(0))
-    assert result["meta"]["canvas_server_threads"] == max(1, cores - 1)
+    assert result["meta"]["canvas_server_threads"] == describe_threads(auto_choices(cores))
     assert BenchConfig(server="thread").server == "thread"
-    with pytest.raises(ValueError, match="server_threads must be >= 1"):
-        BenchConfig(server_threads=0)
+    for bad in ("0", "x", ""):
+        with pytest.raises(ValueError, match="server_threads must be 'auto' or a count >= 1"):
+            BenchConfig(server_threads=bad)
     with pytest.raises(ValueError, match="server must be"):
         BenchConfig(server="fork")

@@ -222,22 +222,27 @@ def test_serve_help_shows_the_defaults_but_never_the_api_key(monkeypatch, capsys
     assert "(default: None)" not in text and "(default: False)" not in text
 
 
-def test_serve_threads_default_to_every_core_but_one_unless_told(monkeypatch, capsys):
-    from server.serve import StartupError, choose_threads
+def test_serve_threads_default_to_measuring_every_core_but_one_against_all(monkeypatch, capsys):
+    from server.serve import StartupError, choose_threads, describe_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for cores, want in ((1, 1), (2, 1), (16, 15)):
+    for cores, want in ((1, (1,)), (2, (1, 2)), (16, (15, 16))):
         monkeypatch.setattr("os.sched_getaffinity", lambda _pid, n=cores: set(range(n)))
-        assert choose_threads(None) == want
-        assert choose_threads(3) == 3
+        assert choose_threads(None) == choose_threads("auto") == want
+        assert choose_threads("3") == (3,)
+    assert describe_threads((1, 2)).startswith("1 or 2, per step")
+    assert describe_threads((3,)) == "3"
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert choose_threads(None) is None  # torch already follows it
-    with pytest.raises(StartupError, match="--threads must be at least 1, got 0"):
-        choose_threads(0)
+    assert choose_threads(None) == (torch.get_num_threads(),)  # torch already follows it
+    for bad in ("0", "-1", "two", ""):
+        with pytest.raises(
+            StartupError, match=f"--threads must be 'auto' or a count of at least 1, got '{bad}'"
+        ):
+            choose_threads(bad)
     threads = torch.get_num_threads()
     assert main(["serve", "--model", "/nonexistent", "--port", "0", "--threads", "0"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "canvas serve: error: --threads must be at least 1, got 0"
+        "canvas serve: error: --threads must be 'auto' or a count of at least 1, got '0'"
     )
     assert main(["serve", "--model", "/nonexistent", "--port", "0", "--threads", "1"]) == 2
     assert torch.get_num_threads() == threads  # a failed start changes nothing

@@ -130,3 +130,37 @@ def test_non_finite_logits_fail_only_their_request(tiny_checkpoint):
     assert results["r0"] == ([], "the model produced non-finite logits")
     assert all(results[n][1] is None and len(results[n][0]) == 20 for n in ("r1", "r2"))
     assert not engine.requests and engine.pages.usage() == 0.0
+
+
+def test_steps_run_with_the_measured_thread_counts_and_give_the_same_tokens(tiny_checkpoint):
+    """`EngineConfig.cpu_threads` (`canvas serve --threads auto`): the engine tries each count
+    in turn, sets it in the thread that steps, and reports it per step; the count changes no
+    token (fast numerics, on this checkpoint's shapes)."""
+    import threading
+
+    prompts = [[5, 6, 7], list(range(10, 40))]
+    params = [SamplingParams(max_tokens=24, seed=i, max_denoising_steps=4) for i in range(2)]
+    runs = {}
+    for choices in ((), (1, 2)):
+        llm = LLM.from_pretrained(tiny_checkpoint("c16"), config=EngineConfig(cpu_threads=choices))
+        engine, seen, outputs = llm.engine, [], {}
+
+        def loop(llm=llm, engine=engine, seen=seen, outputs=outputs) -> None:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                engine.add_request(f"r{i}", prompt, llm.defaults.resolve(p))
+                outputs[f"r{i}"] = []
+            while engine.has_work():
+                step = engine.step()
+                seen.append((step.stats.cpu_threads, torch.get_num_threads()))
+                for out in step.outputs:
+                    outputs[out.request_id] += out.new_token_ids
+
+        worker = threading.Thread(target=loop)
+        worker.start()
+        worker.join()
+        runs[choices] = outputs, seen
+    assert {threads for threads, _ in runs[()][1]} == {0}  # no choices: torch's count alone
+    seen = runs[(1, 2)][1]
+    assert seen[0][0] == 1 and {threads for threads, _ in seen} == {1, 2}  # each tried
+    assert all(threads == torch_threads for threads, torch_threads in seen)
+    assert runs[(1, 2)][0] == runs[()][0]

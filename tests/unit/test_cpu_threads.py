@@ -1,0 +1,96 @@
+"""The per-step CPU thread count (`engine.cpu_threads.ThreadTuner`), on made-up step times."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.cpu_threads import ThreadTuner, auto_choices, make_tuner
+
+
+def run(tuner: ThreadTuner, num_tokens: int, cost: dict[int, float], steps: int) -> list[int]:
+    """`steps` steps of `num_tokens` tokens, each taking cost[threads] seconds."""
+    chosen = []
+    for _ in range(steps):
+        threads = tuner.choose(num_tokens)
+        tuner.observe(num_tokens, threads, cost[threads])
+        chosen.append(threads)
+    return chosen
+
+
+def fake_tuner(choices: tuple[int, ...] = (1, 2), probe_every: int = 8) -> ThreadTuner:
+    return ThreadTuner(choices, probe_every=probe_every, set_threads=lambda _n: None)
+
+
+def test_each_count_is_tried_in_turn_then_the_faster_runs_with_a_probe_every_few_steps():
+    tuner = fake_tuner()
+    chosen = run(tuner, 16, {1: 0.010, 2: 0.020}, 6 + 24)
+    assert chosen[:6] == [1, 2, 1, 2, 1, 2]  # three steps each, in turn
+    after = chosen[6:]
+    assert after.count(2) == 3 and after.count(1) == 21  # one probe of the other per 8 steps
+    assert [i for i, n in enumerate(after) if n == 2] == [7, 15, 23]
+    # The other way round in another bucket: 1,024 tokens prefer two threads.
+    chosen = run(tuner, 1024, {1: 0.300, 2: 0.170}, 6 + 8)
+    assert chosen[6:].count(2) == 7
+    assert set(tuner.summary()) == {14, 862}  # each bucket's lowest token count (16, 1024)
+    assert tuner.summary()[862] == {1: 0.300, 2: 0.170}
+
+
+def test_steps_within_half_an_octave_share_a_bucket_and_further_ones_do_not():
+    assert ThreadTuner.bucket(16) == ThreadTuner.bucket(18) != ThreadTuner.bucket(24)
+    assert ThreadTuner.bucket(0) == ThreadTuner.bucket(1) == 0
+
+
+def test_a_change_of_load_is_noticed_through_the_probes():
+    tuner = fake_tuner(probe_every=4)
+    run(tuner, 64, {1: 0.010, 2: 0.020}, 20)
+    assert tuner.pick(64) == 1
+    # The machine's other work goes away: two threads now take half the time. Probes bring
+    # the median of two-thread steps down; once it is below one thread's, two run.
+    chosen = run(tuner, 64, {1: 0.010, 2: 0.005}, 40)
+    assert chosen[:4].count(1) >= 3 and chosen[-8:].count(2) == 6  # probes of one remain
+    assert tuner.summary()[54] == {1: 0.010, 2: 0.005}
+
+
+def test_one_slow_probe_does_not_flip_the_choice():
+    tuner = fake_tuner(probe_every=4)
+    run(tuner, 64, {1: 0.010, 2: 0.020}, 6)
+    # A burst of other work slows one step at one thread; the median keeps one thread.
+    threads = tuner.choose(64)
+    tuner.observe(64, threads, 1.0)
+    assert tuner.pick(64) == threads == 1
+
+
+def test_a_single_count_is_fixed_and_exact_numerics_keep_the_smallest():
+    assert make_tuner((), exact=False) is None
+    assert make_tuner((1, 2), exact=True).choices == (1,)  # type: ignore[union-attr]
+    assert make_tuner((2, 1), exact=False).choices == (1, 2)  # type: ignore[union-attr]
+    assert run(fake_tuner((3,)), 16, {3: 0.01}, 5) == [3] * 5
+    assert auto_choices(1) == (1,) and auto_choices(2) == (1, 2) and auto_choices(8) == (7, 8)
+    with pytest.raises(ValueError, match="thread counts must be >= 1"):
+        ThreadTuner((0, 1))
+    tuner = fake_tuner()
+    tuner.observe(16, 5, 0.1)  # a count outside the choices (set by hand) is not counted
+    assert tuner.summary() == {14: {}}
+
+
+def test_the_count_is_set_in_the_thread_that_runs_the_step():
+    """torch.set_num_threads is per thread (OpenMP and MKL settings): the step loop's own."""
+    main_threads = torch.get_num_threads()
+    seen: list[int] = []
+
+    def step_loop() -> None:
+        torch.ones(8) + 1  # this thread's settings exist before the tuner's first step
+        tuner = ThreadTuner((1, 2))
+        for _ in range(4):
+            threads = tuner.choose(64)
+            seen.append(torch.get_num_threads() == threads)
+            tuner.observe(64, threads, 0.01)
+
+    worker = threading.Thread(target=step_loop)
+    worker.start()
+    worker.join()
+    assert seen == [True] * 4
+    assert torch.get_num_threads() == main_threads  # the caller's own count is untouched
