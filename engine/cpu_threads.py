@@ -9,8 +9,10 @@ else runs on the machine (measured on a 2-core VM, sidecar server and load gener
 same cores: a 7M-parameter model served 1.6-2.6x the tokens/s on one thread, a 32M one up to
 1.6x more on two at 16 canvases per step). So the engine measures it: steps are grouped by
 their token count (half-octave buckets); in each bucket every candidate count runs a few steps
-in turn, then the count with the lowest median step time runs, and every `probe_every`-th step
-of the bucket runs another candidate once, so a change of load or machine is noticed.
+in turn (or, next to a bucket that has chosen, that choice runs and the others are tried every
+few steps), then the count with the lowest median step time runs, and every `probe_every`-th
+step of the bucket (more rarely where the others measured much slower) runs another candidate
+once, so a change of load or machine is noticed.
 
 `torch.set_num_threads` applies to the calling thread's OpenMP and MKL settings: the tuner
 sets it in the thread that runs the step (the server's step loop), before each step.
@@ -18,6 +20,7 @@ sets it in the thread that runs the step (the server's step loop), before each s
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import statistics
@@ -28,10 +31,12 @@ from dataclasses import dataclass, field
 import torch
 
 # Steps per candidate before a bucket picks one; samples of a candidate that its median keeps;
-# steps of a bucket between two probes of the other candidates.
+# steps of a bucket between two probes of the other candidates (at least).
 EXPLORE_STEPS = 3
 WINDOW = 5
 PROBE_EVERY = 32
+PROBE_GAP = 0.25  # probes grow rarer by one probe_every per this much slower the others ran
+logger = logging.getLogger(__name__)
 
 
 def usable_cores() -> int:
@@ -53,6 +58,7 @@ class _Bucket:
     times: dict[int, deque[float]]
     steps: int = 0
     next_probe: int = 0  # index into the other candidates, in turn
+    best: int = 0  # the count the bucket's steps run with (0: still exploring)
 
 
 @dataclass(slots=True)
@@ -87,15 +93,41 @@ class ThreadTuner:
         """The count the next step of `num_tokens` tokens runs with (sets nothing)."""
         if len(self.choices) == 1:
             return self.choices[0]
+        key = self.bucket(num_tokens)
         b = self._bucket(num_tokens)
         fewest = min(self.choices, key=lambda n: len(b.times[n]))
         if len(b.times[fewest]) < self.explore_steps:
-            return fewest  # still exploring: each candidate in turn
+            prior = self._prior(key)
+            if prior is None:
+                return fewest  # nothing near is known: each candidate in turn
+            # A neighbouring bucket's choice runs; the others are tried every few steps (a
+            # bucket that lives for a few steps costs no exploration).
+            period = max(2, self.probe_every // 4)
+            if b.steps % period == period - 1:
+                return min((n for n in self.choices if n != prior), key=lambda n: len(b.times[n]))
+            return prior
         best = min(self.choices, key=lambda n: statistics.median(b.times[n]))
-        if b.steps % self.probe_every == self.probe_every - 1:
-            others = [n for n in self.choices if n != best]
+        if best != b.best:
+            b.best = best
+            times = ", ".join(
+                f"{statistics.median(t) * 1e3:.1f} ms with {n}" for n, t in b.times.items()
+            )
+            logger.info(
+                "cpu threads: steps of ~%d tokens run with %d (%s)", num_tokens, best, times
+            )
+        others = [n for n in self.choices if n != best]
+        # Probes cost their gap: the slower the others measured, the rarer (up to 8x).
+        gap = min(statistics.median(b.times[n]) for n in others) / statistics.median(b.times[best])
+        period = self.probe_every * min(8, max(1, math.ceil((gap - 1) / PROBE_GAP)))
+        if b.steps % period == period - 1:
             return others[b.next_probe % len(others)]
         return best
+
+    def _prior(self, key: int) -> int | None:
+        """The choice of the nearest decided bucket within a factor of two, if any."""
+        near = [(abs(k - key), k, b.best) for k, b in self._buckets.items() if b.best]
+        near = [x for x in near if x[0] <= 2]
+        return min(near)[2] if near else None
 
     def choose(self, num_tokens: int) -> int:
         """`pick`, applied to the calling thread."""
@@ -110,12 +142,9 @@ class ThreadTuner:
         b = self._bucket(num_tokens)
         if threads not in b.times:
             return  # set from outside the tuner's choices
-        exploring = any(len(t) < self.explore_steps for t in b.times.values())
         b.times[threads].append(seconds)
-        if exploring:
-            return
-        if b.steps % self.probe_every == self.probe_every - 1:
-            b.next_probe += 1
+        if b.best and threads != b.best:
+            b.next_probe += 1  # a probe: the next one tries the next candidate
         b.steps += 1
 
     def summary(self) -> dict[int, dict[int, float]]:
