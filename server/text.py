@@ -11,6 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 REPLACEMENT = "\ufffd"
+# Each add decodes only the tokens after the settled text, plus CONTEXT tokens before them so
+# that the boundary decodes as it does inside the whole text (a SentencePiece word's leading
+# space, a byte sequence, a clean-up rule); the text settles every SETTLE tokens. A stream of n
+# tokens costs O(n) decoding instead of O(n^2).
+CONTEXT = 6
+SETTLE = 32
 
 
 class TextStream:
@@ -22,13 +28,15 @@ class TextStream:
         self.emitted = 0  # characters already handed out
         self.stopped = False
         self.num_tokens_at_stop: int | None = None
+        self._settled = 0  # tokens whose text is settled
+        self._settled_text = ""  # decode(token_ids[:_settled])
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
         """Append committed tokens; return the new text to send (possibly empty)."""
         if self.stopped:
             return ""
         self.token_ids += token_ids
-        text = self.decode(self.token_ids)
+        text = self._decode_all()
         if not final:
             text = text.rstrip(REPLACEMENT)
         cut = self._first_stop(text)
@@ -41,6 +49,22 @@ class TextStream:
         delta = text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return delta
+
+    def _decode_all(self) -> str:
+        """decode(token_ids), decoding again only what follows the settled text."""
+        ids, settled = self.token_ids, self._settled
+        text = None
+        if settled:
+            context = max(0, settled - CONTEXT)
+            head = self.decode(ids[context:settled])
+            window = self.decode(ids[context:])
+            if window.startswith(head):
+                text = self._settled_text + window[len(head) :]
+        if text is None:
+            text = self.decode(ids)  # the first tokens, or a boundary that decodes differently
+        if len(ids) - settled >= SETTLE and not text.endswith(REPLACEMENT):
+            self._settled, self._settled_text = len(ids), text
+        return text
 
     @property
     def num_tokens(self) -> int:
