@@ -5,14 +5,17 @@ step's operators are small (a small model, a step of a few tokens) a second thre
 in hand-offs than it adds, and when the HTTP front end or a client on the same machine takes a
 core from one of the threads, the whole region waits for it. Where the GEMMs are large every
 core pays, stalls included. Which side wins depends on the model, the step's size and what
-else runs on the machine (measured on a 2-core VM, sidecar server and load generator on the
-same cores: a 7M-parameter model served 1.6-2.6x the tokens/s on one thread, a 32M one up to
-1.6x more on two at 16 canvases per step). So the engine measures it: steps are grouped by
-their token count (half-octave buckets); in each bucket every candidate count runs a few steps
-in turn (or, next to a bucket that has chosen, that choice runs and the others are tried every
-few steps), then the count with the lowest median step time runs, and every `probe_every`-th
-step of the bucket (more rarely where the others measured much slower) runs another candidate
-once, so a change of load or machine is noticed.
+else runs on the machine (a 2-core VM, sidecar server and load generator on the same cores:
+16 canvases of a 32M-parameter model ran 1.6x faster on two threads; 16 AR rows of a 7M one
+~10% faster on one). So the engine measures it. Steps are grouped by their token count
+(half-octave buckets). A bucket runs one count, its *incumbent* (at first the smallest, or the
+choice of a decided bucket within a factor of two), and now and then a step with another
+count, a *probe*. A probe is compared with the incumbent's last few steps, not with older
+probes: a machine whose speed drifts (shared VMs drift by tens of percent within minutes)
+shifts both alike, so the ratio holds where absolute times would not. Probes alternate with
+incumbent steps until each other count has a few ratios (every few steps next to a decided
+bucket); then the median ratio decides, and probes continue every `probe_every` steps (more
+rarely the slower the others measured), so a change of load is noticed and followed.
 
 `torch.set_num_threads` applies to the calling thread's OpenMP and MKL settings: the tuner
 sets it in the thread that runs the step (the server's step loop), before each step.
@@ -30,12 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Steps per candidate before a bucket picks one; samples of a candidate that its median keeps;
-# steps of a bucket between two probes of the other candidates (at least).
+# Probe ratios per other count before a bucket decides, and kept for its median; the
+# incumbent's recent steps a probe is compared with; steps between probes once decided (at
+# least); probes grow rarer by one probe_every per PROBE_GAP of the others' slowness.
 EXPLORE_STEPS = 3
 WINDOW = 5
+RECENT = 3
 PROBE_EVERY = 32
-PROBE_GAP = 0.25  # probes grow rarer by one probe_every per this much slower the others ran
+PROBE_GAP = 0.25
 logger = logging.getLogger(__name__)
 
 
@@ -55,10 +60,13 @@ def auto_choices(cores: int | None = None) -> tuple[int, ...]:
 
 @dataclass(slots=True)
 class _Bucket:
-    times: dict[int, deque[float]]
+    incumbent: int
+    recent: deque[float]  # the incumbent's last step times
+    ratios: dict[int, deque[float]]  # per other count: probe time / the incumbent's recent median
+    prior: bool  # the incumbent came from a neighbouring bucket's decision
+    decided: bool = False
     steps: int = 0
-    next_probe: int = 0  # index into the other candidates, in turn
-    best: int = 0  # the count the bucket's steps run with (0: still exploring)
+    next_probe: int = 0  # the other counts are probed in turn
 
 
 @dataclass(slots=True)
@@ -85,7 +93,12 @@ class ThreadTuner:
         key = self.bucket(num_tokens)
         b = self._buckets.get(key)
         if b is None:
-            b = _Bucket({n: deque(maxlen=self.window) for n in self.choices})
+            near = [(abs(k - key), k, x.incumbent) for k, x in self._buckets.items() if x.decided]
+            near = [x for x in near if x[0] <= 2]
+            prior = min(near)[2] if near else None
+            incumbent = self.choices[0] if prior is None else prior
+            ratios = {n: deque(maxlen=self.window) for n in self.choices if n != incumbent}
+            b = _Bucket(incumbent, deque(maxlen=RECENT), ratios, prior is not None)
             self._buckets[key] = b
         return b
 
@@ -93,41 +106,19 @@ class ThreadTuner:
         """The count the next step of `num_tokens` tokens runs with (sets nothing)."""
         if len(self.choices) == 1:
             return self.choices[0]
-        key = self.bucket(num_tokens)
         b = self._bucket(num_tokens)
-        fewest = min(self.choices, key=lambda n: len(b.times[n]))
-        if len(b.times[fewest]) < self.explore_steps:
-            prior = self._prior(key)
-            if prior is None:
-                return fewest  # nothing near is known: each candidate in turn
-            # A neighbouring bucket's choice runs; the others are tried every few steps (a
-            # bucket that lives for a few steps costs no exploration).
-            period = max(2, self.probe_every // 4)
-            if b.steps % period == period - 1:
-                return min((n for n in self.choices if n != prior), key=lambda n: len(b.times[n]))
-            return prior
-        best = min(self.choices, key=lambda n: statistics.median(b.times[n]))
-        if best != b.best:
-            b.best = best
-            times = ", ".join(
-                f"{statistics.median(t) * 1e3:.1f} ms with {n}" for n, t in b.times.items()
-            )
-            logger.info(
-                "cpu threads: steps of ~%d tokens run with %d (%s)", num_tokens, best, times
-            )
-        others = [n for n in self.choices if n != best]
-        # Probes cost their gap: the slower the others measured, the rarer (up to 8x).
-        gap = min(statistics.median(b.times[n]) for n in others) / statistics.median(b.times[best])
-        period = self.probe_every * min(8, max(1, math.ceil((gap - 1) / PROBE_GAP)))
+        if not b.recent:
+            return b.incumbent  # a probe needs the incumbent's time beside it
+        others = list(b.ratios)
+        if not b.decided:
+            period = max(2, self.probe_every // 4) if b.prior else 2
+            others = [n for n in others if len(b.ratios[n]) < self.explore_steps]
+        else:
+            gap = min(statistics.median(r) for r in b.ratios.values())
+            period = self.probe_every * min(8, max(1, math.ceil((gap - 1) / PROBE_GAP)))
         if b.steps % period == period - 1:
             return others[b.next_probe % len(others)]
-        return best
-
-    def _prior(self, key: int) -> int | None:
-        """The choice of the nearest decided bucket within a factor of two, if any."""
-        near = [(abs(k - key), k, b.best) for k, b in self._buckets.items() if b.best]
-        near = [x for x in near if x[0] <= 2]
-        return min(near)[2] if near else None
+        return b.incumbent
 
     def choose(self, num_tokens: int) -> int:
         """`pick`, applied to the calling thread."""
@@ -139,20 +130,58 @@ class ThreadTuner:
         return threads
 
     def observe(self, num_tokens: int, threads: int, seconds: float) -> None:
+        if len(self.choices) == 1:
+            return
         b = self._bucket(num_tokens)
-        if threads not in b.times:
-            return  # set from outside the tuner's choices
-        b.times[threads].append(seconds)
-        if b.best and threads != b.best:
-            b.next_probe += 1  # a probe: the next one tries the next candidate
         b.steps += 1
+        if threads == b.incumbent:
+            b.recent.append(seconds)
+            return
+        if threads not in b.ratios or not b.recent:
+            return  # set from outside the tuner's choices, or nothing to compare with
+        b.ratios[threads].append(seconds / statistics.median(b.recent))
+        b.next_probe += 1
+        if not b.decided and all(len(r) >= self.explore_steps for r in b.ratios.values()):
+            b.decided = True
+            self._report(num_tokens, b, "chose")
+        if b.decided:
+            self._maybe_switch(num_tokens, b, threads, seconds)
 
-    def summary(self) -> dict[int, dict[int, float]]:
-        """Per bucket (its lowest token count), each candidate's median step time (seconds)."""
+    def _maybe_switch(self, num_tokens: int, b: _Bucket, probed: int, seconds: float) -> None:
+        """The probed count becomes the incumbent when its median ratio is under 1."""
+        ratio = statistics.median(b.ratios[probed])
+        if ratio >= 1 or ratio > min(statistics.median(r) for r in b.ratios.values()):
+            return
+        old = b.incumbent
+        # The other counts' ratios, rescaled to the new incumbent; the old one's, inverted.
+        ratios = {
+            n: deque((x / ratio for x in r), maxlen=self.window)
+            for n, r in b.ratios.items()
+            if n != probed
+        }
+        ratios[old] = deque((1 / x for x in b.ratios[probed]), maxlen=self.window)
+        b.incumbent, b.ratios = probed, ratios
+        b.recent = deque([seconds], maxlen=RECENT)
+        self._report(num_tokens, b, f"switched from {old} to")
+
+    def _report(self, num_tokens: int, b: _Bucket, verb: str) -> None:
+        ratios = ", ".join(f"{statistics.median(r):.2f}x with {n}" for n, r in b.ratios.items())
+        logger.info(
+            "cpu threads: steps of ~%d tokens %s %d threads (the others' step time: %s)",
+            num_tokens,
+            verb,
+            b.incumbent,
+            ratios,
+        )
+
+    def summary(self) -> dict[int, tuple[int, dict[int, float]]]:
+        """Per bucket (its lowest token count): its incumbent count and each other count's
+        median step time relative to the incumbent's (probe ratios)."""
         return {
-            math.ceil(2 ** ((key - 0.5) / 2)): {
-                n: statistics.median(t) for n, t in b.times.items() if t
-            }
+            math.ceil(2 ** ((key - 0.5) / 2)): (
+                b.incumbent,
+                {n: statistics.median(r) for n, r in b.ratios.items() if r},
+            )
             for key, b in sorted(self._buckets.items())
         }
 

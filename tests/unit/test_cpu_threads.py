@@ -34,8 +34,11 @@ def test_each_count_is_tried_in_turn_then_the_faster_runs_with_a_probe_every_few
     # The other way round in another bucket: 1,024 tokens prefer two threads.
     chosen = run(tuner, 1024, {1: 0.200, 2: 0.170}, 6 + 8)
     assert chosen[6:].count(2) == 7
-    assert set(tuner.summary()) == {14, 862}  # each bucket's lowest token count (16, 1024)
-    assert tuner.summary()[862] == {1: 0.200, 2: 0.170}
+    assert chosen[:6] == [1, 2, 1, 2, 1, 2]  # too far from the first bucket to borrow its choice
+    # Each bucket (by its lowest token count): the count that runs and the other's time ratio.
+    summary = tuner.summary()
+    assert summary[14] == (1, {2: pytest.approx(1.2)})
+    assert summary[862] == (2, {1: pytest.approx(0.200 / 0.170)})
 
 
 def test_probes_grow_rarer_the_slower_the_others_measured():
@@ -68,17 +71,28 @@ def test_a_change_of_load_is_noticed_through_the_probes():
     # the median of two-thread steps down; once it is below one thread's, two run.
     chosen = run(tuner, 64, {1: 0.010, 2: 0.005}, 40)
     assert chosen[:4].count(1) >= 3 and chosen[-8:].count(2) >= 7  # rarer probes of one
-    assert tuner.summary()[54] == {1: 0.010, 2: 0.005}
+    assert tuner.summary()[54] == (2, {1: pytest.approx(2.0)})
 
 
-def test_one_slow_probe_does_not_flip_the_choice():
+def test_one_slow_step_does_not_flip_the_choice():
     tuner = fake_tuner(probe_every=4)
     run(tuner, 64, {1: 0.010, 2: 0.012}, 6)
-    # A burst of other work slows one step at one thread; the median keeps one thread.
+    # A burst of other work slows one step of the incumbent; the median of its recent steps
+    # keeps the probes' ratios sound.
     threads = tuner.choose(64)
     tuner.observe(64, threads, 1.0)
-    assert threads == 1 and tuner.summary()[54][1] == 0.010
+    assert threads == 1 and tuner.summary()[54] == (1, {2: pytest.approx(1.2)})
     assert run(tuner, 64, {1: 0.010, 2: 0.012}, 8).count(1) == 6  # and two probes
+
+
+def test_a_machine_that_slows_down_does_not_flip_the_choice():
+    """Probes are compared with the incumbent's steps beside them, not with older probes: a
+    VM at half speed makes every step slower, and the ratio stays."""
+    tuner = fake_tuner(probe_every=4)
+    run(tuner, 64, {1: 0.010, 2: 0.012}, 20)
+    chosen = run(tuner, 64, {1: 0.020, 2: 0.024}, 40)
+    assert chosen.count(2) == 10  # probes only (every 4th step)
+    assert tuner.summary()[54] == (1, {2: pytest.approx(1.2)})
 
 
 def test_a_single_count_is_fixed_and_exact_numerics_keep_the_smallest():
@@ -91,7 +105,7 @@ def test_a_single_count_is_fixed_and_exact_numerics_keep_the_smallest():
         ThreadTuner((0, 1))
     tuner = fake_tuner()
     tuner.observe(16, 5, 0.1)  # a count outside the choices (set by hand) is not counted
-    assert tuner.summary() == {14: {}}
+    assert tuner.summary() == {14: (1, {})}
 
 
 def test_the_count_is_set_in_the_thread_that_runs_the_step():
