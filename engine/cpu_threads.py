@@ -141,17 +141,20 @@ class ThreadTuner:
             return  # set from outside the tuner's choices, or nothing to compare with
         b.ratios[threads].append(seconds / statistics.median(b.recent))
         b.next_probe += 1
-        if not b.decided and all(len(r) >= self.explore_steps for r in b.ratios.values()):
-            b.decided = True
-            self._report(num_tokens, b, "chose")
         if b.decided:
-            self._maybe_switch(num_tokens, b, threads, seconds)
+            if self._maybe_switch(b, threads, seconds):
+                self._report(num_tokens, b, "switched")
+        elif all(len(r) >= self.explore_steps for r in b.ratios.values()):
+            b.decided = True
+            self._maybe_switch(b, threads, seconds)
+            self._report(num_tokens, b, "measured")
 
-    def _maybe_switch(self, num_tokens: int, b: _Bucket, probed: int, seconds: float) -> None:
-        """The probed count becomes the incumbent when its median ratio is under 1."""
+    def _maybe_switch(self, b: _Bucket, probed: int, seconds: float) -> bool:
+        """The probed count becomes the incumbent when its median ratio is under 1 (and the
+        lowest)."""
         ratio = statistics.median(b.ratios[probed])
         if ratio >= 1 or ratio > min(statistics.median(r) for r in b.ratios.values()):
-            return
+            return False
         old = b.incumbent
         # The other counts' ratios, rescaled to the new incumbent; the old one's, inverted.
         ratios = {
@@ -162,15 +165,15 @@ class ThreadTuner:
         ratios[old] = deque((1 / x for x in b.ratios[probed]), maxlen=self.window)
         b.incumbent, b.ratios = probed, ratios
         b.recent = deque([seconds], maxlen=RECENT)
-        self._report(num_tokens, b, f"switched from {old} to")
+        return True
 
-    def _report(self, num_tokens: int, b: _Bucket, verb: str) -> None:
+    def _report(self, num_tokens: int, b: _Bucket, why: str) -> None:
         ratios = ", ".join(f"{statistics.median(r):.2f}x with {n}" for n, r in b.ratios.items())
         logger.info(
-            "cpu threads: steps of ~%d tokens %s %d threads (the others' step time: %s)",
+            "cpu threads: steps of ~%d tokens run with %d (%s; step time %s)",
             num_tokens,
-            verb,
             b.incumbent,
+            why,
             ratios,
         )
 

@@ -24,13 +24,15 @@ def fake_tuner(choices: tuple[int, ...] = (1, 2), probe_every: int = 8) -> Threa
     return ThreadTuner(choices, probe_every=probe_every, set_threads=lambda _n: None)
 
 
-def test_each_count_is_tried_in_turn_then_the_faster_runs_with_a_probe_every_few_steps():
+def test_each_count_is_tried_in_turn_then_the_faster_runs_with_a_probe_every_few_steps(caplog):
+    caplog.set_level("INFO", "engine.cpu_threads")
     tuner = fake_tuner()
     chosen = run(tuner, 16, {1: 0.010, 2: 0.012}, 6 + 24)
     assert chosen[:6] == [1, 2, 1, 2, 1, 2]  # three steps each, in turn
     after = chosen[6:]
     assert after.count(2) == 3 and after.count(1) == 21  # one probe of the other per 8 steps
     assert [i for i, n in enumerate(after) if n == 2] == [1, 9, 17]  # every 8th of the bucket
+    assert "steps of ~16 tokens run with 1 (measured; step time 1.20x with 2)" in caplog.text
     # The other way round in another bucket: 1,024 tokens prefer two threads.
     chosen = run(tuner, 1024, {1: 0.200, 2: 0.170}, 6 + 8)
     assert chosen[6:].count(2) == 7
