@@ -14,8 +14,9 @@ count, a *probe*. A probe is compared with the incumbent's last few steps, not w
 probes: a machine whose speed drifts (shared VMs drift by tens of percent within minutes)
 shifts both alike, so the ratio holds where absolute times would not. Probes alternate with
 incumbent steps until each other count has a few ratios (every few steps next to a decided
-bucket); then the median ratio decides, and probes continue every `probe_every` steps (more
-rarely the slower the others measured), so a change of load is noticed and followed.
+bucket); then the median ratio decides, probes go on every few steps until each count has
+WINDOW ratios, then every `probe_every` steps (more rarely the slower the others measured),
+so a change of load is noticed and followed.
 
 `torch.set_num_threads` applies to the calling thread's OpenMP and MKL settings: the tuner
 sets it in the thread that runs the step (the server's step loop), before each step.
@@ -116,6 +117,8 @@ class ThreadTuner:
         else:
             gap = min(statistics.median(r) for r in b.ratios.values())
             period = self.probe_every * min(8, max(1, math.ceil((gap - 1) / PROBE_GAP)))
+            if any(len(r) < self.window for r in b.ratios.values()):
+                period = min(period, max(2, self.probe_every // 4))  # until the window is full
         if b.steps % period == period - 1:
             return others[b.next_probe % len(others)]
         return b.incumbent
