@@ -98,7 +98,9 @@ class ThreadTuner:
             near = [x for x in near if x[0] <= 2]
             prior = min(near)[2] if near else None
             incumbent = self.choices[0] if prior is None else prior
-            ratios = {n: deque(maxlen=self.window) for n in self.choices if n != incumbent}
+            ratios: dict[int, deque[float]] = {
+                n: deque(maxlen=self.window) for n in self.choices if n != incumbent
+            }
             b = _Bucket(incumbent, deque(maxlen=RECENT), ratios, prior is not None)
             self._buckets[key] = b
         return b
