@@ -30,6 +30,7 @@ class TextStream:
         self.num_tokens_at_stop: int | None = None
         self._settled = 0  # tokens whose text is settled
         self._settled_text = ""  # decode(token_ids[:_settled])
+        self._head = ""  # decode() of the CONTEXT tokens before _settled
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
         """Append committed tokens; return the new text to send (possibly empty)."""
@@ -55,15 +56,14 @@ class TextStream:
         ids, settled = self.token_ids, self._settled
         text = None
         if settled:
-            context = max(0, settled - CONTEXT)
-            head = self.decode(ids[context:settled])
-            window = self.decode(ids[context:])
-            if window.startswith(head):
-                text = self._settled_text + window[len(head) :]
+            window = self.decode(ids[max(0, settled - CONTEXT) :])
+            if window.startswith(self._head):
+                text = self._settled_text + window[len(self._head) :]
         if text is None:
             text = self.decode(ids)  # the first tokens, or a boundary that decodes differently
         if len(ids) - settled >= SETTLE and not text.endswith(REPLACEMENT):
             self._settled, self._settled_text = len(ids), text
+            self._head = self.decode(ids[max(0, len(ids) - CONTEXT) :])
         return text
 
     @property
