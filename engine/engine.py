@@ -73,8 +73,8 @@ class EngineConfig:
     prefix_caching: bool = True
     # CPU threads of the model's operators (`engine.cpu_threads`): empty leaves torch's count
     # alone; one count is set before every step; several are measured per step and the
-    # fastest runs (exact numerics keep the smallest). `canvas serve` measures every core but
-    # one against every core by default.
+    # fastest runs (exact numerics, whose bits depend on the count, keep torch's own).
+    # `canvas serve` measures every core but one against every core by default.
     cpu_threads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

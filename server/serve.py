@@ -198,10 +198,14 @@ def choose_threads(requested: str | None) -> tuple[int, ...]:
     return (count,)
 
 
-def describe_threads(choices: tuple[int, ...]) -> str:
-    """The banner's words for `choices`."""
+def describe_threads(choices: tuple[int, ...], exact: bool = False) -> str:
+    """The banner's words for `choices` (exact numerics are never measured: torch's count)."""
     if len(choices) == 1:
         return str(choices[0])
+    if exact:
+        import torch
+
+        return f"{torch.get_num_threads()} (torch's own: exact numerics' bits depend on the count)"
     counts = " or ".join(map(str, choices))
     return f"{counts}, per step, whichever measures faster (--threads auto)"
 
@@ -315,7 +319,7 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         f"image input {'on' if state.media is not None else 'off'}",
         f"  max-num-seqs {args.max_num_seqs}, max-queue {args.max_queue}, "
         f"auth {'on' if api_key else 'off'}",
-        f"  cpu threads {describe_threads(threads)}",
+        f"  cpu threads {describe_threads(threads, model.kernels.exact)}",
         f"  http://{args.host}:{args.port}/v1  (docs: /docs, metrics: /metrics)",
     ]
     return state, banner

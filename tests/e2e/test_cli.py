@@ -231,7 +231,10 @@ def test_serve_threads_default_to_measuring_every_core_but_one_against_all(monke
         assert choose_threads(None) == choose_threads("auto") == want
         assert choose_threads("3") == (3,)
     assert describe_threads((1, 2)).startswith("1 or 2, per step")
-    assert describe_threads((3,)) == "3"
+    assert describe_threads((3,)) == "3" == describe_threads((3,), exact=True)
+    assert describe_threads((1, 2), exact=True).startswith(
+        f"{torch.get_num_threads()} (torch's own"
+    )
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert choose_threads(None) == (torch.get_num_threads(),)  # torch already follows it
     for bad in ("0", "-1", "two", ""):

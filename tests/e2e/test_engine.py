@@ -164,3 +164,10 @@ def test_steps_run_with_the_measured_thread_counts_and_give_the_same_tokens(tiny
     assert seen[0][0] == 1 and {threads for threads, _ in seen} == {1, 2}  # each tried
     assert all(threads == torch_threads for threads, torch_threads in seen)
     assert runs[(1, 2)][0] == runs[()][0]
+    # Exact numerics are never measured (their bits depend on the count): torch's own count.
+    exact = LLM.from_pretrained(
+        tiny_checkpoint("c16"), exact=True, config=EngineConfig(cpu_threads=(1, 2))
+    )
+    assert exact.engine.threads is None
+    (out,) = exact.generate(prompts[0], params[0])
+    assert out.output_ids

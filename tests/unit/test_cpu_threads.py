@@ -97,9 +97,10 @@ def test_a_machine_that_slows_down_does_not_flip_the_choice():
     assert tuner.summary()[54] == (1, {2: pytest.approx(1.2)})
 
 
-def test_a_single_count_is_fixed_and_exact_numerics_keep_the_smallest():
+def test_a_single_count_is_fixed_and_exact_numerics_keep_torchs_own_count():
     assert make_tuner((), exact=False) is None
-    assert make_tuner((1, 2), exact=True).choices == (1,)  # type: ignore[union-attr]
+    assert make_tuner((1, 2), exact=True) is None  # torch's own count, as a reference run has
+    assert make_tuner((3,), exact=True).choices == (3,)  # type: ignore[union-attr]
     assert make_tuner((2, 1), exact=False).choices == (1, 2)  # type: ignore[union-attr]
     assert run(fake_tuner((3,)), 16, {3: 0.01}, 5) == [3] * 5
     assert auto_choices(1) == (1,) and auto_choices(2) == (1, 2) and auto_choices(8) == (7, 8)
