@@ -68,6 +68,10 @@ class _Bucket:
     decided: bool = False
     steps: int = 0
     next_probe: int = 0  # the other counts are probed in turn
+    # Derived from the above after every probe (`ThreadTuner._schedule`): a probe runs every
+    # `period` steps, of one of `probes` in turn.
+    period: int = 2
+    probes: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -102,8 +106,21 @@ class ThreadTuner:
                 n: deque(maxlen=self.window) for n in self.choices if n != incumbent
             }
             b = _Bucket(incumbent, deque(maxlen=RECENT), ratios, prior is not None)
+            self._schedule(b)
             self._buckets[key] = b
         return b
+
+    def _schedule(self, b: _Bucket) -> None:
+        """The bucket's probe period and the counts it probes, from its ratios so far."""
+        if not b.decided:
+            b.period = max(2, self.probe_every // 4) if b.prior else 2
+            b.probes = tuple(n for n, r in b.ratios.items() if len(r) < self.explore_steps)
+            return
+        gap = min(statistics.median(r) for r in b.ratios.values())
+        b.period = self.probe_every * min(8, max(1, math.ceil((gap - 1) / PROBE_GAP)))
+        if any(len(r) < self.window for r in b.ratios.values()):
+            b.period = min(b.period, max(2, self.probe_every // 4))  # until the window is full
+        b.probes = tuple(b.ratios)
 
     def pick(self, num_tokens: int) -> int:
         """The count the next step of `num_tokens` tokens runs with (sets nothing)."""
@@ -112,17 +129,8 @@ class ThreadTuner:
         b = self._bucket(num_tokens)
         if not b.recent:
             return b.incumbent  # a probe needs the incumbent's time beside it
-        others = list(b.ratios)
-        if not b.decided:
-            period = max(2, self.probe_every // 4) if b.prior else 2
-            others = [n for n in others if len(b.ratios[n]) < self.explore_steps]
-        else:
-            gap = min(statistics.median(r) for r in b.ratios.values())
-            period = self.probe_every * min(8, max(1, math.ceil((gap - 1) / PROBE_GAP)))
-            if any(len(r) < self.window for r in b.ratios.values()):
-                period = min(period, max(2, self.probe_every // 4))  # until the window is full
-        if b.steps % period == period - 1:
-            return others[b.next_probe % len(others)]
+        if b.steps % b.period == b.period - 1:
+            return b.probes[b.next_probe % len(b.probes)]
         return b.incumbent
 
     def choose(self, num_tokens: int) -> int:
@@ -153,6 +161,7 @@ class ThreadTuner:
             b.decided = True
             self._maybe_switch(b, threads, seconds)
             self._report(num_tokens, b, "measured")
+        self._schedule(b)
 
     def _maybe_switch(self, b: _Bucket, probed: int, seconds: float) -> bool:
         """The probed count becomes the incumbent when its median ratio is under 1 (and the
