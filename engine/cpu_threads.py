@@ -20,6 +20,11 @@ so a change of load is noticed and followed.
 
 `torch.set_num_threads` applies to the calling thread's OpenMP and MKL settings: the tuner
 sets it in the thread that runs the step (the server's step loop), before each step.
+
+Only the step loop should run parallel regions (`confine_to_steps`): GNU OpenMP keeps a team of
+worker threads for every thread that ever ran a region, and once it manages more threads than
+there are cores, every team's workers sleep between regions instead of spinning, so each region
+pays a futex wake-up.
 """
 
 from __future__ import annotations
@@ -136,10 +141,9 @@ class ThreadTuner:
     def choose(self, num_tokens: int) -> int:
         """`pick`, applied to the calling thread."""
         threads = self.pick(num_tokens)
-        if self.set_threads is not None:
-            self.set_threads(threads)
-        elif torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        # Set on every step, not only on a change: another thread's `torch.set_num_threads`
+        # (`one_thread`) also sets MKL's process-wide count (microseconds either way).
+        (self.set_threads or torch.set_num_threads)(threads)
         return threads
 
     def observe(self, num_tokens: int, threads: int, seconds: float) -> None:
@@ -212,3 +216,29 @@ def make_tuner(choices: Sequence[int], exact: bool) -> ThreadTuner | None:
     if not choices or (exact and len(set(choices)) > 1):
         return None
     return ThreadTuner(tuple(choices))
+
+
+def confine_to_steps() -> int:
+    """Leave torch's parallel regions to the engine's step loop, in a server process, before
+    the model loads: the calling thread (the main thread) runs torch on one thread from now on,
+    and so do threads that start torch later until the step loop sets its count. Returns the
+    count torch had (its default, or OMP_NUM_THREADS), which the step loop then uses or
+    measures against (`EngineConfig.cpu_threads`).
+
+    Why: GNU OpenMP keeps a team of worker threads for each thread that has run a parallel
+    region. With the main thread's team (built while the model loaded) beside the step loop's,
+    it manages more threads than a 2-core VM has cores, and then every team's workers sleep
+    between regions instead of spinning: each region pays a futex wake-up (an element-wise add
+    of 512 x 256 floats: 19 us on the main thread, 90 us on a second one), and a step runs
+    thousands. Measured on `bench-tiny`, 16 canvases, two threads: 1.35 s per 16 requests
+    offline, 2.3-2.9 s on a thread started after the main thread had run a region, 1.2-1.4 s
+    on one started after the main thread ran on one thread only."""
+    count = torch.get_num_threads()
+    one_thread()
+    return count
+
+
+def one_thread() -> None:
+    """torch on one thread in the calling thread (a helper thread of a confined server: its
+    parallel regions would build an OpenMP team beside the step loop's)."""
+    torch.set_num_threads(1)

@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -171,21 +172,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_engine_switches(parser)
 
 
-def choose_threads(requested: str | None) -> tuple[int, ...]:
+def choose_threads(requested: str | None, own: int | None = None) -> tuple[int, ...]:
     """The CPU thread counts the engine runs steps with (`EngineConfig.cpu_threads`):
     `--threads N` fixes N; `--threads auto`, the default unless OMP_NUM_THREADS is set (then
     torch's count, which follows it), measures every usable core but one against every core,
     per step size, and runs each step with the faster (`engine.cpu_threads`). Why measure: a
     sidecar's front end and co-located clients take cores from the model's OpenMP regions,
     which then stall, so on a 2-core VM one thread served a 7M-parameter model 1.6-2.6x faster
-    than two, while a 32M one ran 16 canvases per step up to 1.6x faster on two."""
+    than two, while a 32M one ran 16 canvases per step up to 1.6x faster on two. `own`:
+    torch's count before `confine_to_steps` set this thread's to one (None: ask torch)."""
     import torch
 
     from engine.cpu_threads import auto_choices
 
     if requested is None:
         if os.environ.get("OMP_NUM_THREADS"):
-            return (torch.get_num_threads(),)
+            return (own or torch.get_num_threads(),)
         requested = "auto"
     if requested == "auto":
         return auto_choices()
@@ -270,7 +272,11 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def build_state(args: argparse.Namespace, own_threads: int | None = None):  # type: ignore[no-untyped-def]
+    """The engine, model and server state of `args`. `own_threads`: torch's thread count when
+    the caller confined parallel regions to the step loop (`serve`), which then runs exact
+    numerics with that count (a tuner that is not measuring sets none: the step loop would
+    inherit the confined one)."""
     from engine.async_engine import AsyncEngine
     from engine.engine import CHECK_INVARIANTS, Engine, EngineConfig
     from engine.llm import has_tokenizer
@@ -282,7 +288,9 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from server.state import ServerState
 
     api_key = check_api_key(args.api_key)
-    threads = choose_threads(args.threads)
+    threads = choose_threads(args.threads, own_threads)
+    if own_threads is not None and args.exact and len(threads) > 1:
+        threads = (own_threads,)  # exact numerics: torch's own count, set in the step loop
     model_dir = Path(args.model) if args.model else default_model_dir()
     model = load_model(
         model_dir,
@@ -325,14 +333,15 @@ def build_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return state, banner
 
 
-def draining_server(state, config, drain_seconds: float):  # type: ignore[no-untyped-def]
+def draining_server(state, config, drain_seconds: float, confined: bool = False):  # type: ignore[no-untyped-def]
     """A uvicorn server that drains before it exits. The first SIGTERM or SIGINT starts the
     drain: /ready turns 503 and new completions get 503 + Retry-After while the running
     requests go on, until none is left or `drain_seconds` have passed. A second signal ends
     the drain at once. Requests still running then end with a 503 error (a stream: the in-band
     error chunk, then [DONE]); connections still open FORCE_EXIT_GRACE_SECONDS later are
     dropped. The signal is not re-raised afterwards: the process exits 0, with no
-    KeyboardInterrupt traceback."""
+    KeyboardInterrupt traceback. `confined` (`engine.cpu_threads.confine_to_steps`): the
+    event loop's helper threads (tokenizing, images, grammars) run torch on one thread."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -348,6 +357,14 @@ def draining_server(state, config, drain_seconds: float):  # type: ignore[no-unt
             else:
                 state.draining = True
                 self.drain_deadline = time.monotonic() + drain_seconds
+
+        async def startup(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
+            if confined:
+                from engine.cpu_threads import one_thread
+
+                helpers = ThreadPoolExecutor(thread_name_prefix="canvas-io", initializer=one_thread)
+                asyncio.get_running_loop().set_default_executor(helpers)
+            await super().startup(sockets)
 
         async def on_tick(self, counter: int) -> bool:
             if state.draining and not self.should_exit:
@@ -388,14 +405,14 @@ def end_requests(engine: EngineClient) -> int:
     return engine.fail_all_inflight(error)
 
 
-def start(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def start(args: argparse.Namespace, own_threads: int | None = None):  # type: ignore[no-untyped-def]
     """Bind the socket, then build the server state: (socket, state, banner). Any failure is
     a StartupError of one line (with --debug: the original exception, traceback and all)."""
     sock = None
     try:
         sock = listen_socket(args.host, args.port)
         args.port = sock.getsockname()[1]  # --port 0: the banner names the port taken
-        state, banner = build_state(args)
+        state, banner = build_state(args, own_threads)
     except Exception as exc:
         if sock is not None:
             sock.close()
@@ -417,16 +434,18 @@ def _one_line(exc: Exception) -> str:
 def serve(args: argparse.Namespace) -> int:
     """Serve until a signal ends the drain (returns 0); raises StartupError when it cannot
     start."""
+    from engine.cpu_threads import confine_to_steps
     from server.app import create_app
     from server.http import uvicorn_config
 
-    sock, state, banner = start(args)
+    own_threads = confine_to_steps()  # before the model loads: only the step loop runs regions
+    sock, state, banner = start(args, own_threads)
     for line in banner:
         logger.info(line)
     app = create_app(state)
     config = uvicorn_config(app, state.http, host=args.host, port=args.port, log_level="info")
     try:
-        draining_server(state, config, args.drain_seconds).run(sockets=[sock])
+        draining_server(state, config, args.drain_seconds, confined=True).run(sockets=[sock])
     finally:
         state.engine.shutdown()  # idempotent; a forced exit skips the app's own shutdown
     return 0

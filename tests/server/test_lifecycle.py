@@ -80,3 +80,15 @@ def test_drain_with_nothing_running_exits_without_waiting_out_the_drain():
     assert state.draining
     thread.join(2)
     assert not thread.is_alive()
+
+
+def test_steps_run_at_torchs_count_while_the_main_thread_runs_one(tiny_checkpoint):
+    """`canvas serve` confines parallel regions to the step loop (`confine_to_steps`), so the
+    step loop sets its count itself: exact numerics under `--threads auto` step with torch's
+    own count (OMP_NUM_THREADS=2 here), not the main thread's confined one."""
+    with serve_process(tiny_checkpoint("c16"), ["--exact", "--threads", "auto"]) as server:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "mode": "ar"}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'threads="2"' in metrics and 'threads="1"' not in metrics, metrics[-2000:]
+    assert "cpu threads 2\n" in server.output

@@ -129,3 +129,44 @@ def test_the_count_is_set_in_the_thread_that_runs_the_step():
     worker.join()
     assert seen == [True] * 4
     assert torch.get_num_threads() == main_threads  # the caller's own count is untouched
+
+
+CONFINE = """
+import threading, torch
+from engine.cpu_threads import ThreadTuner, confine_to_steps, one_thread
+own = confine_to_steps()
+seen = {"own": own, "main": torch.get_num_threads()}
+def helper():
+    one_thread()  # what a confined server's helper threads start with
+    torch.ones(4096) + 1
+    seen["helper"] = torch.get_num_threads()
+def step_loop():
+    seen["step"] = ThreadTuner((own,)).choose(64) == torch.get_num_threads() == own
+    t = threading.Thread(target=helper)
+    t.start(); t.join()
+    ThreadTuner((own,)).choose(64)  # set again on every step (a helper's set changes MKL's)
+    seen["step after helper"] = torch.get_num_threads()
+threading.Thread(target=step_loop).start()
+import time; time.sleep(0.5)
+print(seen)
+"""
+
+
+def test_confined_parallel_regions_run_on_the_step_loop_alone():
+    """`canvas serve` confines torch's parallel regions to the step loop before the model loads:
+    the main thread (and a helper thread set to one) runs one thread, the step loop sets the
+    count torch had. A second OpenMP team made every region of the step loop's pay a wake-up
+    (bench-tiny at 16 canvases through the server: 210-250 tokens/s, 640 confined)."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run(
+        [sys.executable, "-c", CONFINE], env=env, capture_output=True, text=True, check=True
+    )
+    seen = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert seen["own"] == 2 and seen["main"] == 1, seen
+    assert seen["step"] is True and seen["step after helper"] == 2, seen
+    assert seen["helper"] == 1, seen
