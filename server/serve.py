@@ -178,8 +178,9 @@ def choose_threads(requested: str | None, own: int | None = None) -> tuple[int, 
     torch's count, which follows it), measures every usable core but one against every core,
     per step size, and runs each step with the faster (`engine.cpu_threads`). Why measure: a
     sidecar's front end and co-located clients take cores from the model's OpenMP regions,
-    which then stall, so on a 2-core VM one thread served a 7M-parameter model 1.6-2.6x faster
-    than two, while a 32M one ran 16 canvases per step up to 1.6x faster on two. `own`:
+    which then stall; where a step is a few small operators a second thread costs more in
+    hand-offs than it adds. (The 1.6-2.6x that one thread once measured over two on a 2-core VM
+    was mostly a second OpenMP team, which `confine_to_steps` removes.) `own`:
     torch's count before `confine_to_steps` set this thread's to one (None: ask torch)."""
     import torch
 
