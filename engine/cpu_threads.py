@@ -9,8 +9,8 @@ else runs on the machine (a 2-core VM, sidecar server and load generator on the 
 16 canvases of a 32M-parameter model ran 1.6x faster on two threads; 16 AR rows of a 7M one
 ~10% faster on one; those runs predate `confine_to_steps`, see below). So the engine measures
 it. Steps are grouped by their token count (half-octave buckets). A bucket runs one count,
-its *incumbent* (at first the smallest, or the choice of a decided bucket within a factor of two), and now and then a step with another
-count, a *probe*. A probe is compared with the incumbent's last few steps, not with older
+its *incumbent* (at first the smallest, or the choice of a decided bucket within a factor of
+two), and now and then a step with another count, a *probe*. A probe is compared with the incumbent's last few steps, not with older
 probes: a machine whose speed drifts (shared VMs drift by tens of percent within minutes)
 shifts both alike, so the ratio holds where absolute times would not. Probes alternate with
 incumbent steps until each other count has a few ratios (every few steps next to a decided
