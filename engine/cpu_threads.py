@@ -4,19 +4,19 @@ A CPU operator runs as an OpenMP region whose threads wait for each other at its
 step's operators are small (a small model, a step of a few tokens) a second thread costs more
 in hand-offs than it adds, and when the HTTP front end or a client on the same machine takes a
 core from one of the threads, the whole region waits for it. Where the GEMMs are large every
-core pays, stalls included. Which side wins depends on the model, the step's size and what
-else runs on the machine (a 2-core VM, sidecar server and load generator on the same cores:
-16 canvases of a 32M-parameter model ran 1.6x faster on two threads; 16 AR rows of a 7M one
-~10% faster on one; those runs predate `confine_to_steps`, see below). So the engine measures
-it. Steps are grouped by their token count (half-octave buckets). A bucket runs one count,
-its *incumbent* (at first the smallest, or the choice of a decided bucket within a factor of
-two), and now and then a step with another count, a *probe*. A probe is compared with the incumbent's last few steps, not with older
-probes: a machine whose speed drifts (shared VMs drift by tens of percent within minutes)
-shifts both alike, so the ratio holds where absolute times would not. Probes alternate with
-incumbent steps until each other count has a few ratios (every few steps next to a decided
-bucket); then the median ratio decides, probes go on every few steps until each count has
-WINDOW ratios, then every `probe_every` steps (more rarely the slower the others measured),
-so a change of load is noticed and followed.
+core pays, stalls included. Which side wins depends on the model, the step's size and what else
+runs on the machine (a 2-core VM, sidecar server and load generator on the same cores: 16
+canvases of a 32M-parameter model ran 1.6x faster on two threads; 16 AR rows of a 7M one ~10%
+faster on one; those runs predate `confine_to_steps`, see below). So the engine measures it.
+Steps are grouped by their token count (half-octave buckets). A bucket runs one count, its
+*incumbent* (at first the smallest, or the choice of a decided bucket within a factor of two),
+and now and then a step with another count, a *probe*. A probe is compared with the incumbent's
+last few steps, not with older probes: a machine whose speed drifts (shared VMs drift by tens
+of percent within minutes) shifts both alike, so the ratio holds where absolute times would
+not. Probes alternate with incumbent steps until each other count has a few ratios (every few
+steps next to a decided bucket); then the median ratio decides, probes go on every few steps
+until each count has WINDOW ratios, then every `probe_every` steps (more rarely the slower the
+others measured), so a change of load is noticed and followed.
 
 `torch.set_num_threads` applies to the calling thread's OpenMP and MKL settings: the tuner
 sets it in the thread that runs the step (the server's step loop), before each step.
