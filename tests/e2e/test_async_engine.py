@@ -48,6 +48,6 @@ def first_step_rows(model_dir, gather: tuple[float, float], spacing: float) -> i
 )
 def test_a_burst_at_an_idle_engine_starts_in_one_step(tiny_checkpoint, gather, spacing, expected):
     """Stepping at the first arrival split a burst of 16 over two prefill steps through the
-    server (18 steps to a static batch's 17 on bench-tiny)."""
+    server (18 steps where an offline batch takes 17 on bench-tiny)."""
     rows = first_step_rows(tiny_checkpoint("c16"), gather, spacing)
     assert rows == expected if expected == 4 else rows < 4
