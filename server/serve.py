@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import re
@@ -432,6 +433,18 @@ def _one_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text} (run with --debug for the traceback)"
 
 
+def freeze_heap() -> int:
+    """Move every object alive now (the model's modules, the imported libraries, the app) out
+    of the garbage collector's reach; returns how many. A full collection walks every tracked
+    object while holding the interpreter lock, so the step loop stops with it: in a loaded
+    server (~1M objects) each took ~220 ms, twice in 12 s of serving `bench-tiny` at 16
+    canvases. Frozen objects are never collected (what was garbage is collected first); later
+    collections walk only what serving allocates."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def serve(args: argparse.Namespace) -> int:
     """Serve until a signal ends the drain (returns 0); raises StartupError when it cannot
     start."""
@@ -445,6 +458,7 @@ def serve(args: argparse.Namespace) -> int:
         logger.info(line)
     app = create_app(state)
     config = uvicorn_config(app, state.http, host=args.host, port=args.port, log_level="info")
+    logger.info("  %d objects of the loaded server left out of garbage collection", freeze_heap())
     try:
         draining_server(state, config, args.drain_seconds, confined=True).run(sockets=[sock])
     finally:

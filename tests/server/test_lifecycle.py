@@ -3,6 +3,7 @@ signal exits at once; no tracebacks."""
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -82,7 +83,7 @@ def test_drain_with_nothing_running_exits_without_waiting_out_the_drain():
     assert not thread.is_alive()
 
 
-def test_steps_run_at_torchs_count_while_the_main_thread_runs_one(tiny_checkpoint):
+def test_steps_run_at_torchs_count_and_the_loaded_heap_is_frozen(tiny_checkpoint):
     """`canvas serve` confines parallel regions to the step loop (`confine_to_steps`), so the
     step loop sets its count itself: exact numerics under `--threads auto` step with torch's
     own count (OMP_NUM_THREADS=2 here), not the main thread's confined one."""
@@ -92,3 +93,7 @@ def test_steps_run_at_torchs_count_while_the_main_thread_runs_one(tiny_checkpoin
         metrics = httpx.get(f"{server.url}/metrics").text
     assert 'threads="2"' in metrics and 'threads="1"' not in metrics, metrics[-2000:]
     assert "cpu threads 2\n" in server.output
+    # The loaded server's objects are frozen (`freeze_heap`): a full collection walked ~1M of
+    # them under the interpreter lock, stopping the step loop for ~220 ms.
+    frozen = re.search(r"(\d+) objects of the loaded server left out of garbage", server.output)
+    assert frozen is not None and int(frozen.group(1)) > 50_000, server.output
