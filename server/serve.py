@@ -449,10 +449,14 @@ def serve(args: argparse.Namespace) -> int:
     """Serve until a signal ends the drain (returns 0); raises StartupError when it cannot
     start."""
     from engine.cpu_threads import confine_to_steps
+    from engine.model.loader import resolve_device
     from server.app import create_app
     from server.http import uvicorn_config
 
-    own_threads = confine_to_steps()  # before the model loads: only the step loop runs regions
+    # On a CPU, before the model loads: only the step loop runs parallel regions. (On a GPU the
+    # steps' CPU work is small, and a big checkpoint's load casts on the CPU: all threads.)
+    cpu = resolve_device(args.device).startswith("cpu")
+    own_threads = confine_to_steps() if cpu else None
     sock, state, banner = start(args, own_threads)
     for line in banner:
         logger.info(line)
@@ -460,7 +464,8 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn_config(app, state.http, host=args.host, port=args.port, log_level="info")
     logger.info("  %d objects of the loaded server left out of garbage collection", freeze_heap())
     try:
-        draining_server(state, config, args.drain_seconds, confined=True).run(sockets=[sock])
+        confined = own_threads is not None
+        draining_server(state, config, args.drain_seconds, confined).run(sockets=[sock])
     finally:
         state.engine.shutdown()  # idempotent; a forced exit skips the app's own shutdown
     return 0
