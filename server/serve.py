@@ -173,7 +173,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_engine_switches(parser)
 
 
-def choose_threads(requested: str | None, own: int | None = None) -> tuple[int, ...]:
+def choose_threads(
+    requested: str | None, own: int | None = None, exact: bool = False
+) -> tuple[int, ...]:
     """The CPU thread counts the engine runs steps with (`EngineConfig.cpu_threads`):
     `--threads N` fixes N; `--threads auto`, the default unless OMP_NUM_THREADS is set (then
     torch's count, which follows it), measures every usable core but one against every core,
@@ -182,7 +184,9 @@ def choose_threads(requested: str | None, own: int | None = None) -> tuple[int, 
     which then stall; where a step is a few small operators a second thread costs more in
     hand-offs than it adds. (The 1.6-2.6x that one thread once measured over two on a 2-core VM
     was mostly a second OpenMP team, which `confine_to_steps` removes.) `own`:
-    torch's count before `confine_to_steps` set this thread's to one (None: ask torch)."""
+    torch's count before `confine_to_steps` set this thread's to one (None: ask torch); a
+    confined server runs exact numerics, which are never measured, at that count, set by the
+    step loop (a tuner that does not measure sets none, and the loop would inherit one)."""
     import torch
 
     from engine.cpu_threads import auto_choices
@@ -192,7 +196,8 @@ def choose_threads(requested: str | None, own: int | None = None) -> tuple[int, 
             return (own or torch.get_num_threads(),)
         requested = "auto"
     if requested == "auto":
-        return auto_choices()
+        choices = auto_choices()
+        return (own,) if own is not None and exact and len(choices) > 1 else choices
     try:
         count = int(requested)
     except ValueError:
@@ -276,9 +281,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def build_state(args: argparse.Namespace, own_threads: int | None = None):  # type: ignore[no-untyped-def]
     """The engine, model and server state of `args`. `own_threads`: torch's thread count when
-    the caller confined parallel regions to the step loop (`serve`), which then runs exact
-    numerics with that count (a tuner that is not measuring sets none: the step loop would
-    inherit the confined one)."""
+    the caller confined parallel regions to the step loop (`serve`; `choose_threads`)."""
     from engine.async_engine import AsyncEngine
     from engine.engine import CHECK_INVARIANTS, Engine, EngineConfig
     from engine.llm import has_tokenizer
@@ -290,9 +293,7 @@ def build_state(args: argparse.Namespace, own_threads: int | None = None):  # ty
     from server.state import ServerState
 
     api_key = check_api_key(args.api_key)
-    threads = choose_threads(args.threads, own_threads)
-    if own_threads is not None and args.exact and len(threads) > 1:
-        threads = (own_threads,)  # exact numerics: torch's own count, set in the step loop
+    threads = choose_threads(args.threads, own_threads, args.exact)
     model_dir = Path(args.model) if args.model else default_model_dir()
     model = load_model(
         model_dir,
@@ -437,7 +438,7 @@ def freeze_heap() -> int:
     """Move every object alive now (the model's modules, the imported libraries, the app) out
     of the garbage collector's reach; returns how many. A full collection walks every tracked
     object while holding the interpreter lock, so the step loop stops with it: in a loaded
-    server (~1M objects) each took ~220 ms, twice in 12 s of serving `bench-tiny` at 16
+    server (~400k objects) each took ~220 ms, twice in 12 s of serving `bench-tiny` at 16
     canvases. Frozen objects are never collected (what was garbage is collected first); later
     collections walk only what serving allocates."""
     gc.collect()
