@@ -8,6 +8,7 @@ import argparse
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,23 @@ def test_the_license_is_an_spdx_string():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["project"]["license"] == "Apache-2.0"
+
+
+def test_transformers_loads_beside_canvas_kernels_package():
+    """transformers 5.25 requires Hugging Face's `kernels` distribution and imports it by that
+    top-level name, which is Canvas' own package's: pyproject pins transformers below it. With
+    the repository first on the path (as in tests and `canvas` runs), transformers' activations
+    (which every model module imports) load and `kernels` is still Canvas'."""
+    code = (
+        "import kernels, transformers.activations, transformers; "
+        "print(kernels.__file__, transformers.__version__)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    path, _version = result.stdout.split()
+    assert Path(path).resolve() == ROOT / "kernels" / "__init__.py"
 
 
 def configuration_section() -> str:
