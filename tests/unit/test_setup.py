@@ -5,6 +5,7 @@ code reads."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -81,6 +82,24 @@ def test_transformers_loads_beside_canvas_kernels_package():
     assert result.returncode == 0, result.stderr[-2000:]
     path, _version = result.stdout.split()
     assert Path(path).resolve() == ROOT / "kernels" / "__init__.py"
+
+
+def test_a_shadowing_kernels_package_is_named_at_import(tmp_path):
+    """Where another top-level `kernels` (Hugging Face's distribution) comes first on the path,
+    importing the engine fails at once with an error that names it and the fix."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    result = subprocess.run(
+        [sys.executable, "-c", "import engine"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "Hugging Face's `kernels` distribution" in result.stderr
+    assert "pip uninstall kernels" in result.stderr
 
 
 def configuration_section() -> str:
