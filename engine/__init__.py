@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from engine.params import DecodeMode, ParamError, SamplingParams
 
 
-
 def _check_kernels_package() -> None:
     """Canvas' kernel package is the top-level module `kernels`, and so is Hugging Face's
     `kernels` distribution (a dependency of transformers >= 5.25, which pyproject excludes).
