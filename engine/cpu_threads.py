@@ -9,7 +9,7 @@ runs on the machine (a 2-core VM, sidecar server and load generator on the same 
 canvases of a 32M-parameter model ran 1.6x faster on two threads; 16 AR rows of a 7M one ~10%
 faster on one; those runs predate `confine_to_steps`, see below). So the engine measures it.
 Steps are grouped by their token count (half-octave buckets). A bucket runs one count, its
-*incumbent* (at first the smallest, or the choice of a decided bucket within a factor of two),
+*incumbent* (at first the largest, or the choice of a decided bucket within a factor of two),
 and now and then a step with another count, a *probe*. A probe is compared with the incumbent's
 last few steps, not with older probes: a machine whose speed drifts (shared VMs drift by tens
 of percent within minutes) shifts both alike, so the ratio holds where absolute times would
@@ -17,6 +17,14 @@ not. Probes alternate with incumbent steps until each other count has a few rati
 steps next to a decided bucket); then the median ratio decides, probes go on every few steps
 until each count has WINDOW ratios, then every `probe_every` steps (more rarely the slower the
 others measured), so a change of load is noticed and followed.
+
+The two mistakes cost differently: too many threads on a small step loses a few hand-offs,
+too few on a large step loses up to a core's worth of the step. So a bucket starts at the
+largest count and moves to a smaller one only when it measured at least SWITCH_MARGIN faster.
+Starting at the smallest, a `make bench` run on the 2-core VM (`bench-tiny`, 16 canvases)
+settled on one thread after three noisy probes and ran 16 of 17 steps so, every round: forward
+106 ms a step against 60-80 ms on two, 0.87x the reference's static batch instead of 1.4x;
+the probes that would have corrected it were 8 x 32 steps apart.
 
 `torch.set_num_threads` applies to the calling thread's OpenMP and MKL settings: the tuner
 sets it in the thread that runs the step (the server's step loop), before each step.
@@ -47,6 +55,8 @@ WINDOW = 5
 RECENT = 3
 PROBE_EVERY = 32
 PROBE_GAP = 0.25
+# A smaller count replaces the incumbent only when its median ratio is under 1 - this.
+SWITCH_MARGIN = 0.1
 logger = logging.getLogger(__name__)
 
 
@@ -106,7 +116,7 @@ class ThreadTuner:
             near = [(abs(k - key), k, x.incumbent) for k, x in self._buckets.items() if x.decided]
             near = [x for x in near if x[0] <= 2]
             prior = min(near)[2] if near else None
-            incumbent = self.choices[0] if prior is None else prior
+            incumbent = self.choices[-1] if prior is None else prior
             ratios: dict[int, deque[float]] = {
                 n: deque(maxlen=self.window) for n in self.choices if n != incumbent
             }
@@ -168,10 +178,11 @@ class ThreadTuner:
         self._schedule(b)
 
     def _maybe_switch(self, b: _Bucket, probed: int, seconds: float) -> bool:
-        """The probed count becomes the incumbent when its median ratio is under 1 (and the
-        lowest)."""
+        """The probed count becomes the incumbent when its median ratio is the lowest and under
+        1 (under 1 - SWITCH_MARGIN for a smaller count than the incumbent's)."""
         ratio = statistics.median(b.ratios[probed])
-        if ratio >= 1 or ratio > min(statistics.median(r) for r in b.ratios.values()):
+        bar = 1 - SWITCH_MARGIN if probed < b.incumbent else 1.0
+        if ratio >= bar or ratio > min(statistics.median(r) for r in b.ratios.values()):
             return False
         old = b.incumbent
         # The other counts' ratios, rescaled to the new incumbent; the old one's, inverted.

@@ -161,7 +161,7 @@ def test_steps_run_with_the_measured_thread_counts_and_give_the_same_tokens(tiny
         runs[choices] = outputs, seen
     assert {threads for threads, _ in runs[()][1]} == {0}  # no choices: torch's count alone
     seen = runs[(1, 2)][1]
-    assert seen[0][0] == 1 and {threads for threads, _ in seen} == {1, 2}  # each tried
+    assert seen[0][0] == 2 and {threads for threads, _ in seen} == {1, 2}  # each tried
     assert all(threads == torch_threads for threads, torch_threads in seen)
     assert runs[(1, 2)][0] == runs[()][0]
     # Exact numerics are never measured (their bits depend on the count): torch's own count.

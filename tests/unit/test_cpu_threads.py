@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from engine.cpu_threads import ThreadTuner, auto_choices, make_tuner
+from engine.cpu_threads import SWITCH_MARGIN, ThreadTuner, auto_choices, make_tuner
 
 
 def run(tuner: ThreadTuner, num_tokens: int, cost: dict[int, float], steps: int) -> list[int]:
@@ -28,7 +28,7 @@ def test_each_count_is_tried_in_turn_then_the_faster_runs_with_a_probe_every_few
     caplog.set_level("INFO", "engine.cpu_threads")
     tuner = fake_tuner()
     chosen = run(tuner, 16, {1: 0.010, 2: 0.012}, 6 + 24)
-    assert chosen[:6] == [1, 2, 1, 2, 1, 2]  # three steps each, in turn
+    assert chosen[:6] == [2, 1, 2, 1, 2, 1]  # three steps each, in turn, the largest first
     after = chosen[6:]
     # Two more probes at once (the window of 5 ratios fills), then one every 8th step.
     assert [i for i, n in enumerate(after) if n == 2] == [1, 3, 9, 17]
@@ -36,7 +36,7 @@ def test_each_count_is_tried_in_turn_then_the_faster_runs_with_a_probe_every_few
     # The other way round in another bucket: 1,024 tokens prefer two threads.
     chosen = run(tuner, 1024, {1: 0.200, 2: 0.170}, 6 + 8)
     assert chosen[6:] == [2, 1, 2, 1, 2, 2, 2, 2]  # two threads from the decision on
-    assert chosen[:6] == [1, 2, 1, 2, 1, 2]  # too far from the first bucket to borrow its choice
+    assert chosen[:6] == [2, 1, 2, 1, 2, 1]  # too far from the first bucket to borrow its choice
     # Each bucket (by its lowest token count): the count that runs and the other's time ratio.
     summary = tuner.summary()
     assert summary[14] == (1, {2: pytest.approx(1.2)})
@@ -57,7 +57,24 @@ def test_a_new_bucket_next_to_a_decided_one_starts_from_its_choice():
     chosen = run(tuner, 24, {1: 0.012, 2: 0.014}, 16)
     assert chosen[:12] == [1, 1, 1, 2] * 3 and chosen[12:] == [1, 1, 1, 2]  # decided: 1
     # 64 tokens is further than a factor of two from any decided bucket: each in turn.
-    assert run(tuner, 64, {1: 0.05, 2: 0.03}, 4) == [1, 2, 1, 2]
+    assert run(tuner, 64, {1: 0.05, 2: 0.03}, 4) == [2, 1, 2, 1]
+
+
+def test_fewer_threads_must_win_by_a_margin_and_more_threads_need_not():
+    """A bucket starts at the largest count. Too few threads on a large step costs far more
+    than too many on a small one (bench-tiny's 16 canvases ran 1.6x slower on one thread, chosen
+    after three noisy probes), so a smaller count replaces the incumbent only when it measured
+    at least SWITCH_MARGIN faster; a larger one replaces it when faster at all."""
+    assert SWITCH_MARGIN == pytest.approx(0.1)
+    chosen = run(fake_tuner(), 16, {1: 0.0096, 2: 0.010}, 6 + 8)
+    assert chosen[:6] == [2, 1, 2, 1, 2, 1] and chosen[6:].count(2) >= 6  # 4% faster: stays
+    chosen = run(fake_tuner(), 16, {1: 0.0088, 2: 0.010}, 6 + 8)
+    assert chosen[6:].count(1) >= 6  # 12% faster: one thread runs from the decision on
+    # Once one thread runs, two threads replace it when faster at all.
+    tuner = fake_tuner(probe_every=4)
+    run(tuner, 64, {1: 0.0088, 2: 0.010}, 20)
+    chosen = run(tuner, 64, {1: 0.0100, 2: 0.0097}, 60)
+    assert tuner.pick(64) == 2 and chosen[-8:].count(2) >= 6  # a probe of one every 4th
 
 
 def test_steps_within_half_an_octave_share_a_bucket_and_further_ones_do_not():
@@ -108,7 +125,7 @@ def test_a_single_count_is_fixed_and_exact_numerics_keep_torchs_own_count():
         ThreadTuner((0, 1))
     tuner = fake_tuner()
     tuner.observe(16, 5, 0.1)  # a count outside the choices (set by hand) is not counted
-    assert tuner.summary() == {14: (1, {})}
+    assert tuner.summary() == {14: (2, {})}
 
 
 def test_the_count_is_set_in_the_thread_that_runs_the_step():
