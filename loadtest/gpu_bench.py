@@ -247,7 +247,9 @@ def time_engine(model: DiffusionLM, canvases: int, s: Settings, floor_s: float) 
     records, finished = run_round(engine, prompts, s.steps, forward, "timed")
     del engine.runner.execute  # the timer's closure holds the runner: free the KV pools now
     denoise = [r for r in records if r[:2] == (canvases, canvases * length)]
-    prefill = [r for r in records if r[:2] == (canvases, canvases * s.prompt_len)]
+    # The round's first step runs the prompts (what the warm-up's prefix cache left of them)
+    # and, in the same forward, each first canvas's first step (`first_step_along`).
+    prefill = [r for r in records[:1] if r[:2] != (canvases, canvases * length)]
     if not denoise:
         raise RuntimeError(f"no step denoised all {canvases} canvases together: {records}")
     step = statistics.median(r[2] for r in denoise)

@@ -109,7 +109,7 @@ ENGINE_HEADERS = [
     "step ms",
     "forward ms",
     "sample+host ms",
-    "prefill ms",
+    "prompt step ms",
     "tok/s",
     "floor/step",
     "peak GB",

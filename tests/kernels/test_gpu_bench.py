@@ -95,7 +95,8 @@ def test_dry_run_times_every_kernel_and_the_engine_step(tmp_path: Path) -> None:
         assert f"| {name} | 1 |" in out and f"| {name} | 4 |" in out, name
     report = json.loads(json_path.read_text())
     assert [e["canvases"] for e in report["engine"]] == [1, 4]
-    assert all(e["steps_per_canvas"] == [2] and e["timed_steps"] == 2 for e in report["engine"])
+    # Two steps a canvas; the first may run in the prompt's forward (`first_step_along`).
+    assert all(e["steps_per_canvas"] == [2] and e["timed_steps"] >= 1 for e in report["engine"])
     assert report["checks_pass"] and not report["skipped"]
     assert {k["name"] for k in report["kernels"]} >= set(KERNELS)
     assert "## Engine step" in md_path.read_text()
