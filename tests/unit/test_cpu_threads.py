@@ -65,7 +65,7 @@ def test_fewer_threads_must_win_by_a_margin_and_more_threads_need_not():
     than too many on a small one (bench-tiny's 16 canvases ran 1.6x slower on one thread, chosen
     after three noisy probes), so a smaller count replaces the incumbent only when it measured
     at least SWITCH_MARGIN faster; a larger one replaces it when faster at all."""
-    assert SWITCH_MARGIN == pytest.approx(0.1)
+    assert pytest.approx(0.1) == SWITCH_MARGIN
     chosen = run(fake_tuner(), 16, {1: 0.0096, 2: 0.010}, 6 + 8)
     assert chosen[:6] == [2, 1, 2, 1, 2, 1] and chosen[6:].count(2) >= 6  # 4% faster: stays
     chosen = run(fake_tuner(), 16, {1: 0.0088, 2: 0.010}, 6 + 8)
