@@ -20,7 +20,9 @@ others measured), so a change of load is noticed and followed.
 
 The two mistakes cost differently: too many threads on a small step loses a few hand-offs,
 too few on a large step loses up to a core's worth of the step. So a bucket starts at the
-largest count and moves to a smaller one only when it measured at least SWITCH_MARGIN faster.
+largest count and moves to a smaller one only when it measured at least SWITCH_MARGIN faster,
+and a bucket with more tokens than one that settled on the largest count runs it unprobed
+(more work per region only favours more threads).
 Starting at the smallest, a `make bench` run on the 2-core VM (`bench-tiny`, 16 canvases)
 settled on one thread after three noisy probes and ran 16 of 17 steps so, every round: forward
 106 ms a step against 60-80 ms on two, 0.87x the reference's static batch instead of 1.4x;
@@ -117,16 +119,29 @@ class ThreadTuner:
             near = [x for x in near if x[0] <= 2]
             prior = min(near)[2] if near else None
             incumbent = self.choices[-1] if prior is None else prior
+            # Steps with more tokens than a bucket that settled on every thread would run no
+            # faster on fewer: their probes are not paid (a rare large step, such as a burst's
+            # prompts, probed on one thread costs a whole step's worth).
+            settled = any(
+                k < key and x.decided and x.incumbent == self.choices[-1]
+                for k, x in self._buckets.items()
+            )
+            if settled:
+                incumbent = self.choices[-1]
             ratios: dict[int, deque[float]] = {
-                n: deque(maxlen=self.window) for n in self.choices if n != incumbent
+                n: deque(maxlen=self.window) for n in self.choices if n != incumbent and not settled
             }
             b = _Bucket(incumbent, deque(maxlen=RECENT), ratios, prior is not None)
+            b.decided = settled
             self._schedule(b)
             self._buckets[key] = b
         return b
 
     def _schedule(self, b: _Bucket) -> None:
         """The bucket's probe period and the counts it probes, from its ratios so far."""
+        if not b.ratios:  # settled by a smaller bucket: nothing to probe
+            b.period, b.probes = 1 << 30, ()
+            return
         if not b.decided:
             b.period = max(2, self.probe_every // 4) if b.prior else 2
             b.probes = tuple(n for n, r in b.ratios.items() if len(r) < self.explore_steps)
@@ -142,7 +157,7 @@ class ThreadTuner:
         if len(self.choices) == 1:
             return self.choices[0]
         b = self._bucket(num_tokens)
-        if not b.recent:
+        if not b.recent or not b.probes:
             return b.incumbent  # a probe needs the incumbent's time beside it
         if b.steps % b.period == b.period - 1:
             return b.probes[b.next_probe % len(b.probes)]

@@ -77,6 +77,20 @@ def test_fewer_threads_must_win_by_a_margin_and_more_threads_need_not():
     assert tuner.pick(64) == 2 and chosen[-8:].count(2) >= 6  # a probe of one every 4th
 
 
+def test_larger_steps_than_a_bucket_settled_on_every_thread_are_not_probed():
+    """bench-tiny's prompt step (2,900 tokens, once a burst) probed on one thread in its first
+    runs cost a step's worth each time; steps larger than a bucket that chose every thread run
+    every thread unprobed. Smaller ones, and larger ones next to a one-thread choice, measure."""
+    tuner = fake_tuner()
+    run(tuner, 32, {1: 0.010, 2: 0.006}, 6)  # decided: two threads
+    assert run(tuner, 2900, {1: 0.5, 2: 0.3}, 10) == [2] * 10
+    assert tuner.summary()[2436] == (2, {})  # the bucket of 2,436 to 3,444 tokens
+    assert run(tuner, 8, {1: 0.001, 2: 0.001}, 4) == [2, 1, 2, 1]  # smaller: measured
+    one = fake_tuner()
+    run(one, 32, {1: 0.006, 2: 0.010}, 6)  # decided: one thread
+    assert run(one, 2900, {1: 0.5, 2: 0.3}, 4) == [2, 1, 2, 1]
+
+
 def test_steps_within_half_an_octave_share_a_bucket_and_further_ones_do_not():
     assert ThreadTuner.bucket(16) == ThreadTuner.bucket(18) != ThreadTuner.bucket(24)
     assert ThreadTuner.bucket(0) == ThreadTuner.bucket(1) == 0
