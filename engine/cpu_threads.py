@@ -118,7 +118,6 @@ class ThreadTuner:
             near = [(abs(k - key), k, x.incumbent) for k, x in self._buckets.items() if x.decided]
             near = [x for x in near if x[0] <= 2]
             prior = min(near)[2] if near else None
-            incumbent = self.choices[-1] if prior is None else prior
             # Steps with more tokens than a bucket that settled on every thread would run no
             # faster on fewer: their probes are not paid (a rare large step, such as a burst's
             # prompts, probed on one thread costs a whole step's worth).
@@ -126,13 +125,10 @@ class ThreadTuner:
                 k < key and x.decided and x.incumbent == self.choices[-1]
                 for k, x in self._buckets.items()
             )
-            if settled:
-                incumbent = self.choices[-1]
-            ratios: dict[int, deque[float]] = {
-                n: deque(maxlen=self.window) for n in self.choices if n != incumbent and not settled
-            }
-            b = _Bucket(incumbent, deque(maxlen=RECENT), ratios, prior is not None)
-            b.decided = settled
+            incumbent = self.choices[-1] if prior is None or settled else prior
+            others = () if settled else tuple(n for n in self.choices if n != incumbent)
+            ratios: dict[int, deque[float]] = {n: deque(maxlen=self.window) for n in others}
+            b = _Bucket(incumbent, deque(maxlen=RECENT), ratios, prior is not None, settled)
             self._schedule(b)
             self._buckets[key] = b
         return b
