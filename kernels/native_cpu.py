@@ -57,8 +57,6 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99", "-fno-math-er
 # rows (a vocabulary each), and norm elements.
 MIN_ROWS_PER_THREAD = 8
 MIN_NORM_ELEMENTS_PER_THREAD = 1 << 16
-# Expert weight bytes per thread below which one thread runs all of a token's experts.
-MIN_EXPERT_BYTES_PER_THREAD = 4 << 20
 
 
 def enabled() -> bool:
@@ -128,8 +126,13 @@ SIGNATURES: dict[str, dict[str, list[type]]] = {
         "canvas_rms_norm_pair": [*[_PTR] * 5, _I64, _I64, _I64, _F32],
         "canvas_close_layer": [*[_PTR] * 7, _I64, _PTR, _I64, _I64, _I64, _F32],
     },
-    "moe": {"canvas_moe_token": [*[_PTR] * 7, _I64, _I64, _I64, _I64]},
+    "moe": {
+        "canvas_moe_token": [*[_PTR] * 7, _I64, _I64, _I64, _I64],
+        "canvas_moe_rows": [*[_PTR] * 8, *[_I64] * 6],
+    },
 }
+# Functions returning an int64 (the rest return nothing).
+_RETURNS_I64 = {"canvas_moe_lanes"}
 
 
 @functools.cache
@@ -149,6 +152,9 @@ def library(name: str = "sampler") -> ctypes.CDLL | None:
         fn = getattr(lib, function)
         fn.argtypes = argtypes
         fn.restype = None
+    for function in _RETURNS_I64:
+        if hasattr(lib, function):
+            getattr(lib, function).argtypes, getattr(lib, function).restype = [], _I64
     return lib
 
 
@@ -389,33 +395,5 @@ def route_experts(
     return torch.softmax(top, dim=-1, dtype=torch.float32).mul_(per_expert_scale[ids]), ids
 
 
-def fused_moe(
-    hidden: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    segments: list[int] | None = None,
-) -> torch.Tensor:
-    """`reference.fused_moe_scattered`; one token (an AR step at one request) in one native
-    call (`moe.c`: its experts' matrix-vector products and GeGLU, each slot weighted), the
-    slots summed in slot order. More tokens, non-fp32 operands and autograd take the twin."""
-    if ids.shape[0] != 1 or not _native_norm(hidden, gate_up, down, weights):
-        return reference.fused_moe_scattered(hidden, gate_up, down, weights, ids, segments)
-    lib = library("moe")
-    assert lib is not None, "native kernels are bound only when their libraries load"
-    num_slots, size = ids.shape[1], hidden.shape[-1]
-    inter = down.shape[-1]
-    x, gu, dn = hidden.contiguous(), gate_up.contiguous(), down.contiguous()
-    w = weights.reshape(-1).contiguous()
-    slots = ids.reshape(-1).to(torch.int64).contiguous()
-    out = torch.empty(num_slots, size, dtype=torch.float32)
-    scratch = torch.empty(num_slots, inter, dtype=torch.float32)
-    args = [t.data_ptr() for t in (x, gu, dn, w, slots, out, scratch)]
-
-    def run(begin: int, end: int) -> None:
-        lib.canvas_moe_token(*args, begin, end, size, inter)
-
-    expert_bytes = 3 * inter * size * 4
-    _over_rows(run, num_slots, max(1, MIN_EXPERT_BYTES_PER_THREAD // expert_bytes))
-    return out.sum(0, keepdim=True)
+# The experts (`moe.c`) live in their own module, part of this one's namespace.
+from kernels.native_moe import fused_moe, moe_lanes  # noqa: E402, F401

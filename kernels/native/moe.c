@@ -63,3 +63,134 @@ void canvas_moe_token(const float *x, const float *gate_up, const float *down,
         for (int64_t r = 0; r < h; ++r) o[r] = dot(dn + r * inter, act, inter) * w;
     }
 }
+
+/* ---- Many tokens: the experts' FFNs as register-tiled matrix products -------------------------
+ *
+ * `canvas_moe_rows` runs rows [row_begin, row_end) of the token-expert pairs sorted by expert
+ * (`pairs`: pair index token * top_k + slot of each sorted row; `ends`: each expert's end row).
+ * A tile is up to MR rows of one expert: its tokens' hidden rows are read in place (no gather),
+ * gate and up for V columns each come out of one pass over H (accumulators in registers), the
+ * GeGLU product goes to the tile's act [MR, inter] (in L1), and the down projection of the
+ * tile, weighted by each pair's router weight, is stored to ybuf at the pair's own row. No two
+ * rows write the same place, so threads split the rows freely; the caller sums each token's
+ * top_k rows (a fixed order: the values never depend on the batch's other tokens).
+ *
+ * Weights come pre-packed (`kernels.native_cpu.pack_experts`), so every load is one vector:
+ *   gup [E, inter / V, H, 2V]: for column block j and input k, the V gate then the V up weights;
+ *   dnp [E, H / 2V, inter, 2V]: for output block c and input k, 2V down weights.
+ * Each tile re-reads its expert's packed weights, which the caller keeps to experts that fit
+ * the core's L2 cache. GELU(tanh) is x * sigmoid(2u) with a polynomial exp (~1 ulp): equal to
+ * ATen's 0.5 x (1 + tanh(u)) up to rounding. */
+#if defined(__AVX512F__)
+#define MOE_V 16
+#define MOE_MR 8
+#else
+#define MOE_V 8
+#define MOE_MR 6
+#endif
+typedef float mv __attribute__((vector_size(MOE_V * 4)));
+typedef int32_t mvi __attribute__((vector_size(MOE_V * 4)));
+
+static inline mv mload(const float *p) {
+    mv v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void mstore(float *p, mv v) { memcpy(p, &v, sizeof v); }
+
+static inline mv mfloor(mv y) { /* floor for |y| < 2^31 */
+    mv t = __builtin_convertvector(__builtin_convertvector(y, mvi), mv);
+    return t + __builtin_convertvector((mvi)(t > y), mv); /* a true lane is -1 */
+}
+
+static inline mv mexp(mv x) { /* x in [-80, 80]: 2^n exp(r), a Cephes polynomial for exp(r) */
+    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    mv n = mfloor(x * log2e + 0.5f);
+    mv r = x - n * ln2_hi - n * ln2_lo;
+    mv p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    mvi bits = (__builtin_convertvector(n, mvi) + 127) << 23;
+    return p * (mv)bits;
+}
+
+static inline mv mclamp(mv x, float lo, float hi) { /* NaN stays NaN only through x below */
+    mvi low = x < lo, high = x > hi;
+    mv l = (mv){0} + lo, h = (mv){0} + hi;
+    x = (mv)(((mvi)x & ~low) | ((mvi)l & low));
+    return (mv)(((mvi)x & ~high) | ((mvi)h & high));
+}
+
+static inline mv mgelu_tanh(mv x) { /* x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)) */
+    mv z = x * (-1.5957691216057308f - 0.0713548162726009f * x * x);
+    return x / (mexp(mclamp(z, -80.0f, 80.0f)) + 1.0f);
+}
+
+/* act[r, j*V ..] = gelu(gate) * up of the tile's rows a[0..MR) for every column block j. */
+static void moe_gate_up(const float *const *a, const float *gup, int64_t h, int64_t inter,
+                        float *act) {
+    for (int64_t j = 0; j < inter / MOE_V; ++j) {
+        const float *b = gup + j * h * 2 * MOE_V;
+        mv g[MOE_MR], u[MOE_MR];
+        for (int r = 0; r < MOE_MR; ++r) g[r] = u[r] = (mv){0};
+        for (int64_t k = 0; k < h; ++k) {
+            mv bg = mload(b + k * 2 * MOE_V), bu = mload(b + k * 2 * MOE_V + MOE_V);
+#pragma GCC unroll 16
+            for (int r = 0; r < MOE_MR; ++r) {
+                float s = a[r][k];
+                g[r] += s * bg;
+                u[r] += s * bu;
+            }
+        }
+        for (int r = 0; r < MOE_MR; ++r) mstore(act + r * inter + j * MOE_V, mgelu_tanh(g[r]) * u[r]);
+    }
+}
+
+/* ybuf[pair of row r, c*2V ..] = weight * (act[r] @ down^T) for the tile's first m rows. */
+static void moe_down(const float *act, const float *dnp, int64_t h, int64_t inter, int m,
+                     const int64_t *pair, const float *weights, float *ybuf) {
+    for (int64_t c = 0; c < h / (2 * MOE_V); ++c) {
+        const float *b = dnp + c * inter * 2 * MOE_V;
+        mv y0[MOE_MR], y1[MOE_MR];
+        for (int r = 0; r < MOE_MR; ++r) y0[r] = y1[r] = (mv){0};
+        for (int64_t k = 0; k < inter; ++k) {
+            mv b0 = mload(b + k * 2 * MOE_V), b1 = mload(b + k * 2 * MOE_V + MOE_V);
+#pragma GCC unroll 16
+            for (int r = 0; r < MOE_MR; ++r) {
+                float s = act[r * inter + k];
+                y0[r] += s * b0;
+                y1[r] += s * b1;
+            }
+        }
+        for (int r = 0; r < m; ++r) {
+            float *y = ybuf + pair[r] * h + c * 2 * MOE_V;
+            mstore(y, y0[r] * weights[pair[r]]);
+            mstore(y + MOE_V, y1[r] * weights[pair[r]]);
+        }
+    }
+}
+
+int64_t canvas_moe_lanes(void) { return MOE_V; }
+
+void canvas_moe_rows(const float *x, const float *gup, const float *dnp, const float *weights,
+                     const int64_t *pairs, const int64_t *ends, float *ybuf, float *act,
+                     int64_t num_experts, int64_t top_k, int64_t h, int64_t inter,
+                     int64_t row_begin, int64_t row_end) {
+    /* act: [MOE_MR, inter] scratch of this call */
+    int64_t e = 0, row = row_begin;
+    while (row < row_end) {
+        while (e < num_experts && ends[e] <= row) ++e;
+        if (e == num_experts) return;
+        int64_t stop = ends[e] < row_end ? ends[e] : row_end;
+        int m = stop - row < MOE_MR ? (int)(stop - row) : MOE_MR;
+        const float *a[MOE_MR];
+        for (int r = 0; r < MOE_MR; ++r) a[r] = x + (pairs[row + (r < m ? r : m - 1)] / top_k) * h;
+        moe_gate_up(a, gup + e * inter * h * 2, h, inter, act);
+        moe_down(act, dnp + e * h * inter, h, inter, m, pairs + row, weights, ybuf);
+        row += m;
+    }
+}

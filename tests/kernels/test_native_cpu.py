@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import native_cpu, reference
+from kernels import native_cpu, native_moe, reference
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None, reason="no C compiler on this machine (the twins stay bound)"
@@ -309,3 +309,58 @@ def test_native_one_token_experts_match_the_twin(hidden, inter, top_k):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert got.shape == want.shape and got.dtype == want.dtype
     assert kernels.resolve_kernels("cpu").fused_moe is native_cpu.fused_moe
+
+
+# -- many tokens: moe.c's tiled expert products --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_tokens,hidden,inter,experts,top_k",
+    # bench-tiny's experts at a canvas step; tails of a tile (rows not a multiple of the tile,
+    # one-row experts, idle experts); bench-small's; a wide intermediate
+    [(512, 256, 64, 16, 4), (37, 64, 32, 8, 2), (5, 64, 32, 12, 3), (70, 128, 96, 4, 1)],
+)
+@torch.inference_mode()
+def test_tiled_experts_match_the_twin(num_tokens, hidden, inter, experts, top_k):
+    w = _moe_layer(num_tokens, hidden, experts, inter, seed=num_tokens)
+    g = torch.Generator().manual_seed(num_tokens + 1)
+    weights = torch.rand(num_tokens, top_k, generator=g) + 0.1
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(num_tokens)])
+    args = (w["hidden"], w["gate_up"], w["down"], weights, ids)
+    want = reference.fused_moe_scattered(*args)
+    got = native_cpu.fused_moe(*args, segments=[num_tokens])
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    # the tiled path ran (not the twin), and its rows never depend on their batch
+    assert native_moe._tiles(w["gate_up"], w["down"])
+    alone = native_cpu.fused_moe(*(a[:3] if a.dim() == 2 else a for a in args))
+    assert torch.equal(alone, got[:3])
+
+
+@torch.no_grad()
+def test_tiled_experts_follow_their_weights_and_keep_gelus_range():
+    """The packed weights are rebuilt when the weights (model parameters: not inference
+    tensors) change in place, as a loaded checkpoint does, and the GELU holds at large |x| (its
+    exp is clamped, never inf/inf)."""
+    w = _moe_layer(24, 64, 4, 32, seed=3)
+    weights, ids = torch.full((24, 2), 0.5), torch.tensor([[0, 1], [2, 3]] * 12)
+    args = (w["hidden"], w["gate_up"], w["down"], weights, ids)
+    native_cpu.fused_moe(*args)
+    w["gate_up"].mul_(-40.0)  # pre-activations of +-hundreds: GELU's both tails
+    w["down"].add_(0.25)
+    got = native_cpu.fused_moe(*args)
+    want = reference.fused_moe_scattered(*args)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
+
+
+def test_large_experts_take_the_twin():
+    """Experts beyond the L2 budget, or off the vector blocks, are not tiled."""
+    lanes = native_moe.moe_lanes()
+    if lanes == 0:
+        pytest.skip("no native library")
+    big = torch.empty(1, 2 * 512, 1024), torch.empty(1, 1024, 512)
+    assert not native_moe._tiles(*big)
+    odd = torch.empty(1, 2 * (lanes + 1), 64), torch.empty(1, 64, lanes + 1)
+    assert not native_moe._tiles(*odd)
+    assert native_moe._tiles(torch.empty(1, 2 * lanes, 4 * lanes), torch.empty(1, 4 * lanes, lanes))

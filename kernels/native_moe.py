@@ -1,0 +1,165 @@
+"""Native CPU experts (`native/moe.c`), bound by `kernels.native_cpu` in fast numerics.
+
+One token (an AR step at one request): its experts' matrix-vector products and GeGLU in one
+call instead of ~10 dispatches per expert. Many tokens (canvas steps, AR batches): register-
+tiled expert products on weights packed once per model (`pack_experts`), where each expert's
+weights fit a core's L2 cache (`bench-tiny`: 196 KiB). The twin (`reference.fused_moe_scattered`)
+gathers each expert's rows, runs two grouped GEMMs (MKL, one call per expert each), weights
+and scatters; at `bench-tiny`'s canvas steps (512 tokens, 16 experts of 64 x 256, top-4) the
+tiles take ~0.6x its time and the whole forward ~0.9x (interleaved in one process); larger
+experts (`bench-small`'s 768 KiB) come out even, and beyond the budget the twin runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from kernels import reference
+from kernels.native_cpu import _native_norm, _over_rows, library
+
+# Expert weight bytes per thread below which one thread runs all of a token's experts.
+MIN_EXPERT_BYTES_PER_THREAD = 4 << 20
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    segments: list[int] | None = None,
+) -> torch.Tensor:
+    """`reference.fused_moe_scattered`; one token (an AR step at one request) in one native
+    call (`moe.c`: its experts' matrix-vector products and GeGLU, each slot weighted), the
+    slots summed in slot order. More tokens: `moe.c`'s tiled expert products
+    (`_experts_tiled`) where the experts fit a core's L2 cache. Larger experts, non-fp32
+    operands and autograd take the twin."""
+    if not _native_norm(hidden, gate_up, down, weights):
+        return reference.fused_moe_scattered(hidden, gate_up, down, weights, ids, segments)
+    if ids.shape[0] != 1:
+        if not _tiles(gate_up, down):
+            return reference.fused_moe_scattered(hidden, gate_up, down, weights, ids, segments)
+        return _experts_tiled(hidden, gate_up, down, weights, ids)
+    lib = library("moe")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+    num_slots, size = ids.shape[1], hidden.shape[-1]
+    inter = down.shape[-1]
+    x, gu, dn = hidden.contiguous(), gate_up.contiguous(), down.contiguous()
+    w = weights.reshape(-1).contiguous()
+    slots = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(num_slots, size, dtype=torch.float32)
+    scratch = torch.empty(num_slots, inter, dtype=torch.float32)
+    args = [t.data_ptr() for t in (x, gu, dn, w, slots, out, scratch)]
+
+    def run(begin: int, end: int) -> None:
+        lib.canvas_moe_token(*args, begin, end, size, inter)
+
+    expert_bytes = 3 * inter * size * 4
+    _over_rows(run, num_slots, max(1, MIN_EXPERT_BYTES_PER_THREAD // expert_bytes))
+    return out.sum(0, keepdim=True)
+
+
+# Expert weight bytes (gate, up and down) up to which `moe.c` tiles the experts: each tile of
+# rows re-reads its expert's weights, which must stay in a core's L2 cache (1 MiB here).
+MAX_TILED_EXPERT_BYTES = 1 << 20
+# Sorted rows per thread below which one thread runs all (a hand-off costs ~50 µs).
+MIN_EXPERT_ROWS_PER_THREAD = 64
+
+
+def _tiles(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether `moe.c`'s tiled products take experts of these shapes: whole vector blocks of
+    the intermediate and hidden sizes, and each expert's weights within the L2 budget."""
+    lanes = moe_lanes()
+    inter, hidden = down.shape[-1], down.shape[-2]
+    return (
+        lanes > 0
+        and inter % lanes == 0
+        and hidden % (2 * lanes) == 0
+        and 3 * inter * hidden * 4 <= MAX_TILED_EXPERT_BYTES
+    )
+
+
+@functools.cache
+def moe_lanes() -> int:
+    """The vector width (floats) `moe.c` was compiled with; 0 without the library."""
+    lib = library("moe")
+    return int(lib.canvas_moe_lanes()) if lib is not None else 0
+
+
+# The packed weights of each gate_up tensor, by its id: (a weak reference to it, its key, the
+# packed pair). An entry goes when its tensor does, and is rebuilt when either tensor changes
+# in place (its version counter moves; model weights are never inference tensors).
+_PACKED: dict[int, tuple[Any, ...]] = {}
+
+
+def _version(t: torch.Tensor) -> int:
+    """The in-place version counter (-1 for an inference tensor, which has none: weights made
+    under `torch.inference_mode` are taken as fixed)."""
+    return -1 if t.is_inference() else t._version
+
+
+def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.c`'s layouts of gate_up [E, 2I, H] and down [E, H, I] (see `canvas_moe_rows`):
+    [E, I/V, H, 2V] (V gate then V up columns per input) and [E, H/2V, I, 2V]."""
+    key = (id(down), _version(gate_up), _version(down))
+    cached = _PACKED.get(id(gate_up))
+    if cached is not None and cached[0]() is gate_up and cached[1] == key:
+        return cached[2], cached[3]
+    lanes = moe_lanes()
+    experts, hidden, inter = down.shape
+    gate, up = gate_up.detach().view(experts, 2, inter // lanes, lanes, hidden).unbind(1)
+    gup = torch.cat([gate.transpose(-1, -2), up.transpose(-1, -2)], -1).contiguous()
+    dnp = down.detach().view(experts, hidden // (2 * lanes), 2 * lanes, inter)
+    dnp = dnp.transpose(-1, -2).contiguous()
+    index = id(gate_up)
+    _PACKED[index] = (weakref.ref(gate_up, lambda _: _PACKED.pop(index, None)), key, gup, dnp)
+    return gup, dnp
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """This thread's reusable fp32 buffer of at least `numel` elements. A fresh buffer of
+    megabytes costs a page fault per 4 KiB page on its first writes (~0.5 ms per call at
+    `bench-tiny`'s experts, half of their arithmetic); this one's pages stay mapped."""
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _SCRATCH.buffer = torch.empty(numel, dtype=torch.float32)
+    return buffer[:numel]
+
+
+def _experts_tiled(
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """`reference.fused_moe_scattered` of many tokens by `moe.c`'s `canvas_moe_rows`: pairs
+    sorted by expert (as the twin), each thread a range of the sorted rows, every pair's
+    weighted output at its own row, then each token's slots summed in slot order."""
+    lib = library("moe")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+    num_tokens, top_k = ids.shape
+    num_experts, size, inter = down.shape
+    gup, dnp = pack_experts(gate_up, down)
+    expert_ids, pairs = torch.sort(ids.reshape(-1))
+    experts = torch.arange(num_experts, dtype=expert_ids.dtype)
+    ends = torch.searchsorted(expert_ids, experts, right=True).to(torch.int64)
+    x, w = hidden.contiguous(), weights.reshape(-1).to(torch.float32).contiguous()
+    ybuf = _scratch(num_tokens * top_k * size).view(num_tokens * top_k, size)
+    args = [t.data_ptr() for t in (x, gup, dnp, w, pairs, ends, ybuf)]
+    shape = (num_experts, top_k, size, inter)
+
+    def run(begin: int, end: int) -> None:
+        act = torch.empty(16, inter, dtype=torch.float32)  # a tile's GeGLU rows (<= 16)
+        lib.canvas_moe_rows(*args, act.data_ptr(), *shape, begin, end)
+
+    _over_rows(run, pairs.numel(), MIN_EXPERT_ROWS_PER_THREAD)
+    return ybuf.view(num_tokens, top_k, size).sum(1).to(hidden.dtype)
