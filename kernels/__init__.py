@@ -219,7 +219,7 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
 def _with_native(kernels: KernelSet) -> KernelSet:
     """`kernels` with the native CPU sampler, norms, router and one-token experts bound, when
     this machine builds them."""
-    from kernels import native_cpu
+    from kernels import native_cpu, native_moe
 
     if not native_cpu.available():
         return kernels
@@ -231,7 +231,7 @@ def _with_native(kernels: KernelSet) -> KernelSet:
         close_layer=native_cpu.close_layer,
         qkv_norm_rope=native_cpu.qkv_norm_rope,
         route_experts=native_cpu.route_experts,
-        fused_moe=native_cpu.fused_moe,
+        fused_moe=native_moe.fused_moe,
         fused_sample=native_cpu.fused_sample,
         sample_and_embed=native_cpu.sample_and_embed,
         native=True,

@@ -73,15 +73,17 @@ def _compiler() -> str | None:
     return shutil.which(name)
 
 
-def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
-    """The shared library of `source`, compiled unless this machine already has it. Raises
-    RuntimeError when no compiler is found or the build fails."""
+def build(source: Path = SOURCE, out_dir: Path | None = None, extra: tuple[str, ...] = ()) -> Path:
+    """The shared library of `source` (compiled with FLAGS and `extra`), compiled unless this
+    machine already has it. Raises RuntimeError when no compiler is found or the build fails."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')!r} not found)")
     code = source.read_bytes()
     key = hashlib.sha256(
-        b"\0".join([code, " ".join(FLAGS).encode(), compiler.encode(), _machine().encode()])
+        b"\0".join(
+            [code, " ".join((*FLAGS, *extra)).encode(), compiler.encode(), _machine().encode()]
+        )
     ).hexdigest()[:16]
     directory = out_dir or _cache_dir()
     library = directory / f"{source.stem}-{key}.so"
@@ -92,7 +94,7 @@ def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
     fd, staging = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        command = [compiler, *FLAGS, str(source), "-o", staging, "-lm"]
+        command = [compiler, *FLAGS, *extra, str(source), "-o", staging, "-lm"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
@@ -129,10 +131,11 @@ SIGNATURES: dict[str, dict[str, list[type]]] = {
     "moe": {
         "canvas_moe_token": [*[_PTR] * 7, _I64, _I64, _I64, _I64],
         "canvas_moe_rows": [*[_PTR] * 8, *[_I64] * 6],
+        "canvas_moe_rows_parallel": [*[_PTR] * 8, *[_I64] * 6],
     },
 }
 # Functions returning an int64 (the rest return nothing).
-_RETURNS_I64 = {"canvas_moe_lanes"}
+_RETURNS_I64 = {"canvas_moe_lanes", "canvas_moe_openmp"}
 
 
 @functools.cache
@@ -142,7 +145,7 @@ def library(name: str = "sampler") -> ctypes.CDLL | None:
     if not enabled():
         return None
     try:
-        lib = ctypes.CDLL(str(build(SOURCE.with_name(f"{name}.c"))))
+        lib = ctypes.CDLL(str(_build_with_openmp(name)))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         logger.warning(
             "native CPU kernels (%s) unavailable, using the PyTorch twins: %s", name, exc
@@ -156,6 +159,34 @@ def library(name: str = "sampler") -> ctypes.CDLL | None:
         if hasattr(lib, function):
             getattr(lib, function).argtypes, getattr(lib, function).restype = [], _I64
     return lib
+
+
+# Libraries built with OpenMP where the compiler has it (their parallel entry points run on
+# torch's OpenMP team; see `moe.c`), else without.
+_OPENMP = ("moe",)
+
+
+def _build_with_openmp(name: str) -> Path:
+    source = SOURCE.with_name(f"{name}.c")
+    if name in _OPENMP:
+        try:
+            return build(source, extra=("-fopenmp",))
+        except (RuntimeError, subprocess.SubprocessError) as exc:
+            logger.info("native %s without OpenMP: %s", name, exc)
+    return build(source)
+
+
+def one_openmp_runtime() -> bool:
+    """Whether this process maps at most one OpenMP runtime, so that an OpenMP library of ours
+    shares torch's team rather than starting a second one beside it (which would fight torch's
+    workers for the cores). Read from /proc/self/maps (Linux); False where unreadable."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    names = ("libgomp", "libiomp", "libomp")
+    paths = {line.split()[-1] for line in maps.splitlines() if any(n in line for n in names)}
+    return len(paths) <= 1
 
 
 def available() -> bool:
@@ -393,7 +424,3 @@ def route_experts(
     h = rms_norm(hidden, scale, eps).mul_(hidden.shape[-1] ** -0.5)
     top, ids = torch.topk(torch.nn.functional.linear(h, proj), k=top_k, dim=-1)
     return torch.softmax(top, dim=-1, dtype=torch.float32).mul_(per_expert_scale[ids]), ids
-
-
-# The experts (`moe.c`) live in their own module, part of this one's namespace.
-from kernels.native_moe import fused_moe, moe_lanes  # noqa: E402, F401

@@ -305,10 +305,10 @@ def test_native_one_token_experts_match_the_twin(hidden, inter, top_k):
     for rows in (slice(0, 1), slice(1, 2), slice(0, 3)):
         args = (w["hidden"][rows], w["gate_up"], w["down"], weights[rows], ids[rows])
         want = reference.fused_moe_scattered(*args)
-        got = native_cpu.fused_moe(*args, segments=[args[0].shape[0]])
+        got = native_moe.fused_moe(*args, segments=[args[0].shape[0]])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert got.shape == want.shape and got.dtype == want.dtype
-    assert kernels.resolve_kernels("cpu").fused_moe is native_cpu.fused_moe
+    assert kernels.resolve_kernels("cpu").fused_moe is native_moe.fused_moe
 
 
 # -- many tokens: moe.c's tiled expert products --------------------------------------------------
@@ -328,12 +328,12 @@ def test_tiled_experts_match_the_twin(num_tokens, hidden, inter, experts, top_k)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(num_tokens)])
     args = (w["hidden"], w["gate_up"], w["down"], weights, ids)
     want = reference.fused_moe_scattered(*args)
-    got = native_cpu.fused_moe(*args, segments=[num_tokens])
+    got = native_moe.fused_moe(*args, segments=[num_tokens])
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
     # the tiled path ran (not the twin), and its rows never depend on their batch
     assert native_moe._tiles(w["gate_up"], w["down"])
-    alone = native_cpu.fused_moe(*(a[:3] if a.dim() == 2 else a for a in args))
+    alone = native_moe.fused_moe(*(a[:3] if a.dim() == 2 else a for a in args))
     assert torch.equal(alone, got[:3])
 
 
@@ -345,10 +345,10 @@ def test_tiled_experts_follow_their_weights_and_keep_gelus_range():
     w = _moe_layer(24, 64, 4, 32, seed=3)
     weights, ids = torch.full((24, 2), 0.5), torch.tensor([[0, 1], [2, 3]] * 12)
     args = (w["hidden"], w["gate_up"], w["down"], weights, ids)
-    native_cpu.fused_moe(*args)
+    native_moe.fused_moe(*args)
     w["gate_up"].mul_(-40.0)  # pre-activations of +-hundreds: GELU's both tails
     w["down"].add_(0.25)
-    got = native_cpu.fused_moe(*args)
+    got = native_moe.fused_moe(*args)
     want = reference.fused_moe_scattered(*args)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
@@ -364,3 +364,25 @@ def test_large_experts_take_the_twin():
     odd = torch.empty(1, 2 * (lanes + 1), 64), torch.empty(1, 64, lanes + 1)
     assert not native_moe._tiles(*odd)
     assert native_moe._tiles(torch.empty(1, 2 * lanes, 4 * lanes), torch.empty(1, 4 * lanes, lanes))
+
+
+@torch.inference_mode()
+def test_tiled_experts_split_on_torchs_team_or_our_threads_alike(monkeypatch):
+    """Built with OpenMP, `moe.c` must share torch's runtime (one mapped: a second team would
+    fight torch's workers for the cores); its rows split on that team or, without it, on our
+    Python threads give the same bits (each pair's row is computed alone, and summed in slot
+    order either way)."""
+    lib = native_cpu.library("moe")
+    if lib is None:
+        pytest.skip("no native library")
+    if lib.canvas_moe_openmp():
+        assert native_cpu.one_openmp_runtime()
+        assert native_moe._on_torch_team()
+    w = _moe_layer(300, 128, 8, 32, seed=5)
+    g = torch.Generator().manual_seed(6)
+    weights = torch.rand(300, 2, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(300)])
+    args = (w["hidden"], w["gate_up"], w["down"], weights, ids)
+    team = native_moe.fused_moe(*args)
+    monkeypatch.setattr(native_moe, "_on_torch_team", lambda: False)
+    assert torch.equal(native_moe.fused_moe(*args), team)
