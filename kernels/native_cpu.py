@@ -79,7 +79,8 @@ def build(source: Path = SOURCE, out_dir: Path | None = None, extra: tuple[str, 
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')!r} not found)")
-    code = source.read_bytes()
+    # the source and the headers it may include (parallel.h)
+    code = b"".join(p.read_bytes() for p in (source, *sorted(source.parent.glob("*.h"))))
     key = hashlib.sha256(
         b"\0".join(
             [code, " ".join((*FLAGS, *extra)).encode(), compiler.encode(), _machine().encode()]
@@ -122,11 +123,11 @@ _I64 = ctypes.c_int64
 # Each library's functions: name -> argument types (all return nothing).
 _F32 = ctypes.c_float
 SIGNATURES: dict[str, dict[str, list[type]]] = {
-    "sampler": {"canvas_sample_rows": [_PTR, _I64, _PTR, _PTR, _I64, _I64, *[_PTR] * 5]},
+    "sampler": {"canvas_sample_rows": [_PTR, _I64, _PTR, _PTR, _I64, _I64, *[_PTR] * 5, _I64]},
     "norms": {
-        "canvas_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _F32],
-        "canvas_rms_norm_pair": [*[_PTR] * 5, _I64, _I64, _I64, _F32],
-        "canvas_close_layer": [*[_PTR] * 7, _I64, _PTR, _I64, _I64, _I64, _F32],
+        "canvas_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _F32, _I64],
+        "canvas_rms_norm_pair": [*[_PTR] * 5, _I64, _I64, _I64, _F32, _I64],
+        "canvas_close_layer": [*[_PTR] * 7, _I64, _PTR, _I64, _I64, _I64, _F32, _I64],
     },
     "moe": {
         "canvas_moe_token": [*[_PTR] * 7, _I64, _I64, _I64, _I64],
@@ -135,7 +136,7 @@ SIGNATURES: dict[str, dict[str, list[type]]] = {
     },
 }
 # Functions returning an int64 (the rest return nothing).
-_RETURNS_I64 = {"canvas_moe_lanes", "canvas_moe_openmp"}
+_RETURNS_I64 = {"canvas_moe_lanes", *(f"canvas_{name}_openmp" for name in SIGNATURES)}
 
 
 @functools.cache
@@ -161,19 +162,41 @@ def library(name: str = "sampler") -> ctypes.CDLL | None:
     return lib
 
 
-# Libraries built with OpenMP where the compiler has it (their parallel entry points run on
-# torch's OpenMP team; see `moe.c`), else without.
-_OPENMP = ("moe",)
-
-
 def _build_with_openmp(name: str) -> Path:
+    """Every library is built with OpenMP where the compiler has it (its rows then split on
+    torch's OpenMP team: `native/parallel.h`), else without."""
     source = SOURCE.with_name(f"{name}.c")
-    if name in _OPENMP:
-        try:
-            return build(source, extra=("-fopenmp",))
-        except (RuntimeError, subprocess.SubprocessError) as exc:
-            logger.info("native %s without OpenMP: %s", name, exc)
+    try:
+        return build(source, extra=("-fopenmp",))
+    except (RuntimeError, subprocess.SubprocessError) as exc:
+        logger.info("native %s without OpenMP: %s", name, exc)
     return build(source)
+
+
+@functools.cache
+def on_torch_team(name: str) -> bool:
+    """Whether library `name` was built with OpenMP and shares torch's runtime: then its rows
+    split on torch's team. Python threads of ours wait for the cores while torch's workers spin
+    after each of torch's parallel regions: measured on the 2-core VM, bench-tiny's experts
+    took 2.3 ms split on two Python threads right after a parallel torch op, 1.1 ms on torch's
+    team, 2.0 ms on one thread."""
+    lib = library(name)
+    return (
+        lib is not None and bool(getattr(lib, f"canvas_{name}_openmp")()) and one_openmp_runtime()
+    )
+
+
+def split_rows(
+    name: str, fn: Callable[..., None], head: tuple, tail: tuple, num_rows: int, min_rows: int
+) -> None:
+    """fn(*head, begin, end, *tail, threads) over rows [0, num_rows), at least `min_rows` rows
+    per thread: one call on torch's team (`on_torch_team(name)`), else `_over_rows`' ranges on
+    Python threads, one thread each."""
+    if on_torch_team(name):
+        threads = len(_ranges(num_rows, min_rows)) if num_rows >= 2 * min_rows else 1
+        fn(*head, 0, num_rows, *tail, threads)
+    else:
+        _over_rows(lambda begin, end: fn(*head, begin, end, *tail, 1), num_rows, min_rows)
 
 
 def one_openmp_runtime() -> bool:
@@ -244,10 +267,7 @@ def _sample_into(
     fixed = (pointers[0], vocab, pointers[1], pointers[2])
     tail = (pointers[3], pointers[4], pointers[5], result.entropy.data_ptr(), result.lse.data_ptr())
 
-    def run(begin: int, end: int) -> None:
-        lib.canvas_sample_rows(*fixed, begin, end, *tail)
-
-    _over_rows(run, num_positions, MIN_ROWS_PER_THREAD)
+    split_rows("sampler", lib.canvas_sample_rows, fixed, tail, num_positions, MIN_ROWS_PER_THREAD)
     return result
 
 
@@ -319,10 +339,7 @@ def _norm(
     out = torch.empty_like(x)
     args = (_ptr(x), _ptr(w), _ptr(res), out.data_ptr())
 
-    def run(begin: int, end: int) -> None:
-        lib.canvas_rms_norm(*args, begin, end, hidden, eps)
-
-    _over_rows(run, _norm_rows(x), _min_rows(hidden))
+    split_rows("norms", lib.canvas_rms_norm, args, (hidden, eps), _norm_rows(x), _min_rows(hidden))
     return out
 
 
@@ -350,10 +367,8 @@ def rms_norm_pair(
     out_a, out_b = torch.empty_like(x), torch.empty_like(x)
     args = (x.data_ptr(), wa.data_ptr(), wb.data_ptr(), out_a.data_ptr(), out_b.data_ptr())
 
-    def run(begin: int, end: int) -> None:
-        lib.canvas_rms_norm_pair(*args, begin, end, hidden, eps)
-
-    _over_rows(run, _norm_rows(x), _min_rows(hidden))
+    rows, fn = _norm_rows(x), lib.canvas_rms_norm_pair
+    split_rows("norms", fn, args, (hidden, eps), rows, _min_rows(hidden))
     return out_a, out_b
 
 
@@ -382,10 +397,8 @@ def close_layer(
     pointers = [t.data_ptr() for t in tensors]
     per_row = int(scale.numel() == rows and rows > 1)
 
-    def run(begin: int, end: int) -> None:
-        lib.canvas_close_layer(*pointers, per_row, out.data_ptr(), begin, end, hidden, eps)
-
-    _over_rows(run, rows, _min_rows(hidden))
+    head = (*pointers, per_row, out.data_ptr())
+    split_rows("norms", lib.canvas_close_layer, head, (hidden, eps), rows, _min_rows(hidden))
     return out
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kernels import reference
-from kernels.native_cpu import _native_norm, _over_rows, _ranges, library, one_openmp_runtime
+from kernels.native_cpu import _native_norm, _over_rows, _ranges, library, on_torch_team
 
 # Expert weight bytes per thread below which one thread runs all of a token's experts.
 MIN_EXPERT_BYTES_PER_THREAD = 4 << 20
@@ -121,17 +121,6 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tenso
     return gup, dnp
 
 
-@functools.cache
-def _on_torch_team() -> bool:
-    """Whether `moe.c` was built with OpenMP and shares torch's runtime: then its rows split
-    on torch's team (`canvas_moe_rows_parallel`). Python threads of ours would wait for the
-    cores while torch's workers spin after each of torch's parallel regions: measured on the
-    2-core VM, bench-tiny's experts took 2.3 ms split on two Python threads right after a
-    parallel torch op against 1.1 ms on torch's team (and 2.0 ms on one thread)."""
-    lib = library("moe")
-    return lib is not None and bool(lib.canvas_moe_openmp()) and one_openmp_runtime()
-
-
 _SCRATCH = threading.local()
 
 
@@ -167,7 +156,7 @@ def _experts_tiled(
     ybuf = _scratch(num_tokens * top_k * size).view(num_tokens * top_k, size)
     args = [t.data_ptr() for t in (x, gup, dnp, w, pairs, ends, ybuf)]
     shape = (num_experts, top_k, size, inter)
-    if _on_torch_team():
+    if on_torch_team("moe"):
         threads = len(_ranges(pairs.numel(), MIN_EXPERT_ROWS_PER_THREAD))
         act = torch.empty(threads, 16, inter, dtype=torch.float32)  # each thread's GeGLU tile
         lib.canvas_moe_rows_parallel(*args, act.data_ptr(), *shape, pairs.numel(), threads)

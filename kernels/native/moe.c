@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "parallel.h"
+
 typedef float vf __attribute__((vector_size(32)));
 #define W 8
 
@@ -195,28 +197,16 @@ void canvas_moe_rows(const float *x, const float *gup, const float *dnp, const f
     }
 }
 
-/* Rows [0, num_rows) split into `num_threads` contiguous ranges run by the OpenMP team of the
- * calling thread: built with -fopenmp, this library shares torch's libgomp (the same soname,
- * loaded first), so the work goes to torch's own worker threads, which spin briefly after each
- * of torch's parallel regions and would otherwise hold the other cores against any thread of
- * ours. Without OpenMP the ranges run one after another. act: [num_threads, MOE_MR, inter]. */
-int64_t canvas_moe_openmp(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* Rows [0, num_rows) in `threads` ranges (parallel.h), each with its own act tile
+ * (act: [threads, MOE_MR, inter]). */
+CANVAS_DEFINE_OPENMP(canvas_moe_openmp)
 
 void canvas_moe_rows_parallel(const float *x, const float *gup, const float *dnp,
                               const float *weights, const int64_t *pairs, const int64_t *ends,
                               float *ybuf, float *act, int64_t num_experts, int64_t top_k,
-                              int64_t h, int64_t inter, int64_t num_rows, int64_t num_threads) {
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static, 1) num_threads(num_threads)
-#endif
-    for (int64_t t = 0; t < num_threads; ++t)
-        canvas_moe_rows(x, gup, dnp, weights, pairs, ends, ybuf, act + t * MOE_MR * inter,
-                        num_experts, top_k, h, inter, num_rows * t / num_threads,
-                        num_rows * (t + 1) / num_threads);
+                              int64_t h, int64_t inter, int64_t num_rows, int64_t threads) {
+    PARALLEL_ROWS(threads, 0, num_rows,
+                  canvas_moe_rows(x, gup, dnp, weights, pairs, ends, ybuf,
+                                  act + t * MOE_MR * inter,
+                                  num_experts, top_k, h, inter, b, e));
 }

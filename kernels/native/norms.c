@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "parallel.h"
+
 typedef float vf __attribute__((vector_size(32)));
 #define W 8
 
@@ -58,8 +60,8 @@ static inline void scale_row(float *out, const float *x, float inv, const float 
 }
 
 /* rms_norm(x, w) (+ residual when residual is not NULL: add_rms_norm). */
-void canvas_rms_norm(const float *x, const float *w, const float *residual, float *out,
-                     int64_t row_begin, int64_t row_end, int64_t h, float eps) {
+static void rms_norm_rows(const float *x, const float *w, const float *residual, float *out,
+                          int64_t row_begin, int64_t row_end, int64_t h, float eps) {
     for (int64_t r = row_begin; r < row_end; ++r) {
         const float *xr = x + r * h;
         scale_row(out + r * h, xr, inv_rms(xr, h, eps), w, residual ? residual + r * h : 0, h);
@@ -67,9 +69,9 @@ void canvas_rms_norm(const float *x, const float *w, const float *residual, floa
 }
 
 /* (rms_norm(x, wa), rms_norm(x, wb)) from one mean square. */
-void canvas_rms_norm_pair(const float *x, const float *wa, const float *wb, float *out_a,
-                          float *out_b, int64_t row_begin, int64_t row_end, int64_t h,
-                          float eps) {
+static void rms_norm_pair_rows(const float *x, const float *wa, const float *wb, float *out_a,
+                               float *out_b, int64_t row_begin, int64_t row_end, int64_t h,
+                               float eps) {
     for (int64_t r = row_begin; r < row_end; ++r) {
         const float *xr = x + r * h;
         float inv = inv_rms(xr, h, eps);
@@ -80,10 +82,10 @@ void canvas_rms_norm_pair(const float *x, const float *wa, const float *wb, floa
 
 /* (residual + rms_norm(rms_norm(dense, wd) + rms_norm(moe, wm), w)) * scale, scale one value
  * (scale_per_row 0) or one per row. */
-void canvas_close_layer(const float *dense, const float *moe, const float *residual,
-                        const float *wd, const float *wm, const float *w, const float *scale,
-                        int64_t scale_per_row, float *out, int64_t row_begin, int64_t row_end,
-                        int64_t h, float eps) {
+static void close_layer_rows(const float *dense, const float *moe, const float *residual,
+                             const float *wd, const float *wm, const float *w,
+                             const float *scale, int64_t scale_per_row, float *out,
+                             int64_t row_begin, int64_t row_end, int64_t h, float eps) {
     for (int64_t r = row_begin; r < row_end; ++r) {
         const float *d = dense + r * h, *m = moe + r * h, *res = residual + r * h;
         float *o = out + r * h;
@@ -97,4 +99,29 @@ void canvas_close_layer(const float *dense, const float *moe, const float *resid
         for (i = 0; i + W <= h; i += W) store(o + i, load(o + i) * s);
         for (; i < h; ++i) o[i] = o[i] * s;
     }
+}
+
+/* The exported kernels: rows [row_begin, row_end) on `threads` threads (parallel.h). */
+CANVAS_DEFINE_OPENMP(canvas_norms_openmp)
+
+void canvas_rms_norm(const float *x, const float *w, const float *residual, float *out,
+                     int64_t row_begin, int64_t row_end, int64_t h, float eps,
+                     int64_t threads) {
+    PARALLEL_ROWS(threads, row_begin, row_end, rms_norm_rows(x, w, residual, out, b, e, h, eps));
+}
+
+void canvas_rms_norm_pair(const float *x, const float *wa, const float *wb, float *out_a,
+                          float *out_b, int64_t row_begin, int64_t row_end, int64_t h,
+                          float eps, int64_t threads) {
+    PARALLEL_ROWS(threads, row_begin, row_end,
+                  rms_norm_pair_rows(x, wa, wb, out_a, out_b, b, e, h, eps));
+}
+
+void canvas_close_layer(const float *dense, const float *moe, const float *residual,
+                        const float *wd, const float *wm, const float *w, const float *scale,
+                        int64_t scale_per_row, float *out, int64_t row_begin, int64_t row_end,
+                        int64_t h, float eps, int64_t threads) {
+    PARALLEL_ROWS(threads, row_begin, row_end,
+                  close_layer_rows(dense, moe, residual, wd, wm, w, scale, scale_per_row, out,
+                                   b, e, h, eps));
 }

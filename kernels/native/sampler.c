@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "parallel.h"
+
 #define NEGLIGIBLE_LOG_PROB (-70.0f)
 #define NEGLIGIBLE_PROB (4.3e-31f)
 #define BLOCK 64 /* the sample's search sums blocks of this many probabilities first (a multiple of W) */
@@ -174,7 +176,7 @@ static int64_t search(const float *probs, int64_t vocab, float target) {
     return -1;
 }
 
-void canvas_sample_rows(const float *logits, int64_t vocab, const float *temperature,
+static void sample_rows(const float *logits, int64_t vocab, const float *temperature,
                         const float *uniform, int64_t row_begin, int64_t row_end, float *probs,
                         int64_t *sample, int64_t *argmax, float *entropy, float *lse) {
     for (int64_t p = row_begin; p < row_end; ++p) {
@@ -209,4 +211,16 @@ void canvas_sample_rows(const float *logits, int64_t vocab, const float *tempera
         }
         sample[p] = chosen;
     }
+}
+
+/* Rows [row_begin, row_end) on `threads` threads (parallel.h). */
+CANVAS_DEFINE_OPENMP(canvas_sampler_openmp)
+
+void canvas_sample_rows(const float *logits, int64_t vocab, const float *temperature,
+                        const float *uniform, int64_t row_begin, int64_t row_end, float *probs,
+                        int64_t *sample, int64_t *argmax, float *entropy, float *lse,
+                        int64_t threads) {
+    PARALLEL_ROWS(threads, row_begin, row_end,
+                  sample_rows(logits, vocab, temperature, uniform, b, e, probs, sample, argmax,
+                              entropy, lse));
 }

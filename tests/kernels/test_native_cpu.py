@@ -377,12 +377,42 @@ def test_tiled_experts_split_on_torchs_team_or_our_threads_alike(monkeypatch):
         pytest.skip("no native library")
     if lib.canvas_moe_openmp():
         assert native_cpu.one_openmp_runtime()
-        assert native_moe._on_torch_team()
+        assert native_cpu.on_torch_team("moe")
     w = _moe_layer(300, 128, 8, 32, seed=5)
     g = torch.Generator().manual_seed(6)
     weights = torch.rand(300, 2, generator=g)
     ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(300)])
     args = (w["hidden"], w["gate_up"], w["down"], weights, ids)
     team = native_moe.fused_moe(*args)
-    monkeypatch.setattr(native_moe, "_on_torch_team", lambda: False)
+    monkeypatch.setattr(native_moe, "on_torch_team", lambda name: False)
     assert torch.equal(native_moe.fused_moe(*args), team)
+
+
+@torch.inference_mode()
+def test_rows_split_on_torchs_team_or_our_threads_alike(monkeypatch):
+    """The norms and the sampler split their rows on torch's OpenMP team where the libraries
+    were built with OpenMP (sharing torch's runtime), else on Python threads: the same bits
+    either way (rows are independent), and every row is written (ranges cover them all)."""
+    g = torch.Generator().manual_seed(7)
+    x, res = torch.randn(1031, 256, generator=g), torch.randn(1031, 256, generator=g)
+    w, w2 = torch.rand(256, generator=g) + 0.5, torch.rand(256, generator=g) + 0.5
+    logits = torch.randn(61, 300, generator=g) * 3
+    temperature, uniform = torch.full((61,), 0.7), torch.rand(61, generator=g)
+
+    def run():
+        sample = native_cpu.fused_sample(logits, temperature, uniform)
+        return [
+            native_cpu.rms_norm(x, w, 1e-6),
+            native_cpu.add_rms_norm(res, x, w, 1e-6),
+            *native_cpu.rms_norm_pair(x, w, w2, 1e-6),
+            native_cpu.close_layer(x, res, x, w, w2, w, torch.rand(1031, generator=g), 1e-6),
+            sample.sample, sample.argmax, sample.entropy, sample.lse,
+        ]  # fmt: skip
+
+    g.manual_seed(8)
+    team = run()
+    torch.testing.assert_close(team[0], reference.rms_norm_fused(x, w, 1e-6))
+    monkeypatch.setattr(native_cpu, "on_torch_team", lambda name: False)
+    g.manual_seed(8)
+    for got, want in zip(run(), team, strict=True):
+        assert torch.equal(got, want)
