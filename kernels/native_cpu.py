@@ -8,17 +8,23 @@ a ~500 ms step); the C kernel does each row in three passes that stay in the cor
 `native/norms.c`: RMSNorm and a layer's norm tails (`add_rms_norm`, `rms_norm_pair`,
 `close_layer`: 3 to 10 passes over the [tokens, hidden] activations each) one row at a time,
 also bound for attention's per-head q/k/v norms and the router's norm, where at an AR step's few
-rows `F.rms_norm`'s ~8 dispatches cost more than the arithmetic. `native/moe.c`: one token's
-experts (an AR step at one request) in one call instead of ~10 dispatches per expert.
+rows `F.rms_norm`'s ~8 dispatches cost more than the arithmetic. `native/moe.c` (bound from
+`kernels.native_moe`): one token's experts (an AR step at one request) in one call instead of
+~10 dispatches per expert, and many tokens' experts as register-tiled products on packed
+weights where the experts fit a core's L2 cache.
 
-Build: `cc -O3 -march=native -shared` (the compiler from $CC, else `cc`) into
-$CANVAS_CACHE/native (default ~/.cache/canvas/native), named by a hash of the source, the flags
-and the machine, once per machine (~1 s each); a build that fails, or a machine without a
+Build: `cc -O3 -march=native -shared -fopenmp` (the compiler from $CC, else `cc`; without
+-fopenmp where that fails) into $CANVAS_CACHE/native (default ~/.cache/canvas/native), named by
+a hash of the source, its headers, the flags and the machine, once per machine (~1 s each); a
+build that fails, or a machine without a
 compiler, leaves the twins bound (one warning), and `CANVAS_NATIVE=0` turns them off. Bound by
 `resolve_kernels("cpu")` (`--kernels auto`) in fast numerics; `--kernels twins` and exact
 numerics never use them; grad mode and non-fp32 operands fall back to the twins per call.
-No OpenMP: the rows are split among `torch.get_num_threads()` Python threads, each calling a
-kernel without the GIL (ctypes releases it), so torch's OpenMP runtime stays the only one.
+Threads: a kernel's rows are split into `torch.get_num_threads()` ranges run by torch's own
+OpenMP team (`native/parallel.h`): a library built with -fopenmp needs libgomp.so.1, which is
+torch's, already loaded, so no second runtime starts (`one_openmp_runtime` checks; then the
+ranges go to Python threads calling the kernels without the GIL, as before OpenMP, which lose
+the other cores to torch's workers spinning after each of torch's parallel regions).
 
 Numerics: the kernels' `exp` is a polynomial (~1 ulp) and their sums run in another (fixed)
 order, so their values differ from the twins' in the last bits; a sample differs only where u
