@@ -232,6 +232,7 @@ def _with_native(kernels: KernelSet) -> KernelSet:
         qkv_norm_rope=native_cpu.qkv_norm_rope,
         route_experts=native_cpu.route_experts,
         fused_moe=native_moe.fused_moe,
+        linear=native_moe.linear,
         fused_sample=native_cpu.fused_sample,
         sample_and_embed=native_cpu.sample_and_embed,
         native=True,

@@ -139,6 +139,7 @@ SIGNATURES: dict[str, dict[str, list[type]]] = {
         "canvas_moe_token": [*[_PTR] * 7, _I64, _I64, _I64, _I64],
         "canvas_moe_rows": [*[_PTR] * 8, *[_I64] * 6],
         "canvas_moe_rows_parallel": [*[_PTR] * 8, *[_I64] * 6],
+        "canvas_linear": [*[_PTR] * 3, *[_I64] * 5],
     },
 }
 # Functions returning an int64 (the rest return nothing).

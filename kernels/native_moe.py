@@ -15,12 +15,20 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kernels import reference
-from kernels.native_cpu import _native_norm, _over_rows, _ranges, library, on_torch_team
+from kernels.native_cpu import (
+    _native_norm,
+    _over_rows,
+    _ranges,
+    library,
+    on_torch_team,
+    split_rows,
+)
 
 # Expert weight bytes per thread below which one thread runs all of a token's experts.
 MIN_EXPERT_BYTES_PER_THREAD = 4 << 20
@@ -91,9 +99,9 @@ def moe_lanes() -> int:
     return int(lib.canvas_moe_lanes()) if lib is not None else 0
 
 
-# The packed weights of each gate_up tensor, by its id: (a weak reference to it, its key, the
-# packed pair). An entry goes when its tensor does, and is rebuilt when either tensor changes
-# in place (its version counter moves; model weights are never inference tensors).
+# Packed weights by the id of the tensor they come from: (a weak reference to it, its key, the
+# packed tensors). An entry goes when its tensor does, and is rebuilt when a tensor it was made
+# from changes in place (its version counter moves; model weights are never inference tensors).
 _PACKED: dict[int, tuple[Any, ...]] = {}
 
 
@@ -103,22 +111,72 @@ def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
+def _packed(
+    owner: torch.Tensor, others: tuple[torch.Tensor, ...], make: Callable[[], tuple[Any, ...]]
+) -> tuple[Any, ...]:
+    """`make()`'s packed tensors of `owner` (and `others`), made once while they are unchanged."""
+    key = (*(id(t) for t in others), *(_version(t) for t in (owner, *others)))
+    cached = _PACKED.get(id(owner))
+    if cached is not None and cached[0]() is owner and cached[1] == key:
+        return cached[2]
+    packed = make()
+    index = id(owner)
+    _PACKED[index] = (weakref.ref(owner, lambda _: _PACKED.pop(index, None)), key, packed)
+    return packed
+
+
 def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe.c`'s layouts of gate_up [E, 2I, H] and down [E, H, I] (see `canvas_moe_rows`):
     [E, I/V, H, 2V] (V gate then V up columns per input) and [E, H/2V, I, 2V]."""
-    key = (id(down), _version(gate_up), _version(down))
-    cached = _PACKED.get(id(gate_up))
-    if cached is not None and cached[0]() is gate_up and cached[1] == key:
-        return cached[2], cached[3]
-    lanes = moe_lanes()
-    experts, hidden, inter = down.shape
-    gate, up = gate_up.detach().view(experts, 2, inter // lanes, lanes, hidden).unbind(1)
-    gup = torch.cat([gate.transpose(-1, -2), up.transpose(-1, -2)], -1).contiguous()
-    dnp = down.detach().view(experts, hidden // (2 * lanes), 2 * lanes, inter)
-    dnp = dnp.transpose(-1, -2).contiguous()
-    index = id(gate_up)
-    _PACKED[index] = (weakref.ref(gate_up, lambda _: _PACKED.pop(index, None)), key, gup, dnp)
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        lanes = moe_lanes()
+        experts, hidden, inter = down.shape
+        gate, up = gate_up.detach().view(experts, 2, inter // lanes, lanes, hidden).unbind(1)
+        gup = torch.cat([gate.transpose(-1, -2), up.transpose(-1, -2)], -1).contiguous()
+        dnp = down.detach().view(experts, hidden // (2 * lanes), 2 * lanes, inter)
+        return gup, dnp.transpose(-1, -2).contiguous()
+
+    gup, dnp = _packed(gate_up, (down,), make)
     return gup, dnp
+
+
+# Dense weights up to which `linear` packs them (a packed copy beside each: bounded memory).
+MAX_PACKED_LINEAR_BYTES = 1 << 20
+# Rows from which `linear` takes the tiles (measured, 2-core VM: 1.15-1.55x MKL from 512 rows,
+# 0.5-0.95x at 8-37 rows), and rows per thread below which one thread runs all.
+MIN_LINEAR_ROWS = 128
+MIN_LINEAR_ROWS_PER_THREAD = 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, segments: list[int]) -> torch.Tensor:
+    """`reference.linear` (x [..., M, K] @ weight [N, K]^T, fast numerics) by `moe.c`'s
+    register tiles on the weight packed once ([N/2V, K, 2V]), for fp32 CPU operands of at least
+    MIN_LINEAR_ROWS rows, N a multiple of 2V and the weight within MAX_PACKED_LINEAR_BYTES
+    (`bench-tiny`'s and `bench-small`'s projections); the twin otherwise. Every output's sum
+    runs over K in order, so a row's value never depends on its batch."""
+    lanes, (n, k) = moe_lanes(), weight.shape
+    rows = x.numel() // max(1, k)
+    if (
+        rows < MIN_LINEAR_ROWS
+        or lanes == 0
+        or n % (2 * lanes)
+        or n * k * 4 > MAX_PACKED_LINEAR_BYTES
+        or not _native_norm(x, weight)
+    ):
+        return reference.linear(x, weight, segments)
+    lib = library("moe")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+
+    def make() -> tuple[torch.Tensor]:
+        return (weight.detach().view(n // (2 * lanes), 2 * lanes, k).transpose(1, 2).contiguous(),)
+
+    (packed,) = _packed(weight, (), make)
+    flat = x.reshape(rows, k).contiguous()
+    out = torch.empty(rows, n, dtype=torch.float32)
+    head = (flat.data_ptr(), packed.data_ptr(), out.data_ptr(), k, n)
+    split_rows("moe", lib.canvas_linear, head, (), rows, MIN_LINEAR_ROWS_PER_THREAD)
+    return out.view(*x.shape[:-1], n)
 
 
 _SCRATCH = threading.local()

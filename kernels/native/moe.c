@@ -210,3 +210,41 @@ void canvas_moe_rows_parallel(const float *x, const float *gup, const float *dnp
                                   act + t * MOE_MR * inter,
                                   num_experts, top_k, h, inter, b, e));
 }
+
+/* ---- Dense projections on packed weights (`kernels.native_moe.linear`) ------------------------
+ *
+ * out[M, N] = x[M, K] @ w^T for rows [row_begin, row_end), w packed as [N / 2V, K, 2V] (for
+ * output block c and input k, 2V weights): the same register tile as the experts' down
+ * projection, output block by block (a block's K x 2V weights stay in L1 across the row tiles).
+ * Every output's sum runs over k in order, whatever the row's batch. */
+static void linear_rows(const float *x, const float *wp, float *out, int64_t k_dim, int64_t n,
+                        int64_t row_begin, int64_t row_end) {
+    for (int64_t c = 0; c < n / (2 * MOE_V); ++c) {
+        const float *b = wp + c * k_dim * 2 * MOE_V;
+        for (int64_t row = row_begin; row < row_end; row += MOE_MR) {
+            int m = row_end - row < MOE_MR ? (int)(row_end - row) : MOE_MR;
+            const float *a[MOE_MR];
+            for (int r = 0; r < MOE_MR; ++r) a[r] = x + (row + (r < m ? r : m - 1)) * k_dim;
+            mv y0[MOE_MR], y1[MOE_MR];
+            for (int r = 0; r < MOE_MR; ++r) y0[r] = y1[r] = (mv){0};
+            for (int64_t k = 0; k < k_dim; ++k) {
+                mv b0 = mload(b + k * 2 * MOE_V), b1 = mload(b + k * 2 * MOE_V + MOE_V);
+#pragma GCC unroll 16
+                for (int r = 0; r < MOE_MR; ++r) {
+                    float s = a[r][k];
+                    y0[r] += s * b0;
+                    y1[r] += s * b1;
+                }
+            }
+            for (int r = 0; r < m; ++r) {
+                mstore(out + (row + r) * n + c * 2 * MOE_V, y0[r]);
+                mstore(out + (row + r) * n + c * 2 * MOE_V + MOE_V, y1[r]);
+            }
+        }
+    }
+}
+
+void canvas_linear(const float *x, const float *wp, float *out, int64_t k_dim, int64_t n,
+                   int64_t row_begin, int64_t row_end, int64_t threads) {
+    PARALLEL_ROWS(threads, row_begin, row_end, linear_rows(x, wp, out, k_dim, n, b, e));
+}

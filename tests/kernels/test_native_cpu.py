@@ -416,3 +416,38 @@ def test_rows_split_on_torchs_team_or_our_threads_alike(monkeypatch):
     g.manual_seed(8)
     for got, want in zip(run(), team, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows,k,n", [(512, 256, 192), (131, 64, 96), (300, 40, 64)])
+@torch.no_grad()
+def test_dense_tiles_match_the_twin_and_never_depend_on_the_batch(rows, k, n):
+    """`native_moe.linear` (packed weights, register tiles) against F.linear, rows off the tile
+    height included; a row's bits are the same in any batch of at least MIN_LINEAR_ROWS rows;
+    an in-place change of the weight (a loaded checkpoint) repacks it."""
+    lanes = native_moe.moe_lanes()
+    if lanes == 0 or n % (2 * lanes):
+        pytest.skip("no native library, or N off this machine's vector blocks")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, k, generator=g)
+    weight = torch.randn(n, k, generator=g) * k**-0.5
+    got = native_moe.linear(x, weight, [rows])
+    assert got.shape == (1, rows, n)
+    torch.testing.assert_close(got, reference.linear(x, weight, [rows]), rtol=1e-5, atol=1e-5)
+    more = torch.cat([x, torch.randn(1, 70, k, generator=g)], 1)
+    assert torch.equal(native_moe.linear(more, weight, [rows + 70])[:, :rows], got)
+    weight.mul_(-2.0)
+    torch.testing.assert_close(native_moe.linear(x, weight, [rows]), -2 * got, rtol=1e-5, atol=1e-5)
+    assert kernels.resolve_kernels("cpu").linear is native_moe.linear
+
+
+@torch.no_grad()
+def test_few_rows_large_or_odd_weights_take_blas():
+    """Below MIN_LINEAR_ROWS rows (an AR step), beyond MAX_PACKED_LINEAR_BYTES, or with N off
+    the vector blocks, `linear` is the twin's F.linear, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    cases = [(native_moe.MIN_LINEAR_ROWS - 1, 64, 64), (200, 1024, 512), (200, 64, 20)]
+    for rows, k, n in cases:
+        x, weight = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+        assert torch.equal(
+            native_moe.linear(x, weight, [rows]), torch.nn.functional.linear(x, weight)
+        )
