@@ -188,8 +188,15 @@ def test_batched_twin_matches_the_row_by_row_twin(name: str) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # Its index tensors and mask are built once per rows and window, then reused (every layer
     # of a forward): the second call reads them back and gives the same values.
-    plans = [key for key in x.rows.memo if key[0] == "canvas_attention"]
-    assert plans == [("canvas_attention", sc.window, sc.page_size, sc.num_kv_heads)]
+    # A mixed forward (DECODE and ENCODE rows) runs as one call per kind, each padded among
+    # its own rows, whose plans live with the split.
+    mixed = True in sc.decode and False in sc.decode
+    split = x.rows.memo.get("by_kind", [])
+    assert len(split) == (2 if mixed else 0)
+    memos = [x.rows.memo, *(part.memo for part, _ in split)]
+    plans = [key for memo in memos for key in memo if key[0] == "canvas_attention"]
+    want_plan = ("canvas_attention", sc.window, sc.page_size, sc.num_kv_heads)
+    assert plans == [want_plan] * (2 if mixed else 1)
     assert torch.equal(run(reference, x, sc), got)
 
 
