@@ -1,4 +1,5 @@
-"""Native CPU experts (`native/moe.c`), bound by `kernels.native_cpu` in fast numerics.
+"""Native CPU experts and small dense projections (`native/moe.c`), bound on CPU in fast
+numerics (`kernels._with_native`).
 
 One token (an AR step at one request): its experts' matrix-vector products and GeGLU in one
 call instead of ~10 dispatches per expert. Many tokens (canvas steps, AR batches): register-
@@ -7,7 +8,10 @@ weights fit a core's L2 cache (`bench-tiny`: 196 KiB). The twin (`reference.fuse
 gathers each expert's rows, runs two grouped GEMMs (MKL, one call per expert each), weights
 and scatters; at `bench-tiny`'s canvas steps (512 tokens, 16 experts of 64 x 256, top-4) the
 tiles take ~0.6x its time and the whole forward ~0.9x (interleaved in one process); larger
-experts (`bench-small`'s 768 KiB) come out even, and beyond the budget the twin runs.
+experts (`bench-small`'s 768 KiB) come out even, and beyond the budget the twin runs. Dense
+projections of at least MIN_LINEAR_ROWS rows on weights of at most MAX_PACKED_LINEAR_BYTES
+(`linear`): the same register tile on the weight packed once, 1.15-1.55x MKL's speed at
+`bench-tiny`'s 512-row shapes. Packed copies live beside the weights they come from (`_packed`).
 """
 
 from __future__ import annotations
