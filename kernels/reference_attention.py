@@ -209,27 +209,23 @@ def _by_kind(
 
 def _split_rows(rows: PagedRows) -> list[tuple[PagedRows, torch.Tensor]]:
     """(the DECODE rows, their packed token indices) and the same of the ENCODE rows, each
-    packed on its own (host tensors: the CPU twin's)."""
-    start, offset, count, decode = (
-        t.tolist() for t in (rows.start, rows.offset, rows.num_tokens, rows.decode)
-    )
+    packed on its own (host tensors: the CPU twin's; no Python loop over rows or tokens)."""
+    per_token = torch.repeat_interleave(rows.decode, rows.num_tokens.long())
     parts = []
     for kind in (1, 0):
-        chosen = [r for r, flag in enumerate(decode) if flag == kind]
-        tokens = [t for r in chosen for t in range(offset[r], offset[r] + count[r])]
-        index = torch.tensor(tokens, dtype=torch.long)
-        counts = [count[r] for r in chosen]
-        starts = [start[r] for r in chosen]
+        chosen = (rows.decode == kind).nonzero()[:, 0]
+        index = (per_token == kind).nonzero()[:, 0]
+        count, start = rows.num_tokens[chosen], rows.start[chosen]
         part = PagedRows(
-            start=rows.start[chosen],
-            offset=torch.tensor([sum(counts[:i]) for i in range(len(counts))], dtype=torch.int32),
-            num_tokens=rows.num_tokens[chosen],
+            start=start,
+            offset=(count.cumsum(0) - count).to(torch.int32),
+            num_tokens=count,
             decode=rows.decode[chosen],
             page_table=rows.page_table[chosen],
-            max_tokens=max(counts),
-            max_start=max(starts),
-            uniform=min(counts) == max(counts),
-            min_start=min(starts),
+            max_tokens=int(count.max()),
+            max_start=int(start.max()),
+            uniform=bool(count.min() == count.max()),
+            min_start=int(start.min()),
             all_decode=kind == 1,
             no_decode=kind == 0,
             span=None if rows.span is None else rows.span[index],

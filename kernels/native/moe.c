@@ -132,22 +132,29 @@ static inline mv mgelu_tanh(mv x) { /* x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^
     return x / (mexp(mclamp(z, -80.0f, 80.0f)) + 1.0f);
 }
 
+/* The register tile every product here runs: rows a[0..MR) times a packed block b [k_dim, 2V]
+ * (for input k, 2V weights), y0 and y1 the block's two vectors of outputs per row, each sum
+ * over k in order. Inlined: the 2 x MR accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile_2v(const float *const *a, const float *b,
+                                                          int64_t k_dim, mv *y0, mv *y1) {
+    for (int r = 0; r < MOE_MR; ++r) y0[r] = y1[r] = (mv){0};
+    for (int64_t k = 0; k < k_dim; ++k) {
+        mv b0 = mload(b + k * 2 * MOE_V), b1 = mload(b + k * 2 * MOE_V + MOE_V);
+#pragma GCC unroll 16
+        for (int r = 0; r < MOE_MR; ++r) {
+            float s = a[r][k];
+            y0[r] += s * b0;
+            y1[r] += s * b1;
+        }
+    }
+}
+
 /* act[r, j*V ..] = gelu(gate) * up of the tile's rows a[0..MR) for every column block j. */
 static void moe_gate_up(const float *const *a, const float *gup, int64_t h, int64_t inter,
                         float *act) {
     for (int64_t j = 0; j < inter / MOE_V; ++j) {
-        const float *b = gup + j * h * 2 * MOE_V;
         mv g[MOE_MR], u[MOE_MR];
-        for (int r = 0; r < MOE_MR; ++r) g[r] = u[r] = (mv){0};
-        for (int64_t k = 0; k < h; ++k) {
-            mv bg = mload(b + k * 2 * MOE_V), bu = mload(b + k * 2 * MOE_V + MOE_V);
-#pragma GCC unroll 16
-            for (int r = 0; r < MOE_MR; ++r) {
-                float s = a[r][k];
-                g[r] += s * bg;
-                u[r] += s * bu;
-            }
-        }
+        tile_2v(a, gup + j * h * 2 * MOE_V, h, g, u);
         for (int r = 0; r < MOE_MR; ++r) mstore(act + r * inter + j * MOE_V, mgelu_tanh(g[r]) * u[r]);
     }
 }
@@ -155,19 +162,11 @@ static void moe_gate_up(const float *const *a, const float *gup, int64_t h, int6
 /* ybuf[pair of row r, c*2V ..] = weight * (act[r] @ down^T) for the tile's first m rows. */
 static void moe_down(const float *act, const float *dnp, int64_t h, int64_t inter, int m,
                      const int64_t *pair, const float *weights, float *ybuf) {
+    const float *a[MOE_MR];
+    for (int r = 0; r < MOE_MR; ++r) a[r] = act + r * inter;
     for (int64_t c = 0; c < h / (2 * MOE_V); ++c) {
-        const float *b = dnp + c * inter * 2 * MOE_V;
         mv y0[MOE_MR], y1[MOE_MR];
-        for (int r = 0; r < MOE_MR; ++r) y0[r] = y1[r] = (mv){0};
-        for (int64_t k = 0; k < inter; ++k) {
-            mv b0 = mload(b + k * 2 * MOE_V), b1 = mload(b + k * 2 * MOE_V + MOE_V);
-#pragma GCC unroll 16
-            for (int r = 0; r < MOE_MR; ++r) {
-                float s = act[r * inter + k];
-                y0[r] += s * b0;
-                y1[r] += s * b1;
-            }
-        }
+        tile_2v(a, dnp + c * inter * 2 * MOE_V, inter, y0, y1);
         for (int r = 0; r < m; ++r) {
             float *y = ybuf + pair[r] * h + c * 2 * MOE_V;
             mstore(y, y0[r] * weights[pair[r]]);
@@ -220,22 +219,12 @@ void canvas_moe_rows_parallel(const float *x, const float *gup, const float *dnp
 static void linear_rows(const float *x, const float *wp, float *out, int64_t k_dim, int64_t n,
                         int64_t row_begin, int64_t row_end) {
     for (int64_t c = 0; c < n / (2 * MOE_V); ++c) {
-        const float *b = wp + c * k_dim * 2 * MOE_V;
         for (int64_t row = row_begin; row < row_end; row += MOE_MR) {
             int m = row_end - row < MOE_MR ? (int)(row_end - row) : MOE_MR;
             const float *a[MOE_MR];
             for (int r = 0; r < MOE_MR; ++r) a[r] = x + (row + (r < m ? r : m - 1)) * k_dim;
             mv y0[MOE_MR], y1[MOE_MR];
-            for (int r = 0; r < MOE_MR; ++r) y0[r] = y1[r] = (mv){0};
-            for (int64_t k = 0; k < k_dim; ++k) {
-                mv b0 = mload(b + k * 2 * MOE_V), b1 = mload(b + k * 2 * MOE_V + MOE_V);
-#pragma GCC unroll 16
-                for (int r = 0; r < MOE_MR; ++r) {
-                    float s = a[r][k];
-                    y0[r] += s * b0;
-                    y1[r] += s * b1;
-                }
-            }
+            tile_2v(a, wp + c * k_dim * 2 * MOE_V, k_dim, y0, y1);
             for (int r = 0; r < m; ++r) {
                 mstore(out + (row + r) * n + c * 2 * MOE_V, y0[r]);
                 mstore(out + (row + r) * n + c * 2 * MOE_V + MOE_V, y1[r]);
