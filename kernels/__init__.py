@@ -219,7 +219,7 @@ def resolve_kernels(device_type: str, backend: str = "auto", exact: bool = False
 def _with_native(kernels: KernelSet) -> KernelSet:
     """`kernels` with the native CPU sampler, norms, router and one-token experts bound, when
     this machine builds them."""
-    from kernels import native_cpu, native_moe
+    from kernels import native_attention, native_cpu, native_moe, native_step
 
     if not native_cpu.available():
         return kernels
@@ -229,10 +229,12 @@ def _with_native(kernels: KernelSet) -> KernelSet:
         add_rms_norm=native_cpu.add_rms_norm,
         rms_norm_pair=native_cpu.rms_norm_pair,
         close_layer=native_cpu.close_layer,
-        qkv_norm_rope=native_cpu.qkv_norm_rope,
-        route_experts=native_cpu.route_experts,
+        qkv_norm_rope=native_step.qkv_norm_rope,
+        route_experts=native_step.route_experts,
+        gated_act=native_step.gated_act,
         fused_moe=native_moe.fused_moe,
         linear=native_moe.linear,
+        canvas_attention=native_attention.canvas_attention,
         fused_sample=native_cpu.fused_sample,
         sample_and_embed=native_cpu.sample_and_embed,
         native=True,

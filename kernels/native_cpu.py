@@ -140,10 +140,23 @@ SIGNATURES: dict[str, dict[str, list[type]]] = {
         "canvas_moe_rows": [*[_PTR] * 8, *[_I64] * 6],
         "canvas_moe_rows_parallel": [*[_PTR] * 8, *[_I64] * 6],
         "canvas_linear": [*[_PTR] * 3, *[_I64] * 5],
+        "canvas_moe_sort": [_PTR, _I64, _I64, _PTR, _PTR],
+        "canvas_moe_sum": [_PTR, _PTR, *[_I64] * 5],
+    },
+    "attention": {"canvas_attention": [*[_PTR] * 13, *[_I64] * 7, _F32, *[_I64] * 4]},
+    "step": {
+        "canvas_qkv_norm_rope": [*[_PTR] * 10, *[_I64] * 3, _F32, *[_I64] * 3],
+        "canvas_route": [*[_PTR] * 6, *[_I64] * 3, _F32, *[_I64] * 3],
+        "canvas_geglu": [*[_PTR] * 3, *[_I64] * 3],
     },
 }
 # Functions returning an int64 (the rest return nothing).
-_RETURNS_I64 = {"canvas_moe_lanes", *(f"canvas_{name}_openmp" for name in SIGNATURES)}
+_RETURNS_I64 = {
+    "canvas_moe_lanes",
+    "canvas_moe_sort",
+    "canvas_attention_lanes",
+    *(f"canvas_{name}_openmp" for name in SIGNATURES),
+}
 
 
 @functools.cache
@@ -159,13 +172,13 @@ def library(name: str = "sampler") -> ctypes.CDLL | None:
             "native CPU kernels (%s) unavailable, using the PyTorch twins: %s", name, exc
         )
         return None
+    for function in _RETURNS_I64:  # the no-argument ones (SIGNATURES' below keep theirs)
+        if hasattr(lib, function):
+            getattr(lib, function).argtypes, getattr(lib, function).restype = [], _I64
     for function, argtypes in SIGNATURES[name].items():
         fn = getattr(lib, function)
         fn.argtypes = argtypes
-        fn.restype = None
-    for function in _RETURNS_I64:
-        if hasattr(lib, function):
-            getattr(lib, function).argtypes, getattr(lib, function).restype = [], _I64
+        fn.restype = _I64 if function in _RETURNS_I64 else None
     return lib
 
 
@@ -407,40 +420,3 @@ def close_layer(
     head = (*pointers, per_row, out.data_ptr())
     split_rows("norms", lib.canvas_close_layer, head, (hidden, eps), rows, _min_rows(hidden))
     return out
-
-
-def qkv_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`reference.qkv_norm_rope` with the native per-head norms (one call each for q, k and v;
-    `F.rms_norm` decomposes into ~8 dispatches at an AR step's few rows), RoPE the twin's."""
-    return reference.qkv_norm_rope_with(rms_norm, q, k, v, q_weight, k_weight, cos, sin, eps)
-
-
-def route_experts(
-    hidden: torch.Tensor,
-    scale: torch.Tensor,
-    proj: torch.Tensor,
-    per_expert_scale: torch.Tensor,
-    top_k: int,
-    eps: float,
-    segments: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference.route_experts` with the native norm, and the softmax taken over the top-k
-    scores only: softmax, top-k and renormalising to one give exp(s_i - m) / sum over the
-    chosen of exp(s_j - m) (the full softmax's denominator cancels), so this is the same
-    function in three operations fewer, equal up to rounding; the experts chosen are the
-    same (softmax is monotonic). Fast numerics (`segments` ignored)."""
-    del segments
-    if not _native_norm(hidden, scale, proj):
-        return reference.route_experts(hidden, scale, proj, per_expert_scale, top_k, eps)
-    h = rms_norm(hidden, scale, eps).mul_(hidden.shape[-1] ** -0.5)
-    top, ids = torch.topk(torch.nn.functional.linear(h, proj), k=top_k, dim=-1)
-    return torch.softmax(top, dim=-1, dtype=torch.float32).mul_(per_expert_scale[ids]), ids

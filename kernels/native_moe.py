@@ -203,17 +203,22 @@ def _experts_tiled(
     weights: torch.Tensor,
     ids: torch.Tensor,
 ) -> torch.Tensor:
-    """`reference.fused_moe_scattered` of many tokens by `moe.c`'s `canvas_moe_rows`: pairs
-    sorted by expert (as the twin), each thread a range of the sorted rows, every pair's
-    weighted output at its own row, then each token's slots summed in slot order."""
+    """`reference.fused_moe_scattered` of many tokens by `moe.c`: the pairs sorted by expert
+    (`canvas_moe_sort`, a counting sort), each thread a range of the sorted rows
+    (`canvas_moe_rows`), every pair's weighted output at its own row, then each token's slots
+    summed in slot order (`canvas_moe_sum`)."""
     lib = library("moe")
     assert lib is not None, "native kernels are bound only when their libraries load"
     num_tokens, top_k = ids.shape
     num_experts, size, inter = down.shape
     gup, dnp = pack_experts(gate_up, down)
-    expert_ids, pairs = torch.sort(ids.reshape(-1))
-    experts = torch.arange(num_experts, dtype=expert_ids.dtype)
-    ends = torch.searchsorted(expert_ids, experts, right=True).to(torch.int64)
+    flat_ids = ids.reshape(-1).to(torch.int64).contiguous()
+    pairs = torch.empty_like(flat_ids)
+    ends = torch.empty(num_experts, dtype=torch.int64)
+    if lib.canvas_moe_sort(flat_ids.data_ptr(), pairs.numel(), num_experts, pairs.data_ptr(),
+                           ends.data_ptr()):  # fmt: skip
+        bad = flat_ids[(flat_ids < 0) | (flat_ids >= num_experts)].unique()[:8].tolist()
+        raise IndexError(f"expert ids must be in [0, {num_experts}), got {bad}")
     x, w = hidden.contiguous(), weights.reshape(-1).to(torch.float32).contiguous()
     ybuf = _scratch(num_tokens * top_k * size).view(num_tokens * top_k, size)
     args = [t.data_ptr() for t in (x, gup, dnp, w, pairs, ends, ybuf)]
@@ -229,4 +234,7 @@ def _experts_tiled(
             lib.canvas_moe_rows(*args, act.data_ptr(), *shape, begin, end)
 
         _over_rows(run, pairs.numel(), MIN_EXPERT_ROWS_PER_THREAD)
-    return ybuf.view(num_tokens, top_k, size).sum(1).to(hidden.dtype)
+    out = torch.empty(num_tokens, size, dtype=torch.float32)
+    head = (ybuf.data_ptr(), out.data_ptr(), top_k, size)
+    split_rows("moe", lib.canvas_moe_sum, head, (), num_tokens, MIN_EXPERT_ROWS_PER_THREAD)
+    return out.to(hidden.dtype)

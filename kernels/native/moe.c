@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "parallel.h"
+#include "tile.h"
 
 typedef float vf __attribute__((vector_size(32)));
 #define W 8
@@ -83,71 +84,6 @@ void canvas_moe_token(const float *x, const float *gate_up, const float *down,
  * Each tile re-reads its expert's packed weights, which the caller keeps to experts that fit
  * the core's L2 cache. GELU(tanh) is x * sigmoid(2u) with a polynomial exp (~1 ulp): equal to
  * ATen's 0.5 x (1 + tanh(u)) up to rounding. */
-#if defined(__AVX512F__)
-#define MOE_V 16
-#define MOE_MR 8
-#else
-#define MOE_V 8
-#define MOE_MR 6
-#endif
-typedef float mv __attribute__((vector_size(MOE_V * 4)));
-typedef int32_t mvi __attribute__((vector_size(MOE_V * 4)));
-
-static inline mv mload(const float *p) {
-    mv v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void mstore(float *p, mv v) { memcpy(p, &v, sizeof v); }
-
-static inline mv mfloor(mv y) { /* floor for |y| < 2^31 */
-    mv t = __builtin_convertvector(__builtin_convertvector(y, mvi), mv);
-    return t + __builtin_convertvector((mvi)(t > y), mv); /* a true lane is -1 */
-}
-
-static inline mv mexp(mv x) { /* x in [-80, 80]: 2^n exp(r), a Cephes polynomial for exp(r) */
-    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    mv n = mfloor(x * log2e + 0.5f);
-    mv r = x - n * ln2_hi - n * ln2_lo;
-    mv p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    mvi bits = (__builtin_convertvector(n, mvi) + 127) << 23;
-    return p * (mv)bits;
-}
-
-static inline mv mclamp(mv x, float lo, float hi) { /* NaN stays NaN only through x below */
-    mvi low = x < lo, high = x > hi;
-    mv l = (mv){0} + lo, h = (mv){0} + hi;
-    x = (mv)(((mvi)x & ~low) | ((mvi)l & low));
-    return (mv)(((mvi)x & ~high) | ((mvi)h & high));
-}
-
-static inline mv mgelu_tanh(mv x) { /* x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)) */
-    mv z = x * (-1.5957691216057308f - 0.0713548162726009f * x * x);
-    return x / (mexp(mclamp(z, -80.0f, 80.0f)) + 1.0f);
-}
-
-/* The register tile every product here runs: rows a[0..MR) times a packed block b [k_dim, 2V]
- * (for input k, 2V weights), y0 and y1 the block's two vectors of outputs per row, each sum
- * over k in order. Inlined: the 2 x MR accumulators stay in registers. */
-static inline __attribute__((always_inline)) void tile_2v(const float *const *a, const float *b,
-                                                          int64_t k_dim, mv *y0, mv *y1) {
-    for (int r = 0; r < MOE_MR; ++r) y0[r] = y1[r] = (mv){0};
-    for (int64_t k = 0; k < k_dim; ++k) {
-        mv b0 = mload(b + k * 2 * MOE_V), b1 = mload(b + k * 2 * MOE_V + MOE_V);
-#pragma GCC unroll 16
-        for (int r = 0; r < MOE_MR; ++r) {
-            float s = a[r][k];
-            y0[r] += s * b0;
-            y1[r] += s * b1;
-        }
-    }
-}
 
 /* act[r, j*V ..] = gelu(gate) * up of the tile's rows a[0..MR) for every column block j. */
 static void moe_gate_up(const float *const *a, const float *gup, int64_t h, int64_t inter,
@@ -208,6 +144,38 @@ void canvas_moe_rows_parallel(const float *x, const float *gup, const float *dnp
                   canvas_moe_rows(x, gup, dnp, weights, pairs, ends, ybuf,
                                   act + t * MOE_MR * inter,
                                   num_experts, top_k, h, inter, b, e));
+}
+
+/* The pairs (token * top_k + slot) of ids [num_pairs] sorted by expert, each expert's in pair
+ * order (a counting sort), and each expert's end row. Returns 0, or -1 when an id is not an
+ * expert (nothing written then). */
+int64_t canvas_moe_sort(const int64_t *ids, int64_t num_pairs, int64_t num_experts,
+                        int64_t *pairs, int64_t *ends) {
+    for (int64_t p = 0; p < num_pairs; ++p)
+        if (ids[p] < 0 || ids[p] >= num_experts) return -1;
+    memset(ends, 0, sizeof(int64_t) * num_experts);
+    for (int64_t p = 0; p < num_pairs; ++p) ++ends[ids[p]];
+    for (int64_t e = 1; e < num_experts; ++e) ends[e] += ends[e - 1];
+    for (int64_t p = num_pairs - 1; p >= 0; --p) pairs[--ends[ids[p]]] = p;
+    for (int64_t e = 0; e < num_experts; ++e) ends[e] = e + 1 < num_experts ? ends[e + 1] : num_pairs;
+    return 0;
+}
+
+/* out[t] = ybuf[t * top_k] + ... + ybuf[t * top_k + top_k - 1] (slots in order) for tokens
+ * [begin, end); h a multiple of V. */
+static void moe_sum(const float *ybuf, float *out, int64_t top_k, int64_t h, int64_t begin,
+                    int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+        for (int64_t x = 0; x < h; x += MOE_V) {
+            mv acc = mload(ybuf + t * top_k * h + x);
+            for (int64_t k = 1; k < top_k; ++k) acc += mload(ybuf + (t * top_k + k) * h + x);
+            mstore(out + t * h + x, acc);
+        }
+}
+
+void canvas_moe_sum(const float *ybuf, float *out, int64_t top_k, int64_t h, int64_t begin,
+                    int64_t end, int64_t threads) {
+    PARALLEL_ROWS(threads, begin, end, moe_sum(ybuf, out, top_k, h, b, e));
 }
 
 /* ---- Dense projections on packed weights (`kernels.native_moe.linear`) ------------------------

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kernels
+import kernels.native_attention
 import kernels.native_cpu
 import kernels.native_moe
 from engine import LLM, SamplingParams
@@ -108,7 +109,9 @@ def test_default_numerics_are_fast_and_exact_is_opt_in(tiny_checkpoint):
     assert exact.kernels.exact and exact.kernels.linear is kernels.reference.segment_linear
     attention = exact.layers[0].self_attn.kernels.canvas_attention
     assert attention is kernels.reference.canvas_attention_rowwise
-    assert fast.layers[0].self_attn.kernels.canvas_attention is kernels.reference.canvas_attention
+    fast_attention = fast.layers[0].self_attn.kernels.canvas_attention
+    native_attention = kernels.native_attention.canvas_attention
+    assert fast_attention is (native_attention if native else kernels.reference.canvas_attention)
 
 
 # -- the batched sampler ---------------------------------------------------------------------

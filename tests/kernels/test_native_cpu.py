@@ -10,7 +10,14 @@ import pytest
 import torch
 
 import kernels
-from kernels import native_cpu, native_moe, reference
+from kernels import (
+    native_attention,
+    native_cpu,
+    native_moe,
+    native_step,
+    reference,
+    reference_layer,
+)
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None, reason="no C compiler on this machine (the twins stay bound)"
@@ -123,8 +130,10 @@ def test_fast_cpu_kernels_bind_them_and_others_do_not():
     fast = kernels.resolve_kernels("cpu")
     assert fast.native and fast.sample_and_embed is native_cpu.sample_and_embed
     assert fast.close_layer is native_cpu.close_layer and fast.rms_norm is native_cpu.rms_norm
-    assert fast.route_experts is native_cpu.route_experts
-    assert fast.qkv_norm_rope is native_cpu.qkv_norm_rope
+    assert fast.route_experts is native_step.route_experts
+    assert fast.qkv_norm_rope is native_step.qkv_norm_rope
+    assert fast.gated_act is native_step.gated_act
+    assert fast.canvas_attention is native_attention.canvas_attention
     assert "native CPU sampler, norms and experts" in fast.describe()
     assert not kernels.resolve_kernels("cpu", "twins").native
     assert not kernels.resolve_kernels("cpu", exact=True).native
@@ -254,12 +263,12 @@ def _moe_layer(num_tokens: int, hidden: int, experts: int, inter: int, seed: int
 def test_the_router_matches_its_twin(num_tokens, top_k):
     w = _moe_layer(num_tokens, 48, 12, 16, seed=num_tokens * 10 + top_k)
     args = (w["hidden"], w["scale"], w["proj"], w["per_expert_scale"], top_k, 1e-6)
-    got_weights, got_ids = native_cpu.route_experts(*args, segments=[num_tokens])
+    got_weights, got_ids = native_step.route_experts(*args, segments=[num_tokens])
     want_weights, want_ids = reference.route_experts(*args)
     assert torch.equal(got_ids, want_ids)  # random scores: no near-ties at this size
     torch.testing.assert_close(got_weights, want_weights, rtol=1e-5, atol=1e-6)
     with torch.enable_grad():  # training keeps the twin
-        assert torch.equal(native_cpu.route_experts(*args)[0], want_weights)
+        assert torch.equal(native_step.route_experts(*args)[0], want_weights)
 
 
 @pytest.mark.parametrize("tokens,heads,kv_heads", [(1, 8, 4), (7, 4, 1)])
@@ -271,10 +280,24 @@ def test_qkv_norms_and_rope_match_their_twin(tokens, heads, kv_heads):
     qw, kw = torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5
     angle = torch.rand(tokens, dim // 2, generator=g) * 6
     cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
-    got = native_cpu.qkv_norm_rope(q, k, v, qw, kw, cos, sin, 1e-6)
+    got = native_step.qkv_norm_rope(q, k, v, qw, kw, cos, sin, 1e-6)
     want = reference.qkv_norm_rope(q, k, v, qw, kw, cos, sin, 1e-6)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (5, 192), (3, 37)])
+@torch.inference_mode()
+def test_geglu_matches_its_twin_and_other_activations_keep_it(shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    gate = torch.randn(shape, generator=g) * 4
+    gate.view(-1)[:3] = torch.tensor([-200.0, 200.0, 0.0])  # past the exp's clamp, and 0
+    up = torch.randn(shape, generator=g)
+    want = reference_layer.gated_act(gate, up, "gelu_pytorch_tanh")
+    got = native_step.gated_act(gate, up, "gelu_pytorch_tanh")
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    silu = native_step.gated_act(gate, up, "silu")
+    assert torch.equal(silu, reference_layer.gated_act(gate, up, "silu"))
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 4])
@@ -335,6 +358,16 @@ def test_tiled_experts_match_the_twin(num_tokens, hidden, inter, experts, top_k)
     assert native_moe._tiles(w["gate_up"], w["down"])
     alone = native_moe.fused_moe(*(a[:3] if a.dim() == 2 else a for a in args))
     assert torch.equal(alone, got[:3])
+
+
+@pytest.mark.parametrize("bad", [-1, 8])
+@torch.inference_mode()
+def test_tiled_experts_refuse_an_id_that_is_no_expert(bad):
+    w = _moe_layer(20, 64, 8, 32, seed=3)
+    ids = torch.zeros(20, 2, dtype=torch.int64)
+    ids[7, 1] = bad
+    with pytest.raises(IndexError, match=r"expert ids must be in \[0, 8\)"):
+        native_moe.fused_moe(w["hidden"], w["gate_up"], w["down"], torch.ones(20, 2), ids)
 
 
 @torch.no_grad()

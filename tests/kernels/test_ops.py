@@ -10,16 +10,17 @@ import pytest
 import torch
 
 import kernels
-from kernels import native_cpu, native_moe, reference
+from kernels import native_attention, native_cpu, native_moe, reference
 
 
 def test_cpu_gets_the_twins_in_fast_numerics_by_default() -> None:
     ks = kernels.resolve_kernels("cpu")
     assert ks.backend == "twins" and not ks.exact
-    assert ks.canvas_attention is reference.canvas_attention
-    # the native tiles where this machine builds them (they fall back to this twin per call)
-    want = native_moe.linear if native_cpu.available() else reference.linear
-    assert ks.linear is want
+    # the native kernels where this machine builds them (they fall back to the twins per call)
+    native = native_cpu.available()
+    assert ks.linear is (native_moe.linear if native else reference.linear)
+    attend = native_attention.canvas_attention if native else reference.canvas_attention
+    assert ks.canvas_attention is attend
 
 
 def test_exact_numerics_bind_the_batch_invariant_twins() -> None:

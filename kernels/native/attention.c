@@ -1,0 +1,187 @@
+/* Canvas attention on the CPU over the paged KV cache: the fast-numerics twin of
+ * `kernels.reference.canvas_attention` (bound from `kernels.native_attention`).
+ *
+ * The twin gathers every row's prefix keys from their pages into a padded [R, Hkv, S, D]
+ * tensor, concatenates the new keys, builds a boolean mask and calls SDPA; at `bench-tiny`'s
+ * canvas steps the gathers, concatenations and masks cost ~40% as much as SDPA itself. Here a
+ * work item is one row, one KV head and a block of at most `qblock` of the row's queries (all
+ * the head's query heads): its keys are read from their pages (the prefix) and from the new
+ * keys (the row's own tokens) into packed blocks in this thread's scratch, the scores of every
+ * query against every key it may see come out of the register tile (`tile.h`), the softmax runs
+ * over each query's visible keys only (no mask tensor, no padding), and the values' product
+ * is the same tile again. A DECODE row's queries see its prefix range and all its new keys; an
+ * ENCODE row's query at position p sees the keys at p' <= p (and p' > p - window on a sliding
+ * layer), so a causal block never reads the keys after its last query.
+ *
+ * Numerics: scores are q.k summed over D in order, times `scale`; the softmax subtracts the
+ * row's maximum and takes the polynomial exp (~1 ulp; arguments clamped at -80, where exp is
+ * below 2e-35 of the maximum's term); the values' sums run over the keys in order. Nothing
+ * depends on other rows or on the thread that runs an item, so a row's values never depend on
+ * its batch; they differ from SDPA's (blocked online softmax) in the last bits. fp32,
+ * contiguous; D a multiple of 2V.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "parallel.h"
+#include "tile.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_ID() omp_get_thread_num()
+#else
+#define THREAD_ID() 0
+#endif
+
+#define BLOCK (2 * MOE_V)
+
+typedef struct {
+    const float *q, *k, *v, *k_pool, *v_pool;
+    const int32_t *start, *offset, *count, *decode, *page_table;
+    float *out;
+    int64_t max_pages, hq, hkv, d, size, window, qblock;
+    float scale;
+} Attn;
+
+/* Key `pos` of row r, head h: from its page below `start`, else the row's new keys. */
+static inline const float *key_row(const Attn *a, const float *pool, const float *fresh, int64_t r,
+                                   int64_t h, int64_t pos) {
+    int64_t st = a->start[r];
+    if (pos >= st) return fresh + ((a->offset[r] + pos - st) * a->hkv + h) * a->d;
+    int64_t page = a->page_table[r * a->max_pages + pos / a->size];
+    return pool + ((page * a->hkv + h) * a->size + pos % a->size) * a->d;
+}
+
+/* Keys [klo, klo + n) packed for the scores' tile: kp [Lp / 2V, D, 2V] (key j at block j / 2V,
+ * lane j % 2V); values for the values' tile: vp [D / 2V, Lp, 2V]. Padding keys are zeros. */
+static void pack_keys(const Attn *a, int64_t r, int64_t h, int64_t klo, int64_t n, int64_t lp,
+                      float *kp, float *vp) {
+    const int64_t d = a->d;
+    memset(kp, 0, sizeof(float) * lp * d);
+    memset(vp, 0, sizeof(float) * lp * d);
+    for (int64_t j = 0; j < n; ++j) {
+        const float *kr = key_row(a, a->k_pool, a->k, r, h, klo + j);
+        const float *vr = key_row(a, a->v_pool, a->v, r, h, klo + j);
+        float *kb = kp + (j / BLOCK) * d * BLOCK + j % BLOCK;
+        for (int64_t x = 0; x < d; ++x) kb[x * BLOCK] = kr[x];
+        for (int64_t c = 0; c < d / BLOCK; ++c)
+            memcpy(vp + (c * lp + j) * BLOCK, vr + c * BLOCK, sizeof(float) * BLOCK);
+    }
+}
+
+/* p[0, lp) = exp(s - max) over the visible keys [jlo, jhi), 0 elsewhere; returns 1 / sum. */
+static float softmax_row(float *p, int64_t lp, int64_t jlo, int64_t jhi, float scale) {
+    mvi iota;
+    for (int x = 0; x < MOE_V; ++x) iota[x] = x;
+    const mv low = (mv){0} - __builtin_inff();
+    mv top = low;
+    for (int64_t j = jlo / MOE_V * MOE_V; j < jhi; j += MOE_V) {
+        mvi idx = iota + (int32_t)j;
+        mvi keep = (idx >= (int32_t)jlo) & (idx < (int32_t)jhi);
+        mv x = mload(p + j);
+        x = (mv)(((mvi)x & keep) | ((mvi)low & ~keep));
+        mvi more = x > top;
+        top = (mv)(((mvi)x & more) | ((mvi)top & ~more));
+    }
+    float best = top[0];
+    for (int x = 1; x < MOE_V; ++x) best = top[x] > best ? top[x] : best;
+    best *= scale; /* scale > 0: the maximum of the scaled scores */
+    mv acc = {0};
+    for (int64_t j = 0; j < lp; j += MOE_V) {
+        mvi idx = iota + (int32_t)j;
+        mvi keep = (idx >= (int32_t)jlo) & (idx < (int32_t)jhi);
+        mv e = mexp(mclamp(mload(p + j) * scale - best, -80.0f, 0.0f));
+        e = (mv)((mvi)e & keep);
+        mstore(p + j, e);
+        acc += e;
+    }
+    float sum = 0.0f;
+    for (int x = 0; x < MOE_V; ++x) sum += acc[x];
+    return 1.0f / sum;
+}
+
+/* One item: row r, KV head h, the row's queries [t0, t1). scratch: kp, vp [Lp, D] and the
+ * scores [G * qblock, Lp]. */
+static void attend(const Attn *a, int64_t r, int64_t h, int64_t t0, float *scratch, int64_t lmax) {
+    const int64_t d = a->d, g = a->hq / a->hkv, st = a->start[r], n = a->count[r];
+    const int64_t t1 = t0 + a->qblock < n ? t0 + a->qblock : n;
+    const int dec = a->decode[r] != 0;
+    int64_t klo, khi;
+    if (dec) {
+        klo = a->window > 0 && st - (a->window - 1) > 0 ? st - (a->window - 1) : 0;
+        khi = st + n;
+    } else {
+        int64_t first = st + t0 - (a->window - 1);
+        klo = a->window > 0 && first > 0 ? first : 0;
+        khi = st + t1;
+    }
+    const int64_t nk = khi - klo, lp = (nk + BLOCK - 1) / BLOCK * BLOCK;
+    if (lp > lmax) return; /* never: the caller sizes the scratch for the longest */
+    float *kp = scratch, *vp = kp + lmax * d, *s = vp + lmax * d;
+    pack_keys(a, r, h, klo, nk, lp, kp, vp);
+    const int64_t m = g * (t1 - t0); /* query i of the block, head j: score row i * g + j */
+    const float *rows[MOE_MR];
+    float inv[MOE_MR];
+    for (int64_t m0 = 0; m0 < m; m0 += MOE_MR) {
+        const int mt = m - m0 < MOE_MR ? (int)(m - m0) : MOE_MR;
+        for (int x = 0; x < MOE_MR; ++x) {
+            int64_t i = m0 + (x < mt ? x : mt - 1);
+            rows[x] = a->q + ((a->offset[r] + t0 + i / g) * a->hq + h * g + i % g) * d;
+        }
+        for (int64_t c = 0; c < lp / BLOCK; ++c) {
+            mv y0[MOE_MR], y1[MOE_MR];
+            tile_2v(rows, kp + c * d * BLOCK, d, y0, y1);
+            for (int x = 0; x < mt; ++x) {
+                mstore(s + (m0 + x) * lp + c * BLOCK, y0[x]);
+                mstore(s + (m0 + x) * lp + c * BLOCK + MOE_V, y1[x]);
+            }
+        }
+        for (int x = 0; x < mt; ++x) {
+            int64_t pos = st + t0 + (m0 + x) / g, jlo = 0, jhi = nk;
+            if (!dec) {
+                jhi = pos + 1 - klo;
+                if (a->window > 0 && pos - (a->window - 1) > klo) jlo = pos - (a->window - 1) - klo;
+            }
+            inv[x] = softmax_row(s + (m0 + x) * lp, lp, jlo, jhi, a->scale);
+            rows[x] = s + (m0 + x) * lp;
+        }
+        for (int x = mt; x < MOE_MR; ++x) rows[x] = rows[mt - 1];
+        for (int64_t c = 0; c < d / BLOCK; ++c) {
+            mv y0[MOE_MR], y1[MOE_MR];
+            tile_2v(rows, vp + c * lp * BLOCK, lp, y0, y1);
+            for (int x = 0; x < mt; ++x) {
+                int64_t i = m0 + x;
+                float *o = a->out + ((a->offset[r] + t0 + i / g) * a->hq + h * g + i % g) * d;
+                mstore(o + c * BLOCK, y0[x] * inv[x]);
+                mstore(o + c * BLOCK + MOE_V, y1[x] * inv[x]);
+            }
+        }
+    }
+}
+
+int64_t canvas_attention_lanes(void) { return MOE_V; }
+
+CANVAS_DEFINE_OPENMP(canvas_attention_openmp)
+
+/* Items [item_begin, item_end) of `items` ([num_items, 3]: row, KV head, first query), on
+ * `threads` threads of the calling thread's OpenMP team (one item at a time each, the next
+ * free thread taking the next: items differ in size), thread t with scratch
+ * [t * per_thread, (t + 1) * per_thread); without OpenMP one by one on scratch 0. */
+void canvas_attention(const float *q, const float *k, const float *v, const float *k_pool,
+                      const float *v_pool, const int32_t *start, const int32_t *offset,
+                      const int32_t *count, const int32_t *decode, const int32_t *page_table,
+                      const int64_t *items, float *out, float *scratch, int64_t max_pages,
+                      int64_t hq, int64_t hkv, int64_t d, int64_t size, int64_t window,
+                      int64_t qblock, float scale, int64_t lmax, int64_t item_begin,
+                      int64_t item_end, int64_t threads) {
+    const Attn a = {q,      k,      v,          k_pool, v_pool, start, offset, count, decode,
+                    page_table, out, max_pages, hq,     hkv,    d,     size,   window, qblock,
+                    scale};
+    const int64_t per_thread = lmax * (2 * d + (hq / hkv) * qblock);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+#endif
+    for (int64_t i = item_begin; i < item_end; ++i)
+        attend(&a, items[3 * i], items[3 * i + 1], items[3 * i + 2],
+               scratch + (threads > 1 ? THREAD_ID() : 0) * per_thread, lmax);
+}

@@ -1,0 +1,134 @@
+/* Canvas' per-token CPU kernels of a forward, the fast-numerics twins of
+ * `kernels.reference.qkv_norm_rope` (attention's per-head RMS norms and RoPE),
+ * `kernels.reference.route_experts` (the router: norm, scores, top-k, softmax over the chosen)
+ * and `kernels.reference_layer.gated_act` (GeGLU), bound from `kernels.native_step`.
+ *
+ * The twins are ATen sequences of 5 to 16 passes over [tokens, heads, dim] or [tokens, hidden]
+ * (norm, two half-width products per RoPE half, topk, softmax, gathers); at `bench-tiny`'s
+ * canvas steps (512 tokens) their dispatches and passes cost ~0.5 ms a call, several times the
+ * arithmetic. Here every token is one pass with its rows in the core's cache. Every sum runs in
+ * a fixed order (rows.h), so a token's values never depend on its batch; they differ from the
+ * twins' in the last bits (ATen's sums and BLAS's order; GELU's tanh as x * sigmoid(2u)).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "parallel.h"
+#include "rows.h"
+#include "tile.h"
+
+/* out = (x1 c - x2 s, x2 c + x1 s) for the halves x1, x2 of x [d] and c, s the first halves
+ * of the token's cos and sin. */
+static void rope_row(float *out, const float *x, const float *c, const float *s, int64_t d) {
+    const int64_t half = d / 2;
+    int64_t i = 0;
+    for (; i + W <= half; i += W) {
+        vf x1 = load(x + i), x2 = load(x + half + i), cc = load(c + i), ss = load(s + i);
+        store(out + i, x1 * cc - x2 * ss);
+        store(out + half + i, x2 * cc + x1 * ss);
+    }
+    for (; i < half; ++i) {
+        float x1 = x[i], x2 = x[half + i];
+        out[i] = x1 * c[i] - x2 * s[i];
+        out[half + i] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+/* Tokens [b, e): q's and k's heads normed with their weights and rotated, v's heads normed. */
+static void qkv_rows(const float *q, const float *k, const float *v, const float *qw,
+                     const float *kw, const float *cos, const float *sin, float *qo, float *ko,
+                     float *vo, int64_t hq, int64_t hkv, int64_t d, float eps, int64_t b,
+                     int64_t e) {
+    float tmp[d];
+    for (int64_t r = b; r < e; ++r) {
+        const float *c = cos + r * d, *s = sin + r * d;
+        for (int64_t j = 0; j < hq; ++j) {
+            const float *x = q + (r * hq + j) * d;
+            scale_row(tmp, x, inv_rms(x, d, eps), qw, 0, d);
+            rope_row(qo + (r * hq + j) * d, tmp, c, s, d);
+        }
+        for (int64_t j = 0; j < hkv; ++j) {
+            const float *x = k + (r * hkv + j) * d, *y = v + (r * hkv + j) * d;
+            scale_row(tmp, x, inv_rms(x, d, eps), kw, 0, d);
+            rope_row(ko + (r * hkv + j) * d, tmp, c, s, d);
+            scale_row(vo + (r * hkv + j) * d, y, inv_rms(y, d, eps), 0, 0, d);
+        }
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    vf acc = {0};
+    int64_t i = 0;
+    for (; i + W <= n; i += W) acc += load(a + i) * load(b + i);
+    float sum = 0.0f;
+    for (int j = 0; j < W; ++j) sum += acc[j];
+    for (; i < n; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+/* Tokens [b, e) of the router: h = rms_norm(x, scale) / sqrt(H); scores = proj @ h; the top_k
+ * scores (largest first, the lower expert on a tie); weights = softmax over them times each
+ * chosen expert's per_expert_scale. */
+static void route_rows(const float *x, const float *scale, const float *proj, const float *pes,
+                       float *weights, int64_t *ids, int64_t hidden, int64_t experts,
+                       int64_t top_k, float eps, int64_t b, int64_t e) {
+    float h[hidden], scores[experts];
+    const float root = 1.0f / sqrtf((float)hidden);
+    for (int64_t r = b; r < e; ++r) {
+        const float *xr = x + r * hidden;
+        scale_row(h, xr, inv_rms(xr, hidden, eps), scale, 0, hidden);
+        for (int64_t i = 0; i < hidden; ++i) h[i] *= root;
+        for (int64_t j = 0; j < experts; ++j) scores[j] = dot(h, proj + j * hidden, hidden);
+        float *w = weights + r * top_k, sum = 0.0f;
+        int64_t *id = ids + r * top_k;
+        for (int64_t t = 0; t < top_k; ++t) {
+            int64_t best = -1;
+            for (int64_t j = 0; j < experts; ++j)
+                if (scores[j] == scores[j] && (best < 0 || scores[j] > scores[best])) best = j;
+            if (best < 0) best = t; /* every score NaN: any expert (the NaN flows on) */
+            id[t] = best;
+            w[t] = scores[best];
+            scores[best] = NAN; /* taken */
+        }
+        const float top = w[0];
+        for (int64_t t = 0; t < top_k; ++t) sum += w[t] = expf(w[t] - top);
+        for (int64_t t = 0; t < top_k; ++t) w[t] = w[t] / sum * pes[id[t]];
+    }
+}
+
+/* out[i] = gelu_tanh(gate[i]) * up[i] for i in [b, e). */
+static void geglu_range(const float *gate, const float *up, float *out, int64_t b, int64_t e) {
+    int64_t i = b;
+    for (; i + MOE_V <= e; i += MOE_V) mstore(out + i, mgelu_tanh(mload(gate + i)) * mload(up + i));
+    for (; i < e; ++i) {
+        const float x = gate[i];
+        out[i] = x / (expf(-1.5957691216057308f * (x + 0.044715f * x * x * x)) + 1.0f) * up[i];
+    }
+}
+
+CANVAS_DEFINE_OPENMP(canvas_step_openmp)
+
+void canvas_qkv_norm_rope(const float *q, const float *k, const float *v, const float *qw,
+                          const float *kw, const float *cos, const float *sin, float *qo,
+                          float *ko, float *vo, int64_t hq, int64_t hkv, int64_t d, float eps,
+                          int64_t row_begin, int64_t row_end, int64_t threads) {
+    PARALLEL_ROWS(threads, row_begin, row_end,
+                  qkv_rows(q, k, v, qw, kw, cos, sin, qo, ko, vo, hq, hkv, d, eps, b, e));
+}
+
+void canvas_route(const float *x, const float *scale, const float *proj, const float *pes,
+                  float *weights, int64_t *ids, int64_t hidden, int64_t experts, int64_t top_k,
+                  float eps, int64_t row_begin, int64_t row_end, int64_t threads) {
+    PARALLEL_ROWS(threads, row_begin, row_end,
+                  route_rows(x, scale, proj, pes, weights, ids, hidden, experts, top_k, eps, b,
+                             e));
+}
+
+/* Elements [begin, end), split in whole vectors (the values do not depend on the split). */
+void canvas_geglu(const float *gate, const float *up, float *out, int64_t begin, int64_t end,
+                  int64_t threads) {
+    PARALLEL_ROWS(threads, begin / MOE_V, (end + MOE_V - 1) / MOE_V,
+                  geglu_range(gate, up, out, b * MOE_V > begin ? b * MOE_V : begin,
+                              e * MOE_V < end ? e * MOE_V : end));
+}

@@ -1,0 +1,131 @@
+"""Native CPU canvas attention over the paged KV cache (`native/attention.c`), bound on CPU in
+fast numerics (`kernels._with_native`).
+
+The twin (`reference.canvas_attention`) gathers every row's prefix keys from their pages into
+a padded [R, Hkv, S, D] tensor, concatenates the rows' new keys, builds a boolean mask over the
+padding, the window and (ENCODE rows) causality, and calls SDPA: at `bench-tiny`'s canvas
+steps (16 canvases of 32 over 150-250 keys) those gathers and masks cost ~40% on top of SDPA,
+and a prompt chunk pays for every key after its queries. The C kernel reads each row's keys
+from their pages into a packed block per work item (one row, one KV head, up to QUERY_BLOCK of
+its queries with all the head's query heads), takes the scores and the values' product as
+register-tiled products, and runs each query's softmax over the keys it may see only. Rows with
+image spans (bidirectional within an image), head dims that are not whole vector blocks, very
+long rows and autograd keep the twin.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from kernels import reference
+from kernels.native_cpu import _native_norm, _over_rows, library, on_torch_team
+from kernels.reference_attention import PagedRows
+
+# Queries of a row per work item (with all query heads of a KV head: 64 score rows at
+# DiffusionGemma's grouping of 2): a canvas of 32 is one item per KV head.
+QUERY_BLOCK = 32
+# Keys per item beyond which the twin runs (a thread's scratch holds an item's keys, values
+# and scores: ~3 MiB at 4,096 keys of 128 dims).
+MAX_KEYS = 4096
+
+
+def canvas_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    rows: PagedRows,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """`reference.canvas_attention` (same arguments, same values up to rounding) by
+    `attention.c`, where it applies (module docstring); the twin otherwise."""
+    lanes = attention_lanes()
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    keys = rows.max_prefix(window) + rows.max_tokens
+    if (
+        rows.span is not None
+        or lanes == 0
+        or dim % (2 * lanes)
+        or heads % kv_heads
+        or keys > MAX_KEYS
+        or not _native_norm(q, k, v, k_pool, v_pool)
+        or rows.start.device.type != "cpu"
+    ):
+        return reference.canvas_attention(q, k, v, k_pool, v_pool, rows, window, scale)
+    lib = library("attention")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+    items = _items(rows, kv_heads)
+    longest = -(-keys // (2 * lanes)) * 2 * lanes
+    per_thread = longest * (2 * dim + heads // kv_heads * QUERY_BLOCK)
+    tensors = (q, k, v, k_pool, v_pool)
+    q, k, v, k_pool, v_pool = (t if t.is_contiguous() else t.contiguous() for t in tensors)
+    out = torch.empty_like(q)
+    head = (
+        *(t.data_ptr() for t in (q, k, v, k_pool, v_pool)),
+        *(t.data_ptr() for t in (rows.start, rows.offset, rows.num_tokens, rows.decode)),
+        rows.page_table.data_ptr(),
+        items.data_ptr(),
+        out.data_ptr(),
+    )
+    geometry = (rows.page_table.shape[1], heads, kv_heads, dim, k_pool.shape[2], window)
+    tail = (*geometry, QUERY_BLOCK, scale, longest)
+    num_items = items.shape[0]
+    if on_torch_team("attention"):
+        threads = min(torch.get_num_threads(), num_items)
+        scratch = _scratch(threads * per_thread)
+        lib.canvas_attention(*head, scratch.data_ptr(), *tail, 0, num_items, threads)
+    else:
+
+        def run(begin: int, end: int) -> None:
+            scratch = torch.empty(per_thread, dtype=torch.float32)
+            lib.canvas_attention(*head, scratch.data_ptr(), *tail, begin, end, 1)
+
+        _over_rows(run, num_items, 1)
+    return out
+
+
+def _items(rows: PagedRows, kv_heads: int) -> torch.Tensor:
+    """[num_items, 3] int64 (row, KV head, first query) of every work item, built once per
+    forward (`rows.memo`; every layer of the forward has the same rows)."""
+    key = ("native_attention_items", kv_heads)
+    items = rows.memo.get(key)
+    if items is None:
+        blocks = (rows.num_tokens.long() + QUERY_BLOCK - 1) // QUERY_BLOCK
+        total = int(blocks.sum())
+        row = torch.repeat_interleave(torch.arange(blocks.shape[0]), blocks, output_size=total)
+        first = torch.arange(total) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)
+        items = torch.stack(
+            [
+                row.repeat_interleave(kv_heads),
+                torch.arange(kv_heads).repeat(total),
+                (first * QUERY_BLOCK).repeat_interleave(kv_heads),
+            ],
+            1,
+        ).contiguous()
+        rows.memo[key] = items
+    assert isinstance(items, torch.Tensor)
+    return items
+
+
+@functools.cache
+def attention_lanes() -> int:
+    """The vector width (floats) `attention.c` was compiled with; 0 without the library."""
+    lib = library("attention")
+    return int(lib.canvas_attention_lanes()) if lib is not None else 0
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """This thread's reusable fp32 scratch of at least `numel` elements (its pages stay mapped:
+    a fresh buffer pays a page fault per 4 KiB on first use)."""
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _SCRATCH.buffer = torch.empty(numel, dtype=torch.float32)
+    return buffer[:numel]

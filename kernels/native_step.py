@@ -1,0 +1,108 @@
+"""Native CPU per-token kernels of a forward (`native/step.c`), bound on CPU in fast numerics
+(`kernels._with_native`): attention's q/k/v norms and RoPE, the router, and the dense MLP's
+GeGLU product.
+
+Their twins are ATen sequences (`reference.qkv_norm_rope`: three norms and two half-width
+products per RoPE half; `reference.route_experts`: norm, GEMV, softmax, top-k, renormalising,
+a gather; `reference_layer.gated_act`: GELU, product), 5 to 16 passes and dispatches each; at
+`bench-tiny`'s canvas steps (512 tokens) a call cost 0.2-0.7 ms where its arithmetic is a few
+tens of µs. The C kernels do each token in one pass. Non-fp32 operands, autograd and other
+activations keep the twins.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference, reference_layer
+from kernels.native_cpu import _min_rows, _native_norm, library, split_rows
+
+# Head and hidden sizes up to which a token's rows go on the C stack (the twins beyond).
+MAX_ROW = 16384
+
+
+def qkv_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference.qkv_norm_rope` (q [N, Hq, D], k and v [N, Hkv, D], cos and sin [N, D]) in one
+    native pass per token."""
+    dim = q.shape[-1]
+    if (
+        not _native_norm(q, k, v, q_weight, k_weight, cos, sin)
+        or q.dim() != 3
+        or k.shape != v.shape
+        or cos.shape != (q.shape[0], dim)
+        or dim % 2
+        or dim > MAX_ROW
+        or q.shape[0] == 0
+    ):
+        return reference.qkv_norm_rope(q, k, v, q_weight, k_weight, cos, sin, eps)
+    lib = library("step")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+    ins = [t.contiguous() for t in (q, k, v, q_weight, k_weight, cos, sin)]
+    outs = [torch.empty_like(t) for t in ins[:3]]
+    head = (*(t.data_ptr() for t in (*ins, *outs)), q.shape[1], k.shape[1], dim, eps)
+    per_token = dim * (q.shape[1] + 2 * k.shape[1])
+    split_rows("step", lib.canvas_qkv_norm_rope, head, (), q.shape[0], _min_rows(per_token))
+    return outs[0], outs[1], outs[2]
+
+
+def route_experts(
+    hidden: torch.Tensor,
+    scale: torch.Tensor,
+    proj: torch.Tensor,
+    per_expert_scale: torch.Tensor,
+    top_k: int,
+    eps: float,
+    segments: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.route_experts` in one native pass per token. The softmax is taken over the
+    top-k scores only: softmax, top-k and renormalising to one give exp(s_i - m) / sum over the
+    chosen of exp(s_j - m) (the full softmax's denominator cancels), the same function up to
+    rounding; the experts chosen are the same (softmax is monotonic). Fast numerics
+    (`segments` ignored)."""
+    del segments
+    size, experts = hidden.shape[-1], proj.shape[0]
+    if (
+        not _native_norm(hidden, scale, proj, per_expert_scale)
+        or size > MAX_ROW
+        or experts > MAX_ROW
+        or not 0 < top_k <= experts
+    ):
+        return reference.route_experts(hidden, scale, proj, per_expert_scale, top_k, eps)
+    lib = library("step")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+    x = hidden.reshape(-1, size).contiguous()
+    rows = x.shape[0]
+    weights = torch.empty(rows, top_k, dtype=torch.float32)
+    ids = torch.empty(rows, top_k, dtype=torch.int64)
+    tensors = (x, scale.contiguous(), proj.contiguous(), per_expert_scale.contiguous())
+    head = (*(t.data_ptr() for t in (*tensors, weights, ids)), size, experts, top_k, eps)
+    split_rows("step", lib.canvas_route, head, (), rows, _min_rows(size))
+    return weights.view(*hidden.shape[:-1], top_k), ids.view(*hidden.shape[:-1], top_k)
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """`reference_layer.gated_act`: GeGLU ("gelu_pytorch_tanh") natively, in one pass; other
+    activations take the twin."""
+    if (
+        activation != "gelu_pytorch_tanh"
+        or gate.shape != up.shape
+        or not _native_norm(gate, up)
+        or gate.numel() == 0
+    ):
+        return reference_layer.gated_act(gate, up, activation)
+    lib = library("step")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+    g, u = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(g)
+    head = (g.data_ptr(), u.data_ptr(), out.data_ptr())
+    split_rows("step", lib.canvas_geglu, head, (), g.numel(), _min_rows(1))
+    return out
