@@ -11,7 +11,9 @@
  * over each query's visible keys only (no mask tensor, no padding), and the values' product
  * is the same tile again. A DECODE row's queries see its prefix range and all its new keys; an
  * ENCODE row's query at position p sees the keys at p' <= p (and p' > p - window on a sliding
- * layer), so a causal block never reads the keys after its last query.
+ * layer), so a causal block never reads the keys after its last query. An item of fewer score
+ * rows than a tile (an AR step: one query per row) packs nothing: its scores, softmax and
+ * values come straight from the keys' rows (`attend_few`).
  *
  * Numerics: scores are q.k summed over D in order, times `scale`; the softmax subtracts the
  * row's maximum and takes the polynomial exp (~1 ulp; arguments clamped at -80, where exp is
@@ -20,6 +22,7 @@
  * its batch; they differ from SDPA's (blocked online softmax) in the last bits. fp32,
  * contiguous; D a multiple of 2V.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -100,6 +103,45 @@ static float softmax_row(float *p, int64_t lp, int64_t jlo, int64_t jhi, float s
     return 1.0f / sum;
 }
 
+static inline float mdot(const float *x, const float *y, int64_t d) {
+    mv acc = {0};
+    for (int64_t i = 0; i < d; i += MOE_V) acc += mload(x + i) * mload(y + i);
+    float sum = 0.0f;
+    for (int x = 0; x < MOE_V; ++x) sum += acc[x];
+    return sum;
+}
+
+/* An item of fewer score rows than a tile (an AR step's one query per row): each query's
+ * scores, softmax and values straight from the keys' rows, nothing packed. s: [nk] scratch. */
+static void attend_few(const Attn *a, int64_t r, int64_t h, int64_t t0, int64_t t1, int64_t klo,
+                       int64_t nk, int dec, float *s) {
+    const int64_t d = a->d, g = a->hq / a->hkv, st = a->start[r];
+    for (int64_t i = 0; i < (t1 - t0) * g; ++i) {
+        const int64_t token = a->offset[r] + t0 + i / g, head = h * g + i % g;
+        const float *qr = a->q + (token * a->hq + head) * d;
+        int64_t pos = st + t0 + i / g, jlo = 0, jhi = nk;
+        if (!dec) {
+            jhi = pos + 1 - klo;
+            if (a->window > 0 && pos - (a->window - 1) > klo) jlo = pos - (a->window - 1) - klo;
+        }
+        float best = -__builtin_inff(), sum = 0.0f;
+        for (int64_t j = jlo; j < jhi; ++j) {
+            s[j] = mdot(qr, key_row(a, a->k_pool, a->k, r, h, klo + j), d) * a->scale;
+            best = s[j] > best ? s[j] : best;
+        }
+        float *o = a->out + (token * a->hq + head) * d;
+        memset(o, 0, sizeof(float) * d);
+        for (int64_t j = jlo; j < jhi; ++j) {
+            const float p = expf(s[j] - best);
+            const float *vr = key_row(a, a->v_pool, a->v, r, h, klo + j);
+            sum += p;
+            for (int64_t x = 0; x < d; x += MOE_V) mstore(o + x, mload(o + x) + p * mload(vr + x));
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t x = 0; x < d; x += MOE_V) mstore(o + x, mload(o + x) * inv);
+    }
+}
+
 /* One item: row r, KV head h, the row's queries [t0, t1). scratch: kp, vp [Lp, D] and the
  * scores [G * qblock, Lp]. */
 static void attend(const Attn *a, int64_t r, int64_t h, int64_t t0, float *scratch, int64_t lmax) {
@@ -117,9 +159,13 @@ static void attend(const Attn *a, int64_t r, int64_t h, int64_t t0, float *scrat
     }
     const int64_t nk = khi - klo, lp = (nk + BLOCK - 1) / BLOCK * BLOCK;
     if (lp > lmax) return; /* never: the caller sizes the scratch for the longest */
+    const int64_t m = g * (t1 - t0); /* query i of the block, head j: score row i * g + j */
+    if (m < MOE_MR) {
+        attend_few(a, r, h, t0, t1, klo, nk, dec, scratch);
+        return;
+    }
     float *kp = scratch, *vp = kp + lmax * d, *s = vp + lmax * d;
     pack_keys(a, r, h, klo, nk, lp, kp, vp);
-    const int64_t m = g * (t1 - t0); /* query i of the block, head j: score row i * g + j */
     const float *rows[MOE_MR];
     float inv[MOE_MR];
     for (int64_t m0 = 0; m0 < m; m0 += MOE_MR) {

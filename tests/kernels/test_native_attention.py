@@ -55,11 +55,13 @@ def _bench_like(num_rows: int, window: int, decode: bool, tokens: int = 32) -> S
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("kind,tokens", [("decode", 32), ("encode", 45), ("encode", 1)])
 @pytest.mark.parametrize("window", [0, 128])
 @torch.inference_mode()
-def test_bench_shapes_match_the_twin(decode, window, monkeypatch):
-    sc = _bench_like(6, window, decode, tokens=32 if decode else 45)
+def test_bench_shapes_match_the_twin(kind, tokens, window, monkeypatch):
+    """Canvases (tiled), prompt chunks (tiled, causal) and AR steps (one query per row: fewer
+    score rows than a tile, taken straight from the keys' rows)."""
+    sc = _bench_like(6, window, kind == "decode", tokens)
     x = make_inputs(sc, CPU)
     want = run(reference, x, sc)
     _no_twin(monkeypatch)
