@@ -317,16 +317,25 @@ def run_bench(config: BenchConfig, command: str = "") -> dict[str, Any]:
 
 def _floor(config: BenchConfig, checkpoint: Path, prompts: tuple[Prompt, ...]) -> Floor:
     """The GEMM rate measured now and the FLOPs of the requests' canvases (prefix: a typical
-    prompt plus half the output)."""
+    prompt plus half the output) and of their prompts' prefill (the mean prompt)."""
     from engine.model import load_model_config
     from engine.tokenizer import Tokenizer
 
     model_config = load_model_config(checkpoint)
     tokenizer = Tokenizer(checkpoint)
     lengths = [len(tokenizer.apply_chat_template(p.chat_messages())) for p in prompts]
-    prefix = sum(lengths) // len(lengths) + config.max_tokens // 2
+    prompt = sum(lengths) // len(lengths)
     canvas = model_config.canvas_length
-    return compute_floor(model_config.text, canvas, prefix, config.denoising_steps, config.threads)
+    per_request = -(-config.max_tokens // canvas)
+    return compute_floor(
+        model_config.text,
+        canvas,
+        prompt + config.max_tokens // 2,
+        config.denoising_steps,
+        config.threads,
+        prompt=prompt,
+        canvases_per_request=per_request,
+    )
 
 
 def _meta(config: BenchConfig, checkpoint: Path, num_prompts: int, command: str) -> dict:

@@ -77,6 +77,7 @@ def ratio_specs(series: Sequence[Series], static_batch: int) -> list[RatioSpec]:
         if s.system in ("canvas", "canvas-exact"):
             if s.system == "canvas":
                 specs.append(RatioSpec(f"{s.label} / floor", s.label, None, "floor"))
+                specs.append(RatioSpec(f"{s.label} / decode floor", s.label, None, "decode floor"))
             specs.append(RatioSpec(f"{s.label} / {one}", s.label, one, "throughput"))
             specs.append(RatioSpec(f"{s.label} / {batch}", s.label, batch, "throughput"))
             exact = f"canvas-exact c={s.width}"
@@ -115,15 +116,20 @@ QUANTITY: dict[str, Callable[[RunSummary], float | None]] = {
     "throughput": lambda s: s.output_tokens_per_s,
     "latency": lambda s: s.latency_s.p50,
     "floor": lambda s: s.output_tokens_per_s,
+    "decode floor": lambda s: s.output_tokens_per_s,
     "overhead": lambda s: s.engine_overhead.overhead_fraction if s.engine_overhead else None,
 }
 
 
 def compare(
-    series: Sequence[Series], static_batch: int, floor_tokens_per_s: float | None
+    series: Sequence[Series],
+    static_batch: int,
+    floor_tokens_per_s: float | None,
+    decode_floor_tokens_per_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """Each ratio's value per round (numerator and denominator from the same round), with
     their spread."""
+    floors = {"floor": floor_tokens_per_s, "decode floor": decode_floor_tokens_per_s}
     by_label = {s.label: s for s in series}
     out = []
     for spec in ratio_specs(series, static_batch):
@@ -132,8 +138,8 @@ def compare(
         values = []
         for r, run in enumerate(top):
             value = QUANTITY[spec.quantity](run.summary)
-            if spec.quantity == "floor":
-                value = ratio(value, floor_tokens_per_s)
+            if spec.quantity in floors:
+                value = ratio(value, floors[spec.quantity])
             elif bottom is not None:
                 value = ratio(value, QUANTITY[spec.quantity](bottom[r].summary))
             values.append(value)
@@ -196,8 +202,10 @@ def assemble(meta: dict[str, Any], series: Sequence[Series], ledger: list[dict])
     """The JSON document: meta, every configuration's runs, the ratios, goals, checks and the
     ledger of warm-ups and timed runs."""
     batch = meta["static_batch"]
-    floor = (meta.get("floor") or {}).get("floor_tokens_per_s")
-    ratios = compare(series, batch, floor)
+    floor = meta.get("floor") or {}
+    ratios = compare(
+        series, batch, floor.get("floor_tokens_per_s"), floor.get("decode_floor_tokens_per_s")
+    )
     medians = {r["name"]: r["median"] for r in ratios}
     steps = meta["denoising_steps"]
 
@@ -338,8 +346,11 @@ def bench_markdown(result: dict[str, Any]) -> str:
         f"{meta['canvas_length']}; {meta['max_tokens']} output tokens per request (EOS ignored), "
         f"prompt set `{meta['prompt_set']}`; {meta['warmup']} warm-up and {meta['repeats']} "
         f"timed runs per configuration. FLOP floor: {_f(floor.get('floor_tokens_per_s'))} out "
-        f"tok/s ({_f(floor.get('gflops_per_canvas'), 3)} GFLOP per canvas at the measured fp32 "
-        f"GEMM rate of {_f(floor.get('gemm_gflop_per_s'), 0)} GFLOP/s).",
+        f"tok/s ({_f(floor.get('gflops_per_canvas'), 3)} GFLOP per canvas for its steps and "
+        f"commit and {_f(floor.get('gflops_prompt_per_canvas'), 3)} for its share of the "
+        f"prompt's prefill, at the measured fp32 GEMM rate of "
+        f"{_f(floor.get('gemm_gflop_per_s'), 0)} GFLOP/s); without the prompts (the decode "
+        f"floor): {_f(floor.get('decode_floor_tokens_per_s'))} out tok/s.",
         "",
         f"**{meta['note']}**",
         "",

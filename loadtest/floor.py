@@ -4,8 +4,11 @@ checkpoint's decoding costs, so that every throughput also reads as a fraction o
 FLOPs per canvas (2 per multiply-add): `steps` decoder passes over the canvas (every projection,
 the dense MLP, the top-k experts, the router, the self-conditioning MLP, attention over the
 prefix and the canvas, the tied LM head and the soft-embedding GEMM), plus one commit pass
-(encoder: projections, MLPs, experts, attention; no head). The floor is
-`canvas_length / (flops_per_canvas / gemm_rate)` output tokens per second.
+(encoder: projections, MLPs, experts, attention; no head), plus the canvas' share of its
+request's prompt prefill (the encoder over the prompt, causal attention): the benchmark serves
+without a prefix cache, so every request's prompt is computed, by Canvas and the reference
+alike. The floor is `canvas_length / (flops / gemm_rate)` output tokens per second; the decode
+floor (`decode_tokens_per_s`, the only floor before 2026-12-04) leaves the prompts out.
 """
 
 from __future__ import annotations
@@ -21,18 +24,26 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class Floor:
     gemm_flop_per_s: float  # measured here, fp32
-    flops_per_canvas: float
+    flops_per_canvas: float  # its denoising steps and its commit pass
     canvas_length: int
+    prompt_flops_per_canvas: float = 0.0  # its share of its request's prompt prefill
 
     @property
     def tokens_per_s(self) -> float:
+        flops = self.flops_per_canvas + self.prompt_flops_per_canvas
+        return self.canvas_length * self.gemm_flop_per_s / flops
+
+    @property
+    def decode_tokens_per_s(self) -> float:
         return self.canvas_length * self.gemm_flop_per_s / self.flops_per_canvas
 
     def to_dict(self) -> dict[str, float]:
         return {
             "gemm_gflop_per_s": self.gemm_flop_per_s / 1e9,
             "gflops_per_canvas": self.flops_per_canvas / 1e9,
+            "gflops_prompt_per_canvas": self.prompt_flops_per_canvas / 1e9,
             "floor_tokens_per_s": self.tokens_per_s,
+            "decode_floor_tokens_per_s": self.decode_tokens_per_s,
         }
 
 
@@ -87,6 +98,23 @@ def canvas_flops(cfg: TextConfig, canvas: int, prefix: int, steps: int) -> float
     return steps * decode + commit
 
 
-def compute_floor(cfg: TextConfig, canvas: int, prefix: int, steps: int, threads: int) -> Floor:
+def prompt_flops(cfg: TextConfig, prompt: int) -> float:
+    """FLOPs of a prompt's prefill: the encoder over its tokens, causal attention (half the
+    scores; sliding layers: their window)."""
+    return prompt * token_flops(cfg, decode=False) + attention_flops(cfg, prompt, prompt) / 2
+
+
+def compute_floor(
+    cfg: TextConfig,
+    canvas: int,
+    prefix: int,
+    steps: int,
+    threads: int,
+    prompt: int = 0,
+    canvases_per_request: int = 1,
+) -> Floor:
+    """The floor of requests of a `prompt`-token prompt and `canvases_per_request` canvases
+    (each after a `prefix` of about this length)."""
     rate = measure_gemm_rate(cfg.hidden_size, threads=threads)
-    return Floor(rate, canvas_flops(cfg, canvas, prefix, steps), canvas)
+    share = prompt_flops(cfg, prompt) / canvases_per_request if prompt else 0.0
+    return Floor(rate, canvas_flops(cfg, canvas, prefix, steps), canvas, share)

@@ -139,8 +139,16 @@ def test_ratios_are_taken_within_each_round(toy_bench):
         expected = [t / b for t, b in zip(series[top], series[bottom], strict=True)]
         assert ratios[name]["per_round"] == pytest.approx(expected)
         assert ratios[name]["min"] <= ratios[name]["median"] <= ratios[name]["max"]
-    assert ratios["canvas c=2 / floor"]["median"] > 0
-    assert result["meta"]["floor"]["gemm_gflop_per_s"] > 0
+    floor = result["meta"]["floor"]
+    assert floor["gemm_gflop_per_s"] > 0 and floor["gflops_prompt_per_canvas"] > 0
+    # the floor counts the prompts' prefill too (served without a prefix cache): a lower
+    # throughput than the decode floor, so a larger fraction of it
+    assert floor["floor_tokens_per_s"] < floor["decode_floor_tokens_per_s"]
+    top = series["canvas c=2"]
+    keys = {"floor": "floor_tokens_per_s", "decode floor": "decode_floor_tokens_per_s"}
+    for name, key in keys.items():
+        expected = [t / floor[key] for t in top]
+        assert ratios[f"canvas c=2 / {name}"]["per_round"] == pytest.approx(expected)
     assert len(result["goals"]) == 8
     for goal in result["goals"]:
         assert set(goal) == {"ratio", "op", "target", "value", "met"}

@@ -1,0 +1,33 @@
+"""The benchmark's FLOP floor (`loadtest.floor`): what a canvas and a prompt cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.model import load_model_config
+from engine.model.config import TextConfig
+from loadtest.floor import Floor, attention_flops, canvas_flops, prompt_flops, token_flops
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_checkpoint) -> TextConfig:
+    return load_model_config(tiny_checkpoint("c16")).text
+
+
+def test_a_prompts_prefill_is_its_tokens_through_the_encoder_and_causal_attention(cfg):
+    assert prompt_flops(cfg, 0) == 0
+    want = 40 * token_flops(cfg, decode=False) + attention_flops(cfg, 40, 40) / 2
+    assert prompt_flops(cfg, 40) == pytest.approx(want)
+    assert prompt_flops(cfg, 80) > 2 * prompt_flops(cfg, 40) - 1  # attention grows faster
+
+
+def test_the_floor_counts_the_prompts_share_and_the_decode_floor_does_not(cfg):
+    canvas = canvas_flops(cfg, 16, 50, 4)
+    share = prompt_flops(cfg, 40) / 2
+    floor = Floor(1e11, canvas, 16, share)
+    assert floor.decode_tokens_per_s == pytest.approx(16 * 1e11 / canvas)
+    assert floor.tokens_per_s == pytest.approx(16 * 1e11 / (canvas + share))
+    report = floor.to_dict()
+    assert report["floor_tokens_per_s"] < report["decode_floor_tokens_per_s"]
+    assert report["gflops_prompt_per_canvas"] == pytest.approx(share / 1e9)
+    assert Floor(1e11, canvas, 16).tokens_per_s == floor.decode_tokens_per_s
