@@ -40,7 +40,7 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,7 +56,7 @@ from loadtest.bench_runs import (
 )
 from loadtest.bench_runs import measure as run_configurations
 from loadtest.client import RequestSpec
-from loadtest.floor import Floor, compute_floor
+from loadtest.floor import Floor, compute_floor, measure_gemm_rate
 from loadtest.loadgen import LoadConfig
 from loadtest.prompts import PROMPT_SETS, Prompt, make_prompts
 
@@ -257,7 +257,11 @@ def configurations(
 
 
 def measure(
-    config: BenchConfig, checkpoint: Path, prompts: tuple[Prompt, ...], ledger: Ledger
+    config: BenchConfig,
+    checkpoint: Path,
+    prompts: tuple[Prompt, ...],
+    ledger: Ledger,
+    each_round: Callable[[int], None] | None = None,
 ) -> list[Series]:
     """Both Canvas servers (fast, exact) and the reference up at once; every configuration
     warmed, then timed in rounds (`loadtest.bench_runs.measure`)."""
@@ -290,7 +294,7 @@ def measure(
             servers = dict(zip(flag_sets, stack.enter_context(started), strict=True))
         reference = ref.load_reference(checkpoint)
         todo = configurations(config, servers, reference, prompts, prompt_ids)
-        return run_configurations(todo, config.repeats, config.warmup, ledger)
+        return run_configurations(todo, config.repeats, config.warmup, ledger, each_round)
 
 
 def run_bench(config: BenchConfig, command: str = "") -> dict[str, Any]:
@@ -306,13 +310,26 @@ def run_bench(config: BenchConfig, command: str = "") -> dict[str, Any]:
     prompts = tuple(make_prompts(config.prompt_set, num_prompts, config.seed))
     floor = _floor(config, checkpoint, prompts)
     ledger = Ledger()
-    series = measure(config, checkpoint, prompts, ledger)
+    rates: list[float] = []
+
+    def each_round(_: int) -> None:  # the GEMM rate of this round, for its own floor
+        rates.append(measure_gemm_rate(hidden, threads=config.threads))
+
+    hidden = floor_hidden(checkpoint)
+    series = measure(config, checkpoint, prompts, ledger, each_round)
     meta = _meta(config, checkpoint, num_prompts, command)
-    meta["floor"] = floor.to_dict()
+    meta["floor"] = floor.with_round_rates(rates).to_dict()
     result = assemble(meta, series, ledger.to_json())
     meta["seconds"] = time.perf_counter() - began
     write_bench_report(config.out_dir, result, series)
     return result
+
+
+def floor_hidden(checkpoint: Path) -> int:
+    """The hidden size the floor's GEMM rate is measured at."""
+    from engine.model import load_model_config
+
+    return load_model_config(checkpoint).text.hidden_size
 
 
 def _floor(config: BenchConfig, checkpoint: Path, prompts: tuple[Prompt, ...]) -> Floor:

@@ -121,14 +121,17 @@ QUANTITY: dict[str, Callable[[RunSummary], float | None]] = {
 }
 
 
+FloorRate = float | Sequence[float] | None  # one floor, or one per round
+
+
 def compare(
     series: Sequence[Series],
     static_batch: int,
-    floor_tokens_per_s: float | None,
-    decode_floor_tokens_per_s: float | None = None,
+    floor_tokens_per_s: FloorRate,
+    decode_floor_tokens_per_s: FloorRate = None,
 ) -> list[dict[str, Any]]:
-    """Each ratio's value per round (numerator and denominator from the same round), with
-    their spread."""
+    """Each ratio's value per round (numerator and denominator from the same round; a floor
+    given per round: that round's), with their spread."""
     floors = {"floor": floor_tokens_per_s, "decode floor": decode_floor_tokens_per_s}
     by_label = {s.label: s for s in series}
     out = []
@@ -139,7 +142,8 @@ def compare(
         for r, run in enumerate(top):
             value = QUANTITY[spec.quantity](run.summary)
             if spec.quantity in floors:
-                value = ratio(value, floors[spec.quantity])
+                floor = floors[spec.quantity]
+                value = ratio(value, floor[r] if isinstance(floor, Sequence) else floor)
             elif bottom is not None:
                 value = ratio(value, QUANTITY[spec.quantity](bottom[r].summary))
             values.append(value)
@@ -204,7 +208,10 @@ def assemble(meta: dict[str, Any], series: Sequence[Series], ledger: list[dict])
     batch = meta["static_batch"]
     floor = meta.get("floor") or {}
     ratios = compare(
-        series, batch, floor.get("floor_tokens_per_s"), floor.get("decode_floor_tokens_per_s")
+        series,
+        batch,
+        floor.get("floor_tokens_per_s_per_round") or floor.get("floor_tokens_per_s"),
+        floor.get("decode_floor_tokens_per_s_per_round") or floor.get("decode_floor_tokens_per_s"),
     )
     medians = {r["name"]: r["median"] for r in ratios}
     steps = meta["denoising_steps"]
@@ -237,6 +244,10 @@ def assemble(meta: dict[str, Any], series: Sequence[Series], ledger: list[dict])
 
 def _f(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _rates(floor: dict[str, Any]) -> str:
+    return " · ".join(_f(r, 0) for r in floor.get("gemm_gflop_per_s_per_round", [])) or "–"
 
 
 def _spread(d: dict[str, float | None], digits: int = 1) -> str:
@@ -349,8 +360,9 @@ def bench_markdown(result: dict[str, Any]) -> str:
         f"tok/s ({_f(floor.get('gflops_per_canvas'), 3)} GFLOP per canvas for its steps and "
         f"commit and {_f(floor.get('gflops_prompt_per_canvas'), 3)} for its share of the "
         f"prompt's prefill, at the measured fp32 GEMM rate of "
-        f"{_f(floor.get('gemm_gflop_per_s'), 0)} GFLOP/s); without the prompts (the decode "
-        f"floor): {_f(floor.get('decode_floor_tokens_per_s'))} out tok/s.",
+        f"{_f(floor.get('gemm_gflop_per_s'), 0)} GFLOP/s, the median of the rounds' "
+        f"{_rates(floor)}; each round's runs are set against its own rate); without the prompts "
+        f"(the decode floor): {_f(floor.get('decode_floor_tokens_per_s'))} out tok/s.",
         "",
         f"**{meta['note']}**",
         "",

@@ -100,16 +100,23 @@ class Series:
 
 
 def measure(
-    configurations: Sequence[Configuration], repeats: int, warmups: int, ledger: Ledger
+    configurations: Sequence[Configuration],
+    repeats: int,
+    warmups: int,
+    ledger: Ledger,
+    each_round: Callable[[int], None] | None = None,
 ) -> list[Series]:
     """Warm every configuration `warmups` times at its shape, then `repeats` rounds that each
-    time every configuration once, in order."""
+    time every configuration once, in order (`each_round(round)` first: the benchmark
+    measures the machine's GEMM rate there, so that each round's floor is its own)."""
     for config in configurations:
         for _ in range(warmups):
             ledger.record(WARMUP, config.label, config.shape)
             config.run(config.warmup_requests)
     timed: dict[str, list[LevelResult]] = {c.label: [] for c in configurations}
     for round_ in range(1, repeats + 1):
+        if each_round is not None:
+            each_round(round_)
         for config in configurations:
             ledger.record(TIMED, config.label, config.shape, round_)
             result = config.run(config.num_requests)

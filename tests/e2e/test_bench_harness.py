@@ -146,8 +146,9 @@ def test_ratios_are_taken_within_each_round(toy_bench):
     assert floor["floor_tokens_per_s"] < floor["decode_floor_tokens_per_s"]
     top = series["canvas c=2"]
     keys = {"floor": "floor_tokens_per_s", "decode floor": "decode_floor_tokens_per_s"}
+    assert len(floor["gemm_gflop_per_s_per_round"]) == 2  # measured in each round
     for name, key in keys.items():
-        expected = [t / floor[key] for t in top]
+        expected = [t / f for t, f in zip(top, floor[f"{key}_per_round"], strict=True)]
         assert ratios[f"canvas c=2 / {name}"]["per_round"] == pytest.approx(expected)
     assert len(result["goals"]) == 8
     for goal in result["goals"]:

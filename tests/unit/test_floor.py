@@ -31,3 +31,17 @@ def test_the_floor_counts_the_prompts_share_and_the_decode_floor_does_not(cfg):
     assert report["floor_tokens_per_s"] < report["decode_floor_tokens_per_s"]
     assert report["gflops_prompt_per_canvas"] == pytest.approx(share / 1e9)
     assert Floor(1e11, canvas, 16).tokens_per_s == floor.decode_tokens_per_s
+
+
+def test_each_rounds_floor_is_at_its_own_rate(cfg):
+    floor = Floor(1e11, canvas_flops(cfg, 16, 50, 4), 16, 1e6).with_round_rates([1e11, 3e11, 2e11])
+    assert floor.gemm_flop_per_s == 2e11  # the median is the headline
+    report = floor.to_dict()
+    assert report["gemm_gflop_per_s_per_round"] == [100, 300, 200]
+    per_round = report["floor_tokens_per_s_per_round"]
+    assert per_round[1] == pytest.approx(3 * per_round[0])
+    assert report["floor_tokens_per_s"] == pytest.approx(per_round[2])
+    assert (
+        Floor(1e11, 1e9, 16).with_round_rates([]).to_dict().keys()
+        == Floor(1e11, 1e9, 16).to_dict().keys()
+    )
