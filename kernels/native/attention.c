@@ -29,13 +29,6 @@
 #include "parallel.h"
 #include "tile.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#define THREAD_ID() omp_get_thread_num()
-#else
-#define THREAD_ID() 0
-#endif
-
 #define BLOCK (2 * MOE_V)
 
 typedef struct {
@@ -229,5 +222,5 @@ void canvas_attention(const float *q, const float *k, const float *v, const floa
 #endif
     for (int64_t i = item_begin; i < item_end; ++i)
         attend(&a, items[3 * i], items[3 * i + 1], items[3 * i + 2],
-               scratch + (threads > 1 ? THREAD_ID() : 0) * per_thread, lmax);
+               scratch + (threads > 1 ? CANVAS_THREAD() : 0) * per_thread, lmax);
 }

@@ -1,6 +1,10 @@
-/* Rows [begin, end) in `threads` contiguous ranges, each running CALL with its own `b` and
- * `e` (and `t`, the range's index). Built with -fopenmp (kernels/native_cpu.py builds every library so where the compiler
- * can), the ranges run on the calling thread's OpenMP team, which is torch's: this library
+/* Rows [begin, end) in `canvas_chunks` contiguous ranges per thread, each running CALL with its
+ * own `b` and `e` (and `t`, the running thread's index, for per-thread scratch), handed to the
+ * threads as they come free: a thread that the OS preempts (the clients, the HTTP front end
+ * and other tenants share these cores) no longer holds the other at the region's end with half
+ * the rows (static halves were 1.04x slower with a third of a core taken by another process:
+ * `bench-tiny`, 16 x 64 tokens, paired runs; even on an idle machine). Built with -fopenmp
+ * (kernels/native_cpu.py builds every library so where the compiler can), the ranges run on the calling thread's OpenMP team, which is torch's: this library
  * shares torch's libgomp (the same soname, loaded first), so the work goes to torch's own
  * workers, which spin briefly after each of torch's parallel regions and would otherwise hold
  * the other cores against any thread of ours. Without OpenMP the ranges run one by one. */
@@ -9,24 +13,36 @@
 #include <stdint.h>
 
 #ifdef _OPENMP
-#define CANVAS_OMP_FOR(threads) _Pragma("omp parallel for schedule(static, 1) num_threads(threads) if(threads > 1)")
+#include <omp.h>
+#define CANVAS_OMP_FOR(threads) _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if(threads > 1)")
+#define CANVAS_THREAD() omp_get_thread_num()
 #else
 #define CANVAS_OMP_FOR(threads)
+#define CANVAS_THREAD() 0
 #endif
+
+/* Ranges per thread, a library's global (4; 1: one range per thread, static halves). Tests and
+ * experiments set it through ctypes (`c_int64.in_dll(lib, "canvas_chunks")`). */
+extern int64_t canvas_chunks;
 
 #define PARALLEL_ROWS(threads, begin, end, CALL)                                            \
     do {                                                                                   \
         const int64_t n_ = (threads) > 1 ? (threads) : 1, b0_ = (begin), e0_ = (end);      \
+        int64_t p_ = n_ > 1 ? n_ * canvas_chunks : 1;                                      \
+        if (p_ > e0_ - b0_) p_ = e0_ - b0_ > n_ ? e0_ - b0_ : n_;                          \
         CANVAS_OMP_FOR(n_)                                                                 \
-        for (int64_t t = 0; t < n_; ++t) {                                              \
-            const int64_t b = b0_ + (e0_ - b0_) * t / n_;                                 \
-            const int64_t e = b0_ + (e0_ - b0_) * (t + 1) / n_;                           \
+        for (int64_t t_ = 0; t_ < p_; ++t_) {                                              \
+            const int64_t b = b0_ + (e0_ - b0_) * t_ / p_;                                 \
+            const int64_t e = b0_ + (e0_ - b0_) * (t_ + 1) / p_;                           \
+            const int64_t t = CANVAS_THREAD();                                             \
+            (void)t;                                                                       \
             CALL;                                                                          \
         }                                                                                  \
     } while (0)
 
 /* 1 when built with OpenMP. */
 #define CANVAS_DEFINE_OPENMP(name)                                                         \
+    int64_t canvas_chunks = 4;                                                             \
     int64_t name(void) {                                                                   \
         return CANVAS_OPENMP_ON;                                                           \
     }

@@ -3,6 +3,7 @@ and the fallback to the twins."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import shutil
 
@@ -449,6 +450,43 @@ def test_rows_split_on_torchs_team_or_our_threads_alike(monkeypatch):
     g.manual_seed(8)
     for got, want in zip(run(), team, strict=True):
         assert torch.equal(got, want)
+
+
+@torch.inference_mode()
+def test_any_number_of_ranges_per_thread_gives_the_same_bits():
+    """The team's threads take ranges of rows as they come free (`canvas_chunks` per thread,
+    parallel.h): one range each (static halves) or many, every row is written once, with the
+    same bits (a row's values never depend on the rows it is grouped with)."""
+    if not native_cpu.on_torch_team("moe"):
+        pytest.skip("the libraries are not on torch's OpenMP team here")
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(517, 256, generator=g), torch.rand(256, generator=g) + 0.5
+    weight, layer = torch.randn(192, 256, generator=g), _moe_layer(517, 256, 16, 64, seed=5)
+    weights = torch.rand(517, 4, generator=g)
+    ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(517)])
+    libs = [native_cpu.library(name) for name in native_cpu.SIGNATURES]
+    chunks = [ctypes.c_int64.in_dll(lib, "canvas_chunks") for lib in libs]
+    before = [c.value for c in chunks]
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        torch.set_num_threads(2)
+        for n in (1, 4, 13):
+            for c in chunks:
+                c.value = n
+            outs.append([
+                native_cpu.rms_norm(x, w, 1e-6),
+                native_moe.linear(x, weight, [517]),
+                native_moe.fused_moe(x, layer["gate_up"], layer["down"], weights, ids),
+                native_step.gated_act(x, x, "gelu_pytorch_tanh"),
+            ])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+        for c, value in zip(chunks, before, strict=True):
+            c.value = value
+    for other in outs[1:]:
+        for got, want in zip(other, outs[0], strict=True):
+            assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("rows,k,n", [(512, 256, 192), (131, 64, 96), (300, 40, 64)])
