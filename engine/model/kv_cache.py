@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine.model.config import LayerType, TextConfig
@@ -75,24 +76,28 @@ class ForwardBatch:
             self._cache[key] = build()
         return self._cache[key]  # type: ignore[return-value]
 
+    # A step's host metadata is a few small arrays, built with numpy: a torch op's dispatch
+    # costs more than its work there, and every one of them gives up the GIL, which the HTTP
+    # front end's thread may then hold for a while (the engine's overhead at AR steps).
+
     def row_of_token(self, device: torch.device) -> torch.Tensor:
         """[N] the row of each packed token."""
         return self._cached(
             ("row_of_token", device),
-            lambda: torch.repeat_interleave(
-                torch.arange(len(self.rows)), torch.tensor(self.segments, dtype=torch.long)
-            ).to(device, non_blocking=True),
+            lambda: torch.from_numpy(self._row_of_token()).to(device, non_blocking=True),
         )
+
+    def _row_of_token(self) -> np.ndarray:
+        return np.repeat(np.arange(len(self.rows), dtype=np.int64), self.segments)
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """[N] absolute positions of the packed tokens."""
 
         def build() -> torch.Tensor:
-            row = self.row_of_token(torch.device("cpu"))
-            starts = torch.tensor(
-                [r.start - o for r, o in zip(self.rows, self.offsets, strict=True)]
-            )
-            return (starts[row] + torch.arange(row.shape[0])).to(device, non_blocking=True)
+            shift = np.array([r.start - o for r, o in zip(self.rows, self.offsets, strict=True)])
+            row = self._row_of_token()
+            positions = shift[row] + np.arange(row.shape[0], dtype=np.int64)
+            return torch.from_numpy(positions).to(device, non_blocking=True)
 
         return self._cached(("positions", device), build)
 
@@ -142,7 +147,7 @@ class ForwardBatch:
                 [r.start for r in self.rows],
                 [r.num_tokens for r in self.rows],
                 [r.mode is Mode.DECODE for r in self.rows],
-                [list(r.pages[layer_type]) for r in self.rows],
+                [r.pages[layer_type] for r in self.rows],
                 device,
                 self.span(),
             )
