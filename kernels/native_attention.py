@@ -49,6 +49,7 @@ def canvas_attention(
     keys = rows.max_prefix(window) + rows.max_tokens
     if (
         rows.span is not None
+        or not _shaped(q, k, v, k_pool, v_pool)
         or lanes == 0
         or dim % (2 * lanes)
         or heads % kv_heads
@@ -87,6 +88,22 @@ def canvas_attention(
 
         _over_rows(run, num_items, 1)
     return out
+
+
+def _shaped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+) -> bool:
+    """Whether the operands agree as the C kernel indexes them (else the twin, which refuses
+    what does not fit): q [N, Hq, D], k and v [N, Hkv, D], pools [P, Hkv, page, D]."""
+    return (
+        q.dim() == k.dim() == 3
+        and k.shape == v.shape
+        and k_pool.shape == v_pool.shape
+        and k_pool.dim() == 4
+        and q.shape[0] == k.shape[0]
+        and q.shape[2] == k.shape[2] == k_pool.shape[3]
+        and k.shape[1] == k_pool.shape[1]
+    )
 
 
 def _items(rows: PagedRows, kv_heads: int) -> torch.Tensor:

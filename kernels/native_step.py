@@ -38,7 +38,13 @@ def qkv_norm_rope(
         not _native_norm(q, k, v, q_weight, k_weight, cos, sin)
         or q.dim() != 3
         or k.shape != v.shape
+        or k.dim() != 3
+        or k.shape[0] != q.shape[0]
+        or k.shape[2] != dim
+        or q_weight.numel() != dim
+        or k_weight.numel() != dim
         or cos.shape != (q.shape[0], dim)
+        or sin.shape != cos.shape
         or dim % 2
         or dim > MAX_ROW
         or q.shape[0] == 0
@@ -74,6 +80,9 @@ def route_experts(
         not _native_norm(hidden, scale, proj, per_expert_scale)
         or size > MAX_ROW
         or experts > MAX_ROW
+        or scale.numel() != size
+        or proj.shape != (experts, size)
+        or per_expert_scale.numel() != experts
         or not 0 < top_k <= experts
     ):
         return reference.route_experts(hidden, scale, proj, per_expert_scale, top_k, eps)

@@ -114,6 +114,7 @@ def test_torchs_team_and_our_threads_give_the_same_bits(monkeypatch):
         {"dtype": torch.bfloat16},
         {"grad": True},
         {"long": True},  # more keys than MAX_KEYS
+        {"pool_heads": True},  # pools of another head count than k and v
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -128,6 +129,12 @@ def test_the_twin_keeps_what_the_kernel_does_not_take(change, monkeypatch):
     )
     if change.get("long"):
         monkeypatch.setattr(native_attention, "MAX_KEYS", 8)
+    if change.get("pool_heads"):  # the twin is called (and refuses it), nothing read out of bounds
+        pools = x.k_pool[:, :1].contiguous(), x.v_pool[:, :1].contiguous()
+        with torch.inference_mode(), pytest.raises(RuntimeError):
+            Native.canvas_attention(x.q, x.k, x.v, *pools, x.rows, sc.window, 1.0)
+        assert calls == [1]
+        return
     with torch.inference_mode(not change.get("grad")):
         run(Native, x, sc)
     assert calls == [1]

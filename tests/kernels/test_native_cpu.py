@@ -287,6 +287,26 @@ def test_qkv_norms_and_rope_match_their_twin(tokens, heads, kv_heads):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
 
 
+@torch.inference_mode()
+def test_operands_of_the_wrong_shape_reach_the_twins_and_their_errors():
+    """The C kernels index by the shapes they are given: mismatched operands go to the twins,
+    which refuse them, instead of being read out of bounds."""
+    w = _moe_layer(6, 48, 12, 16, seed=1)
+    bad_scale = (w["hidden"], w["scale"][:5], w["proj"], w["per_expert_scale"], 2, 1e-6)
+    with pytest.raises(RuntimeError):
+        reference.route_experts(*bad_scale)
+    with pytest.raises(RuntimeError):
+        native_step.route_experts(*bad_scale)
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(3, 4, 32, generator=g), torch.randn(3, 2, 16, generator=g)
+    cos = sin = torch.ones(3, 32)
+    args = (q, k, k, torch.ones(32), torch.ones(16), cos, sin, 1e-6)
+    with pytest.raises(RuntimeError):
+        reference.qkv_norm_rope(*args)
+    with pytest.raises(RuntimeError):
+        native_step.qkv_norm_rope(*args)
+
+
 @pytest.mark.parametrize("shape", [(1, 7), (5, 192), (3, 37)])
 @torch.inference_mode()
 def test_geglu_matches_its_twin_and_other_activations_keep_it(shape):
