@@ -232,7 +232,6 @@ def _with_native(kernels: KernelSet) -> KernelSet:
         qkv_norm_rope=native_step.qkv_norm_rope,
         route_experts=native_step.route_experts,
         gated_act=native_step.gated_act,
-        softcap=native_step.softcap,
         fused_moe=native_moe.fused_moe,
         linear=native_moe.linear,
         canvas_attention=native_attention.canvas_attention,

@@ -148,7 +148,6 @@ SIGNATURES: dict[str, dict[str, list[type]]] = {
         "canvas_qkv_norm_rope": [*[_PTR] * 10, *[_I64] * 3, _F32, *[_I64] * 3],
         "canvas_route": [*[_PTR] * 6, *[_I64] * 3, _F32, *[_I64] * 3],
         "canvas_geglu": [*[_PTR] * 3, *[_I64] * 3],
-        "canvas_softcap": [_PTR, _F32, *[_I64] * 3],
     },
 }
 # Functions returning an int64 (the rest return nothing).

@@ -1,6 +1,6 @@
 """Native CPU per-token kernels of a forward (`native/step.c`), bound on CPU in fast numerics
-(`kernels._with_native`): attention's q/k/v norms and RoPE, the router, the dense MLP's GeGLU
-product and the LM head's soft cap.
+(`kernels._with_native`): attention's q/k/v norms and RoPE, the router, and the dense MLP's
+GeGLU product.
 
 Their twins are ATen sequences (`reference.qkv_norm_rope`: three norms and two half-width
 products per RoPE half; `reference.route_experts`: norm, GEMV, softmax, top-k, renormalising,
@@ -115,16 +115,3 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Te
     head = (g.data_ptr(), u.data_ptr(), out.data_ptr())
     split_rows("step", lib.canvas_geglu, head, (), g.numel(), _min_rows(1))
     return out
-
-
-def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """`reference.softcap`: cap * tanh(logits / cap), in place on fp32 CPU logits, natively in
-    one pass (`bench-small`'s [1024, 8192] logits: 13.6 ms a step in ATen's three passes); the
-    twin otherwise (no cap, other dtypes, autograd)."""
-    if cap is None or not _native_norm(logits) or not logits.is_contiguous() or not cap > 0:
-        return reference.softcap(logits, cap)
-    lib = library("step")
-    assert lib is not None, "native kernels are bound only when their libraries load"
-    head = (logits.data_ptr(), cap)
-    split_rows("step", lib.canvas_softcap, head, (), logits.numel(), _min_rows(1))
-    return logits

@@ -1,8 +1,7 @@
 /* Canvas' per-token CPU kernels of a forward, the fast-numerics twins of
  * `kernels.reference.qkv_norm_rope` (attention's per-head RMS norms and RoPE),
- * `kernels.reference.route_experts` (the router: norm, scores, top-k, softmax over the chosen),
- * `kernels.reference_layer.gated_act` (GeGLU) and `kernels.reference.softcap` (the LM head's
- * soft cap), bound from `kernels.native_step`.
+ * `kernels.reference.route_experts` (the router: norm, scores, top-k, softmax over the chosen)
+ * and `kernels.reference_layer.gated_act` (GeGLU), bound from `kernels.native_step`.
  *
  * The twins are ATen sequences of 5 to 16 passes over [tokens, heads, dim] or [tokens, hidden]
  * (norm, two half-width products per RoPE half, topk, softmax, gathers); at `bench-tiny`'s
@@ -108,18 +107,6 @@ static void geglu_range(const float *gate, const float *up, float *out, int64_t 
     }
 }
 
-/* x[i] = cap * tanh(x[i] / cap) in place for i in [b, e): tanh(y) = 1 - 2 / (exp(2y) + 1), the
- * exp's argument clamped at +-80 (where tanh is +-1 in fp32); absolute error ~1e-7 * cap. */
-static void softcap_range(float *x, float cap, int64_t b, int64_t e) {
-    const float two_over_cap = 2.0f / cap;
-    int64_t i = b;
-    for (; i + MOE_V <= e; i += MOE_V) {
-        mv y = mexp(mclamp(mload(x + i) * two_over_cap, -80.0f, 80.0f));
-        mstore(x + i, cap - 2.0f * cap / (y + 1.0f));
-    }
-    for (; i < e; ++i) x[i] = cap * tanhf(x[i] / cap);
-}
-
 CANVAS_DEFINE_OPENMP(canvas_step_openmp)
 
 void canvas_qkv_norm_rope(const float *q, const float *k, const float *v, const float *qw,
@@ -144,10 +131,4 @@ void canvas_geglu(const float *gate, const float *up, float *out, int64_t begin,
     PARALLEL_ROWS(threads, begin / MOE_V, (end + MOE_V - 1) / MOE_V,
                   geglu_range(gate, up, out, b * MOE_V > begin ? b * MOE_V : begin,
                               e * MOE_V < end ? e * MOE_V : end));
-}
-
-void canvas_softcap(float *x, float cap, int64_t begin, int64_t end, int64_t threads) {
-    PARALLEL_ROWS(threads, begin / MOE_V, (end + MOE_V - 1) / MOE_V,
-                  softcap_range(x, cap, b * MOE_V > begin ? b * MOE_V : begin,
-                                e * MOE_V < end ? e * MOE_V : end));
 }
