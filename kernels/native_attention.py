@@ -16,12 +16,12 @@ long rows and autograd keep the twin.
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
 from kernels import reference
 from kernels.native_cpu import _native_norm, _over_rows, library, on_torch_team
+from kernels.native_moe import _scratch
 from kernels.reference_attention import PagedRows
 
 # Queries of a row per work item (with all query heads of a KV head: 64 score rows at
@@ -134,15 +134,3 @@ def attention_lanes() -> int:
     """The vector width (floats) `attention.c` was compiled with; 0 without the library."""
     lib = library("attention")
     return int(lib.canvas_attention_lanes()) if lib is not None else 0
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(numel: int) -> torch.Tensor:
-    """This thread's reusable fp32 scratch of at least `numel` elements (its pages stay mapped:
-    a fresh buffer pays a page fault per 4 KiB on first use)."""
-    buffer = getattr(_SCRATCH, "buffer", None)
-    if buffer is None or buffer.numel() < numel:
-        buffer = _SCRATCH.buffer = torch.empty(numel, dtype=torch.float32)
-    return buffer[:numel]

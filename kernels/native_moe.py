@@ -189,7 +189,8 @@ _SCRATCH = threading.local()
 def _scratch(numel: int) -> torch.Tensor:
     """This thread's reusable fp32 buffer of at least `numel` elements. A fresh buffer of
     megabytes costs a page fault per 4 KiB page on its first writes (~0.5 ms per call at
-    `bench-tiny`'s experts, half of their arithmetic); this one's pages stay mapped."""
+    `bench-tiny`'s experts, half of their arithmetic); this one's pages stay mapped. Shared by
+    the experts and attention (`native_attention`): each is done with it before it returns."""
     buffer = getattr(_SCRATCH, "buffer", None)
     if buffer is None or buffer.numel() < numel:
         buffer = _SCRATCH.buffer = torch.empty(numel, dtype=torch.float32)

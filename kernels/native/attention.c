@@ -65,6 +65,18 @@ static void pack_keys(const Attn *a, int64_t r, int64_t h, int64_t klo, int64_t 
     }
 }
 
+/* [jlo, jhi): the keys (indices from klo, nk of them) that a query at position pos sees: all of
+ * them in a DECODE row; in an ENCODE row those at or before pos and, on a sliding layer, after
+ * pos - window. */
+static inline void visible(const Attn *a, int dec, int64_t pos, int64_t klo, int64_t nk,
+                           int64_t *jlo, int64_t *jhi) {
+    *jlo = 0;
+    *jhi = nk;
+    if (dec) return;
+    *jhi = pos + 1 - klo;
+    if (a->window > 0 && pos - (a->window - 1) > klo) *jlo = pos - (a->window - 1) - klo;
+}
+
 /* p[0, lp) = exp(s - max) over the visible keys [jlo, jhi), 0 elsewhere; returns 1 / sum. */
 static float softmax_row(float *p, int64_t lp, int64_t jlo, int64_t jhi, float scale) {
     mvi iota;
@@ -112,11 +124,8 @@ static void attend_few(const Attn *a, int64_t r, int64_t h, int64_t t0, int64_t 
     for (int64_t i = 0; i < (t1 - t0) * g; ++i) {
         const int64_t token = a->offset[r] + t0 + i / g, head = h * g + i % g;
         const float *qr = a->q + (token * a->hq + head) * d;
-        int64_t pos = st + t0 + i / g, jlo = 0, jhi = nk;
-        if (!dec) {
-            jhi = pos + 1 - klo;
-            if (a->window > 0 && pos - (a->window - 1) > klo) jlo = pos - (a->window - 1) - klo;
-        }
+        int64_t jlo, jhi;
+        visible(a, dec, st + t0 + i / g, klo, nk, &jlo, &jhi);
         float best = -__builtin_inff(), sum = 0.0f;
         for (int64_t j = jlo; j < jhi; ++j) {
             s[j] = mdot(qr, key_row(a, a->k_pool, a->k, r, h, klo + j), d) * a->scale;
@@ -176,11 +185,8 @@ static void attend(const Attn *a, int64_t r, int64_t h, int64_t t0, float *scrat
             }
         }
         for (int x = 0; x < mt; ++x) {
-            int64_t pos = st + t0 + (m0 + x) / g, jlo = 0, jhi = nk;
-            if (!dec) {
-                jhi = pos + 1 - klo;
-                if (a->window > 0 && pos - (a->window - 1) > klo) jlo = pos - (a->window - 1) - klo;
-            }
+            int64_t jlo, jhi;
+            visible(a, dec, st + t0 + (m0 + x) / g, klo, nk, &jlo, &jhi);
             inv[x] = softmax_row(s + (m0 + x) * lp, lp, jlo, jhi, a->scale);
             rows[x] = s + (m0 + x) * lp;
         }
