@@ -97,6 +97,12 @@ class KernelSet:
     soft_embedding: Callable[..., torch.Tensor]
     sample_and_embed: Callable[..., tuple[reference.SampleResult, torch.Tensor]]
     philox_uniform: Callable[..., torch.Tensor]
+    # A gated MLP's act(x @ gate^T) * (x @ up^T) in one call (`native_moe.gated_linear`); None:
+    # `linear` twice and `gated_act`.
+    gated_linear: Callable[..., torch.Tensor] | None = None
+    # Several projections of one input (attention's q, k, v) in one call
+    # (`native_moe.linear_many`); None: `linear` for each.
+    linear_many: Callable[..., list[torch.Tensor]] | None = None
     # The sampler and the norms are `kernels.native_cpu`'s C kernels (CPU, fast numerics).
     native: bool = False
 
@@ -141,6 +147,8 @@ class KernelSet:
             entropy_accept=ops_step.entropy_accept,
             soft_embedding=ops_step.soft_embedding,
             sample_and_embed=ops_step.sample_and_embed,
+            gated_linear=None,
+            linear_many=None,
             native=False,
         )
 
@@ -234,9 +242,12 @@ def _with_native(kernels: KernelSet) -> KernelSet:
         gated_act=native_step.gated_act,
         fused_moe=native_moe.fused_moe,
         linear=native_moe.linear,
+        gated_linear=native_moe.gated_linear,
+        linear_many=native_moe.linear_many,
         canvas_attention=native_attention.canvas_attention,
         fused_sample=native_cpu.fused_sample,
         sample_and_embed=native_cpu.sample_and_embed,
+        philox_uniform=native_step.philox_uniform,
         native=True,
     )
 

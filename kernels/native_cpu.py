@@ -140,6 +140,8 @@ SIGNATURES: dict[str, dict[str, list[type]]] = {
         "canvas_moe_rows": [*[_PTR] * 8, *[_I64] * 6],
         "canvas_moe_rows_parallel": [*[_PTR] * 8, *[_I64] * 6],
         "canvas_linear": [*[_PTR] * 3, *[_I64] * 5],
+        "canvas_gated_linear": [*[_PTR] * 3, *[_I64] * 5],
+        "canvas_linear_split": [*[_PTR] * 5, *[_I64] * 7],
         "canvas_moe_sort": [_PTR, _I64, _I64, _PTR, _PTR],
         "canvas_moe_sum": [_PTR, _PTR, *[_I64] * 5],
     },
@@ -148,6 +150,7 @@ SIGNATURES: dict[str, dict[str, list[type]]] = {
         "canvas_qkv_norm_rope": [*[_PTR] * 10, *[_I64] * 3, _F32, *[_I64] * 3],
         "canvas_route": [*[_PTR] * 6, *[_I64] * 3, _F32, *[_I64] * 3],
         "canvas_geglu": [*[_PTR] * 3, *[_I64] * 3],
+        "canvas_philox_uniform": [*[_PTR] * 3, _I64],
     },
 }
 # Functions returning an int64 (the rest return nothing).

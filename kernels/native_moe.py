@@ -19,12 +19,12 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from kernels import reference
+from kernels import native_step, reference
 from kernels.native_cpu import (
     _native_norm,
     _over_rows,
@@ -181,6 +181,78 @@ def linear(x: torch.Tensor, weight: torch.Tensor, segments: list[int]) -> torch.
     head = (flat.data_ptr(), packed.data_ptr(), out.data_ptr(), k, n)
     split_rows("moe", lib.canvas_linear, head, (), rows, MIN_LINEAR_ROWS_PER_THREAD)
     return out.view(*x.shape[:-1], n)
+
+
+def linear_many(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], segments: list[int]
+) -> list[torch.Tensor]:
+    """[linear(x, w) for w in weights] (two or three projections of the same x: attention's q,
+    k and v), the same values, in one pass of `moe.c`'s tiles over their weights packed once
+    together, each output written to its own tensor; `linear` one by one where it would not
+    take the tiles (each weight within MAX_PACKED_LINEAR_BYTES, outputs whole blocks of 2V)."""
+    lanes, k = moe_lanes(), weights[0].shape[1]
+    rows = x.numel() // max(1, k)
+    widths = [w.shape[0] for w in weights]
+    if (
+        rows < MIN_LINEAR_ROWS
+        or lanes == 0
+        or not 2 <= len(weights) <= 3
+        or any(w.dim() != 2 or w.shape[1] != k for w in weights)
+        or any(n % (2 * lanes) or n * k * 4 > MAX_PACKED_LINEAR_BYTES for n in widths)
+        or not _native_norm(x, *weights)
+    ):
+        return [linear(x, w, segments) for w in weights]
+    lib = library("moe")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+    total = sum(widths)
+
+    def make() -> tuple[torch.Tensor]:
+        joined = torch.cat([w.detach() for w in weights])
+        return (joined.view(total // (2 * lanes), 2 * lanes, k).transpose(1, 2).contiguous(),)
+
+    (packed,) = _packed(weights[0], tuple(weights[1:]), make)
+    flat = x.reshape(rows, k).contiguous()
+    outs = [torch.empty(rows, n, dtype=torch.float32) for n in widths]
+    pointers = [o.data_ptr() for o in outs] + [None] * (3 - len(outs))
+    head = (flat.data_ptr(), packed.data_ptr(), *pointers, widths[0], widths[1], k, total)
+    split_rows("moe", lib.canvas_linear_split, head, (), rows, MIN_LINEAR_ROWS_PER_THREAD)
+    return [o.view(*x.shape[:-1], n) for o, n in zip(outs, widths, strict=True)]
+
+
+def gated_linear(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, segments: list[int]
+) -> torch.Tensor:
+    """`gated_act(linear(x, gate), linear(x, up), activation)` with this module's `linear` and
+    `native_step.gated_act`, the same values: GeGLU of at least MIN_LINEAR_ROWS fp32 rows on
+    weights packed once together ([I/V, K, 2V], the experts' gate/up layout) in one pass of
+    `moe.c`'s tiles (no [M, 2I] intermediates, one call instead of three); the three calls
+    otherwise (other activations, small batches, large or odd-sized weights)."""
+    lanes, (inter, k) = moe_lanes(), gate.shape
+    rows = x.numel() // max(1, k)
+    if (
+        activation != "gelu_pytorch_tanh"
+        or rows < MIN_LINEAR_ROWS
+        or lanes == 0
+        or inter % lanes
+        or up.shape != gate.shape
+        or inter * k * 4 > MAX_PACKED_LINEAR_BYTES
+        or not _native_norm(x, gate, up)
+    ):
+        gate_out, up_out = linear(x, gate, segments), linear(x, up, segments)
+        return native_step.gated_act(gate_out, up_out, activation)
+    lib = library("moe")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+
+    def make() -> tuple[torch.Tensor]:
+        g, u = (w.detach().view(inter // lanes, lanes, k).transpose(1, 2) for w in (gate, up))
+        return (torch.cat([g, u], -1).contiguous(),)
+
+    (packed,) = _packed(gate, (up,), make)
+    flat = x.reshape(rows, k).contiguous()
+    out = torch.empty(rows, inter, dtype=torch.float32)
+    head = (flat.data_ptr(), packed.data_ptr(), out.data_ptr(), k, inter)
+    split_rows("moe", lib.canvas_gated_linear, head, (), rows, MIN_LINEAR_ROWS_PER_THREAD)
+    return out.view(*x.shape[:-1], inter)
 
 
 _SCRATCH = threading.local()

@@ -91,11 +91,8 @@ class Attention(nn.Module):
         ks = self.kernels
         shape = (1, x.shape[1], -1, self.spec.head_dim)
         cos, sin = rope
-        q = self._project("q_proj", x, batch).view(shape)
-        k = self._project("k_proj", x, batch).view(shape)
-        v = k  # full layers of DiffusionGemma have no v_proj: V is the raw k_proj output
-        if self.v_proj is not None:
-            v = self._project("v_proj", x, batch).view(shape)
+        q, k, v = self._project_qkv(x, batch)
+        q, k, v = q.view(shape), k.view(shape), v.view(shape)
         if self.qkv_norm:  # the norms and RoPE of q, k and v in one call (one Triton kernel)
             weights = (self.q_norm.weight, self.k_norm.weight)
             q, k, v = ks.qkv_norm_rope(q[0], k[0], v[0], *weights, cos[0], sin[0], self.q_norm.eps)
@@ -106,6 +103,19 @@ class Attention(nn.Module):
         window = batch.sliding_window if self.spec.is_sliding else 0
         out = cache.attend(ks, layer, q, k, v, batch, window, self.scale)  # [N, Hq, D]
         return self._project("o_proj", out.reshape(1, x.shape[1], -1), batch)
+
+    def _project_qkv(
+        self, x: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v; full layers of DiffusionGemma have no v_proj: V is the raw k_proj output.
+        One call where the kernels project several weights at once and no adapter applies."""
+        many = self.kernels.linear_many
+        if many is not None and self.lora is None:
+            projections = [self.q_proj, self.k_proj] + ([self.v_proj] if self.v_proj else [])
+            q, k, *v = many(x, [p.weight for p in projections], batch.segments)
+            return q, k, v[0] if v else k
+        q, k = self._project("q_proj", x, batch), self._project("k_proj", x, batch)
+        return q, k, k if self.v_proj is None else self._project("v_proj", x, batch)
 
     def _project(self, name: str, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         y = self.kernels.linear(x, getattr(self, name).weight, batch.segments)
@@ -138,6 +148,10 @@ class GatedMLP(nn.Module):
     ) -> torch.Tensor:
         """`batch` (the forward's rows) is needed only when an adapter is attached."""
         linear = self.kernels.linear
+        if (self.lora is None or batch is None) and self.kernels.gated_linear is not None:
+            weights = (self.gate_proj.weight, self.up_proj.weight)
+            hidden = self.kernels.gated_linear(x, *weights, self.activation, segments)
+            return linear(hidden, self.down_proj.weight, segments)
         if self.lora is None or batch is None:
             gate = linear(x, self.gate_proj.weight, segments)
             up = linear(x, self.up_proj.weight, segments)

@@ -178,15 +178,22 @@ void canvas_moe_sum(const float *ybuf, float *out, int64_t top_k, int64_t h, int
     PARALLEL_ROWS(threads, begin, end, moe_sum(ybuf, out, top_k, h, b, e));
 }
 
-/* ---- Dense projections on packed weights (`kernels.native_moe.linear`) ------------------------
+/* ---- Dense projections on packed weights (`kernels.native_moe.linear`, `linear_many`) --------
  *
  * out[M, N] = x[M, K] @ w^T for rows [row_begin, row_end), w packed as [N / 2V, K, 2V] (for
  * output block c and input k, 2V weights): the same register tile as the experts' down
  * projection, output block by block (a block's K x 2V weights stay in L1 across the row tiles).
- * Every output's sum runs over k in order, whatever the row's batch. */
-static void linear_rows(const float *x, const float *wp, float *out, int64_t k_dim, int64_t n,
-                        int64_t row_begin, int64_t row_end) {
+ * Every output's sum runs over k in order, whatever the row's batch. Several projections of the
+ * same x (attention's q, k and v) run as one: their weights packed one after the other, output
+ * columns [0, n0) go to out0 (rows of n0), [n0, n0 + n1) to out1 and the rest to out2, each
+ * column's value the same as from its own projection. */
+static void linear_rows(const float *x, const float *wp, float *const out[3], const int64_t n_of[3],
+                        int64_t k_dim, int64_t n, int64_t row_begin, int64_t row_end) {
     for (int64_t c = 0; c < n / (2 * MOE_V); ++c) {
+        int64_t col = c * 2 * MOE_V, part = 0;
+        while (part < 2 && col >= n_of[part]) col -= n_of[part++];
+        float *dst = out[part];
+        const int64_t ld = n_of[part];
         for (int64_t row = row_begin; row < row_end; row += MOE_MR) {
             int m = row_end - row < MOE_MR ? (int)(row_end - row) : MOE_MR;
             const float *a[MOE_MR];
@@ -194,8 +201,8 @@ static void linear_rows(const float *x, const float *wp, float *out, int64_t k_d
             mv y0[MOE_MR], y1[MOE_MR];
             tile_2v(a, wp + c * k_dim * 2 * MOE_V, k_dim, y0, y1);
             for (int r = 0; r < m; ++r) {
-                mstore(out + (row + r) * n + c * 2 * MOE_V, y0[r]);
-                mstore(out + (row + r) * n + c * 2 * MOE_V + MOE_V, y1[r]);
+                mstore(dst + (row + r) * ld + col, y0[r]);
+                mstore(dst + (row + r) * ld + col + MOE_V, y1[r]);
             }
         }
     }
@@ -203,5 +210,42 @@ static void linear_rows(const float *x, const float *wp, float *out, int64_t k_d
 
 void canvas_linear(const float *x, const float *wp, float *out, int64_t k_dim, int64_t n,
                    int64_t row_begin, int64_t row_end, int64_t threads) {
-    PARALLEL_ROWS(threads, row_begin, row_end, linear_rows(x, wp, out, k_dim, n, b, e));
+    float *const outs[3] = {out, NULL, NULL};
+    const int64_t n_of[3] = {n, 0, 0};
+    PARALLEL_ROWS(threads, row_begin, row_end, linear_rows(x, wp, outs, n_of, k_dim, n, b, e));
+}
+
+/* n0 and n1 multiples of 2V; out2 gets n - n0 - n1 columns (NULL when none). */
+void canvas_linear_split(const float *x, const float *wp, float *out0, float *out1, float *out2,
+                         int64_t n0, int64_t n1, int64_t k_dim, int64_t n, int64_t row_begin,
+                         int64_t row_end, int64_t threads) {
+    float *const outs[3] = {out0, out1, out2};
+    const int64_t n_of[3] = {n0, n1, n - n0 - n1};
+    PARALLEL_ROWS(threads, row_begin, row_end, linear_rows(x, wp, outs, n_of, k_dim, n, b, e));
+}
+
+/* ---- A gated MLP's gate and up projections with its GeGLU (`kernels.native_moe.gated_linear`)
+ *
+ * out[M, I] = gelu_tanh(x @ gate^T) * (x @ up^T) for rows [row_begin, row_end), the two weights
+ * packed as one expert's gup ([I / V, K, 2V]: for column block j and input k, V gate then V up
+ * weights). Each block's tile gives V gate and V up columns whose sums run over k in order,
+ * bit for bit those of `canvas_linear`, and the product is `canvas_geglu`'s: the values of
+ * linear, linear and gated_act, in one pass without the [M, 2I] intermediates. */
+static void gated_rows(const float *x, const float *gup, float *out, int64_t k_dim,
+                       int64_t inter, int64_t row_begin, int64_t row_end) {
+    for (int64_t j = 0; j < inter / MOE_V; ++j) {
+        for (int64_t row = row_begin; row < row_end; row += MOE_MR) {
+            int m = row_end - row < MOE_MR ? (int)(row_end - row) : MOE_MR;
+            const float *a[MOE_MR];
+            for (int r = 0; r < MOE_MR; ++r) a[r] = x + (row + (r < m ? r : m - 1)) * k_dim;
+            mv g[MOE_MR], u[MOE_MR];
+            tile_2v(a, gup + j * k_dim * 2 * MOE_V, k_dim, g, u);
+            for (int r = 0; r < m; ++r) mstore(out + (row + r) * inter + j * MOE_V, mgelu_tanh(g[r]) * u[r]);
+        }
+    }
+}
+
+void canvas_gated_linear(const float *x, const float *gup, float *out, int64_t k_dim,
+                         int64_t inter, int64_t row_begin, int64_t row_end, int64_t threads) {
+    PARALLEL_ROWS(threads, row_begin, row_end, gated_rows(x, gup, out, k_dim, inter, b, e));
 }
