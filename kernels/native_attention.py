@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from kernels import reference
@@ -108,23 +109,21 @@ def _shaped(
 
 def _items(rows: PagedRows, kv_heads: int) -> torch.Tensor:
     """[num_items, 3] int64 (row, KV head, first query) of every work item, built once per
-    forward (`rows.memo`; every layer of the forward has the same rows)."""
+    forward (`rows.memo`; every layer of the forward has the same rows), in NumPy (a dozen
+    small torch ops cost ~0.2 ms a forward)."""
     key = ("native_attention_items", kv_heads)
     items = rows.memo.get(key)
     if items is None:
-        blocks = (rows.num_tokens.long() + QUERY_BLOCK - 1) // QUERY_BLOCK
-        total = int(blocks.sum())
-        row = torch.repeat_interleave(torch.arange(blocks.shape[0]), blocks, output_size=total)
-        first = torch.arange(total) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)
-        items = torch.stack(
-            [
-                row.repeat_interleave(kv_heads),
-                torch.arange(kv_heads).repeat(total),
-                (first * QUERY_BLOCK).repeat_interleave(kv_heads),
-            ],
-            1,
-        ).contiguous()
-        rows.memo[key] = items
+        blocks = (rows.num_tokens.numpy().astype(np.int64) + QUERY_BLOCK - 1) // QUERY_BLOCK
+        row = np.repeat(np.arange(blocks.shape[0], dtype=np.int64), blocks)
+        first = np.arange(row.shape[0], dtype=np.int64) - np.repeat(
+            np.cumsum(blocks) - blocks, blocks
+        )
+        table = np.empty((row.shape[0], kv_heads, 3), dtype=np.int64)
+        table[..., 0] = row[:, None]
+        table[..., 1] = np.arange(kv_heads, dtype=np.int64)
+        table[..., 2] = (first * QUERY_BLOCK)[:, None]
+        items = rows.memo[key] = torch.from_numpy(table.reshape(-1, 3))
     assert isinstance(items, torch.Tensor)
     return items
 

@@ -216,7 +216,9 @@ def split_rows(
     per thread: one call on torch's team (`on_torch_team(name)`), else `_over_rows`' ranges on
     Python threads, one thread each."""
     if on_torch_team(name):
-        threads = len(_ranges(num_rows, min_rows)) if num_rows >= 2 * min_rows else 1
+        threads = 1  # as many as `_ranges` would make (every range of them holds rows)
+        if num_rows >= 2 * min_rows:
+            threads = max(1, min(torch.get_num_threads(), num_rows // max(1, min_rows)))
         fn(*head, 0, num_rows, *tail, threads)
     else:
         _over_rows(lambda begin, end: fn(*head, begin, end, *tail, 1), num_rows, min_rows)
@@ -326,7 +328,7 @@ def _native_norm(*tensors: torch.Tensor | None) -> bool:
     if torch.is_grad_enabled():
         return False
     for t in tensors:  # a loop, not all(<generator>): this runs a few dozen times per step
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+        if t is not None and (t.dtype is not torch.float32 or not t.is_cpu):
             return False
     return True
 
