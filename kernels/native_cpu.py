@@ -44,9 +44,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -148,7 +150,7 @@ SIGNATURES: dict[str, dict[str, list[type]]] = {
     "attention": {"canvas_attention": [*[_PTR] * 13, *[_I64] * 7, _F32, *[_I64] * 4]},
     "step": {
         "canvas_qkv_norm_rope": [*[_PTR] * 10, *[_I64] * 3, _F32, *[_I64] * 3],
-        "canvas_route": [*[_PTR] * 6, *[_I64] * 3, _F32, *[_I64] * 3],
+        "canvas_route": [*[_PTR] * 6, *[_I64] * 4, _F32, *[_I64] * 3],
         "canvas_geglu": [*[_PTR] * 3, *[_I64] * 3],
         "canvas_philox_uniform": [*[_PTR] * 3, _I64],
     },
@@ -158,6 +160,7 @@ _RETURNS_I64 = {
     "canvas_moe_lanes",
     "canvas_moe_sort",
     "canvas_attention_lanes",
+    "canvas_step_lanes",
     *(f"canvas_{name}_openmp" for name in SIGNATURES),
 }
 
@@ -320,6 +323,35 @@ def sample_and_embed(
 
 
 # -- norms (`norms.c`) -------------------------------------------------------------------------
+
+
+# Packed copies of weights by the ids of the tensors they come from (an owner and the others
+# packed with it: one weight may be packed alone and in a group): (a weak reference to the
+# owner, the tensors' version counters, the packed tensors). An entry goes when its owner does,
+# and is rebuilt when a tensor it was made from changes in place (model weights are never
+# inference tensors, whose changes no counter records).
+_PACKED: dict[tuple[int, ...], tuple[Any, ...]] = {}
+
+
+def _version(t: torch.Tensor) -> int:
+    """The in-place version counter (-1 for an inference tensor, which has none: weights made
+    under `torch.inference_mode` are taken as fixed)."""
+    return -1 if t.is_inference() else t._version
+
+
+def _packed(
+    owner: torch.Tensor, others: tuple[torch.Tensor, ...], make: Callable[[], tuple[Any, ...]]
+) -> tuple[Any, ...]:
+    """`make()`'s packed tensors of `owner` (and `others`), made once while they are unchanged.
+    Used by `native_moe` (experts, projections) and `native_step` (the router)."""
+    index = (id(owner), *(id(t) for t in others))
+    key = tuple(_version(t) for t in (owner, *others))
+    cached = _PACKED.get(index)
+    if cached is not None and cached[0]() is owner and cached[1] == key:
+        return cached[2]
+    packed = make()
+    _PACKED[index] = (weakref.ref(owner, lambda _: _PACKED.pop(index, None)), key, packed)
+    return packed
 
 
 def _native_norm(*tensors: torch.Tensor | None) -> bool:

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -28,6 +26,7 @@ from kernels import native_step, reference
 from kernels.native_cpu import (
     _native_norm,
     _over_rows,
+    _packed,
     _ranges,
     library,
     on_torch_team,
@@ -101,32 +100,6 @@ def moe_lanes() -> int:
     """The vector width (floats) `moe.c` was compiled with; 0 without the library."""
     lib = library("moe")
     return int(lib.canvas_moe_lanes()) if lib is not None else 0
-
-
-# Packed weights by the id of the tensor they come from: (a weak reference to it, its key, the
-# packed tensors). An entry goes when its tensor does, and is rebuilt when a tensor it was made
-# from changes in place (its version counter moves; model weights are never inference tensors).
-_PACKED: dict[int, tuple[Any, ...]] = {}
-
-
-def _version(t: torch.Tensor) -> int:
-    """The in-place version counter (-1 for an inference tensor, which has none: weights made
-    under `torch.inference_mode` are taken as fixed)."""
-    return -1 if t.is_inference() else t._version
-
-
-def _packed(
-    owner: torch.Tensor, others: tuple[torch.Tensor, ...], make: Callable[[], tuple[Any, ...]]
-) -> tuple[Any, ...]:
-    """`make()`'s packed tensors of `owner` (and `others`), made once while they are unchanged."""
-    key = (*(id(t) for t in others), *(_version(t) for t in (owner, *others)))
-    cached = _PACKED.get(id(owner))
-    if cached is not None and cached[0]() is owner and cached[1] == key:
-        return cached[2]
-    packed = make()
-    index = id(owner)
-    _PACKED[index] = (weakref.ref(owner, lambda _: _PACKED.pop(index, None)), key, packed)
-    return packed
 
 
 def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

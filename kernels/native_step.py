@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference, reference_layer
-from kernels.native_cpu import _min_rows, _native_norm, library, split_rows
+from kernels.native_cpu import _min_rows, _native_norm, _packed, library, split_rows
 
 # Head and hidden sizes up to which a token's rows go on the C stack (the twins beyond).
 MAX_ROW = 16384
@@ -92,8 +92,10 @@ def route_experts(
     rows = x.shape[0]
     weights = torch.empty(rows, top_k, dtype=torch.float32)
     ids = torch.empty(rows, top_k, dtype=torch.int64)
-    tensors = (x, scale.contiguous(), proj.contiguous(), per_expert_scale.contiguous())
-    head = (*(t.data_ptr() for t in (*tensors, weights, ids)), size, experts, top_k, eps)
+    (projt,) = _packed(proj, (), lambda: (_transposed(proj),))
+    tensors = (x, scale.contiguous(), projt, per_expert_scale.contiguous())
+    head = (*(t.data_ptr() for t in (*tensors, weights, ids)), size, experts, projt.shape[1])
+    head = (*head, top_k, eps)
     split_rows("step", lib.canvas_route, head, (), rows, _min_rows(size))
     return weights.view(*hidden.shape[:-1], top_k), ids.view(*hidden.shape[:-1], top_k)
 
@@ -114,6 +116,18 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Te
     out = torch.empty_like(g)
     head = (g.data_ptr(), u.data_ptr(), out.data_ptr())
     split_rows("step", lib.canvas_geglu, head, (), g.numel(), _min_rows(1))
+    return out
+
+
+def _transposed(proj: torch.Tensor) -> torch.Tensor:
+    """The router's [E, H] projection as `step.c` reads it: [H, ep], zeros past the E experts
+    (ep the next multiple of the library's vector width)."""
+    lib = library("step")
+    assert lib is not None, "native kernels are bound only when their libraries load"
+    lanes = int(lib.canvas_step_lanes())
+    experts, size = proj.shape
+    out = torch.zeros(size, -(-experts // lanes) * lanes, dtype=torch.float32)
+    out[:, :experts] = proj.detach().t()
     return out
 
 

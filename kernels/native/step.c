@@ -58,29 +58,29 @@ static void qkv_rows(const float *q, const float *k, const float *v, const float
     }
 }
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    vf acc = {0};
-    int64_t i = 0;
-    for (; i + W <= n; i += W) acc += load(a + i) * load(b + i);
-    float sum = 0.0f;
-    for (int j = 0; j < W; ++j) sum += acc[j];
-    for (; i < n; ++i) sum += a[i] * b[i];
-    return sum;
-}
-
 /* Tokens [b, e) of the router: h = rms_norm(x, scale) / sqrt(H); scores = proj @ h; the top_k
  * scores (largest first, the lower expert on a tie); weights = softmax over them times each
- * chosen expert's per_expert_scale. */
-static void route_rows(const float *x, const float *scale, const float *proj, const float *pes,
+ * chosen expert's per_expert_scale. The projection comes transposed and padded (`projt`
+ * [H, ep], ep a multiple of V, zeros past the experts), so a token's scores are V experts per
+ * vector (four partial sums over the hidden units, in a fixed order): one FMA per unit and
+ * block of experts, where the [E, H] rows took a dot product and a horizontal sum each. */
+static void route_rows(const float *x, const float *scale, const float *projt, const float *pes,
                        float *weights, int64_t *ids, int64_t hidden, int64_t experts,
-                       int64_t top_k, float eps, int64_t b, int64_t e) {
-    float h[hidden], scores[experts];
+                       int64_t ep, int64_t top_k, float eps, int64_t b, int64_t e) {
+    float h[hidden], scores[ep];
     const float root = 1.0f / sqrtf((float)hidden);
     for (int64_t r = b; r < e; ++r) {
         const float *xr = x + r * hidden;
         scale_row(h, xr, inv_rms(xr, hidden, eps), scale, 0, hidden);
         for (int64_t i = 0; i < hidden; ++i) h[i] *= root;
-        for (int64_t j = 0; j < experts; ++j) scores[j] = dot(h, proj + j * hidden, hidden);
+        for (int64_t j = 0; j < ep; j += MOE_V) { /* four chains: FMA latency, not a chain */
+            mv acc[4] = {{0}, {0}, {0}, {0}};
+            int64_t i = 0;
+            for (; i + 4 <= hidden; i += 4)
+                for (int c = 0; c < 4; ++c) acc[c] += h[i + c] * mload(projt + (i + c) * ep + j);
+            for (; i < hidden; ++i) acc[0] += h[i] * mload(projt + i * ep + j);
+            mstore(scores + j, (acc[0] + acc[1]) + (acc[2] + acc[3]));
+        }
         float *w = weights + r * top_k, sum = 0.0f;
         int64_t *id = ids + r * top_k;
         for (int64_t t = 0; t < top_k; ++t) {
@@ -110,6 +110,8 @@ static void geglu_range(const float *gate, const float *up, float *out, int64_t 
 
 CANVAS_DEFINE_OPENMP(canvas_step_openmp)
 
+int64_t canvas_step_lanes(void) { return MOE_V; }
+
 void canvas_qkv_norm_rope(const float *q, const float *k, const float *v, const float *qw,
                           const float *kw, const float *cos, const float *sin, float *qo,
                           float *ko, float *vo, int64_t hq, int64_t hkv, int64_t d, float eps,
@@ -118,12 +120,12 @@ void canvas_qkv_norm_rope(const float *q, const float *k, const float *v, const 
                   qkv_rows(q, k, v, qw, kw, cos, sin, qo, ko, vo, hq, hkv, d, eps, b, e));
 }
 
-void canvas_route(const float *x, const float *scale, const float *proj, const float *pes,
-                  float *weights, int64_t *ids, int64_t hidden, int64_t experts, int64_t top_k,
-                  float eps, int64_t row_begin, int64_t row_end, int64_t threads) {
+void canvas_route(const float *x, const float *scale, const float *projt, const float *pes,
+                  float *weights, int64_t *ids, int64_t hidden, int64_t experts, int64_t ep,
+                  int64_t top_k, float eps, int64_t row_begin, int64_t row_end, int64_t threads) {
     PARALLEL_ROWS(threads, row_begin, row_end,
-                  route_rows(x, scale, proj, pes, weights, ids, hidden, experts, top_k, eps, b,
-                             e));
+                  route_rows(x, scale, projt, pes, weights, ids, hidden, experts, ep, top_k, eps,
+                             b, e));
 }
 
 /* Elements [begin, end), split in whole vectors (the values do not depend on the split). */

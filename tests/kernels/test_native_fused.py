@@ -181,3 +181,37 @@ def test_a_forward_on_the_fused_projections_has_the_unfused_bits(tiny_checkpoint
         outs.append(out + seqs.cache.keys + seqs.cache.values)
     for got, want in zip(*outs, strict=True):
         assert torch.equal(got, want)
+
+
+@torch.no_grad()
+def test_a_weight_packed_alone_and_in_a_group_keeps_both_copies():
+    """`linear` packs q alone and `linear_many` packs it with k: both packed copies stay cached
+    (neither call repacks after the other), and both go with the weight."""
+    lanes = _lanes()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(200, 64, generator=g)
+    q, k = torch.randn(2 * lanes, 64, generator=g), torch.randn(2 * lanes, 64, generator=g)
+    native_moe.linear(x, q, None)
+    native_moe.linear_many(x, [q, k], None)
+    alone, grouped = (id(q),), (id(q), id(k))
+    first = native_cpu._PACKED[alone][2], native_cpu._PACKED[grouped][2]
+    native_moe.linear(x, q, None)
+    native_moe.linear_many(x, [q, k], None)
+    assert native_cpu._PACKED[alone][2] is first[0] and native_cpu._PACKED[grouped][2] is first[1]
+    del q
+    assert alone not in native_cpu._PACKED and grouped not in native_cpu._PACKED
+
+
+@torch.no_grad()
+def test_the_router_follows_its_projection_when_it_changes():
+    """The router's transposed projection is packed once and repacked when the weight changes
+    in place (a loaded checkpoint); experts of the transposed scores match the twin's."""
+    g = torch.Generator().manual_seed(4)
+    x, scale = torch.randn(64, 48, generator=g), torch.rand(48, generator=g) + 0.5
+    proj, pes = torch.randn(20, 48, generator=g), torch.rand(20, generator=g) + 0.5
+    for _ in range(2):
+        weights, ids = native_step.route_experts(x, scale, proj, pes, 3, 1e-6)
+        want_w, want_ids = reference.route_experts(x, scale, proj, pes, 3, 1e-6)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+        proj.mul_(-1.0)
