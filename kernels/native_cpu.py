@@ -219,9 +219,7 @@ def split_rows(
     per thread: one call on torch's team (`on_torch_team(name)`), else `_over_rows`' ranges on
     Python threads, one thread each."""
     if on_torch_team(name):
-        threads = 1  # as many as `_ranges` would make (every range of them holds rows)
-        if num_rows >= 2 * min_rows:
-            threads = max(1, min(torch.get_num_threads(), num_rows // max(1, min_rows)))
+        threads = _threads(num_rows, min_rows) if num_rows >= 2 * min_rows else 1
         fn(*head, 0, num_rows, *tail, threads)
     else:
         _over_rows(lambda begin, end: fn(*head, begin, end, *tail, 1), num_rows, min_rows)
@@ -249,8 +247,14 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="canvas-native")
 
 
+def _threads(num_rows: int, min_rows: int) -> int:
+    """torch's thread count, at most one thread per `min_rows` rows (at least one)."""
+    return max(1, min(torch.get_num_threads(), num_rows // max(1, min_rows)))
+
+
 def _ranges(num_rows: int, min_rows: int) -> list[tuple[int, int]]:
-    threads = max(1, min(torch.get_num_threads(), num_rows // max(1, min_rows)))
+    """`_threads`' ranges of [0, num_rows), each holding rows."""
+    threads = _threads(num_rows, min_rows)
     bounds = [num_rows * i // threads for i in range(threads + 1)]
     return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 

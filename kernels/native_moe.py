@@ -27,7 +27,7 @@ from kernels.native_cpu import (
     _native_norm,
     _over_rows,
     _packed,
-    _ranges,
+    _threads,
     library,
     on_torch_team,
     split_rows,
@@ -270,7 +270,7 @@ def _experts_tiled(
     args = [t.data_ptr() for t in (x, gup, dnp, w, pairs, ends, ybuf)]
     shape = (num_experts, top_k, size, inter)
     if on_torch_team("moe"):
-        threads = len(_ranges(pairs.numel(), MIN_EXPERT_ROWS_PER_THREAD))
+        threads = _threads(pairs.numel(), MIN_EXPERT_ROWS_PER_THREAD)
         act = torch.empty(threads, 16, inter, dtype=torch.float32)  # each thread's GeGLU tile
         lib.canvas_moe_rows_parallel(*args, act.data_ptr(), *shape, pairs.numel(), threads)
     else:

@@ -111,7 +111,8 @@ class Attention(nn.Module):
         One call where the kernels project several weights at once and no adapter applies."""
         many = self.kernels.linear_many
         if many is not None and self.lora is None:
-            projections = [self.q_proj, self.k_proj] + ([self.v_proj] if self.v_proj else [])
+            projections = [self.q_proj, self.k_proj]
+            projections += [self.v_proj] if self.v_proj is not None else []
             q, k, *v = many(x, [p.weight for p in projections], batch.segments)
             return q, k, v[0] if v else k
         q, k = self._project("q_proj", x, batch), self._project("k_proj", x, batch)
@@ -147,15 +148,15 @@ class GatedMLP(nn.Module):
         self, x: torch.Tensor, segments: list[int], batch: ForwardBatch | None = None
     ) -> torch.Tensor:
         """`batch` (the forward's rows) is needed only when an adapter is attached."""
-        linear = self.kernels.linear
-        if (self.lora is None or batch is None) and self.kernels.gated_linear is not None:
-            weights = (self.gate_proj.weight, self.up_proj.weight)
-            hidden = self.kernels.gated_linear(x, *weights, self.activation, segments)
-            return linear(hidden, self.down_proj.weight, segments)
+        linear, gated_linear = self.kernels.linear, self.kernels.gated_linear
         if self.lora is None or batch is None:
-            gate = linear(x, self.gate_proj.weight, segments)
-            up = linear(x, self.up_proj.weight, segments)
-            hidden = self.kernels.gated_act(gate, up, self.activation)  # act(gate) * up
+            if gated_linear is not None:  # act(gate) * up in one call
+                weights = (self.gate_proj.weight, self.up_proj.weight)
+                hidden = gated_linear(x, *weights, self.activation, segments)
+            else:
+                gate = linear(x, self.gate_proj.weight, segments)
+                up = linear(x, self.up_proj.weight, segments)
+                hidden = self.kernels.gated_act(gate, up, self.activation)  # act(gate) * up
             return linear(hidden, self.down_proj.weight, segments)
         lora = self.lora
         gate = self.act(lora["gate_proj"](x, linear(x, self.gate_proj.weight, segments), batch))

@@ -187,6 +187,15 @@ void canvas_moe_sum(const float *ybuf, float *out, int64_t top_k, int64_t h, int
  * same x (attention's q, k and v) run as one: their weights packed one after the other, output
  * columns [0, n0) go to out0 (rows of n0), [n0, n0 + n1) to out1 and the rest to out2, each
  * column's value the same as from its own projection. */
+/* a[0..MR): the rows [row, row + m) of x (rows of k_dim), the last repeated to fill the tile;
+ * returns m = min(MR, row_end - row). */
+static inline int tile_rows(const float **a, const float *x, int64_t row, int64_t row_end,
+                            int64_t k_dim) {
+    const int m = row_end - row < MOE_MR ? (int)(row_end - row) : MOE_MR;
+    for (int r = 0; r < MOE_MR; ++r) a[r] = x + (row + (r < m ? r : m - 1)) * k_dim;
+    return m;
+}
+
 static void linear_rows(const float *x, const float *wp, float *const out[3], const int64_t n_of[3],
                         int64_t k_dim, int64_t n, int64_t row_begin, int64_t row_end) {
     for (int64_t c = 0; c < n / (2 * MOE_V); ++c) {
@@ -195,9 +204,8 @@ static void linear_rows(const float *x, const float *wp, float *const out[3], co
         float *dst = out[part];
         const int64_t ld = n_of[part];
         for (int64_t row = row_begin; row < row_end; row += MOE_MR) {
-            int m = row_end - row < MOE_MR ? (int)(row_end - row) : MOE_MR;
             const float *a[MOE_MR];
-            for (int r = 0; r < MOE_MR; ++r) a[r] = x + (row + (r < m ? r : m - 1)) * k_dim;
+            const int m = tile_rows(a, x, row, row_end, k_dim);
             mv y0[MOE_MR], y1[MOE_MR];
             tile_2v(a, wp + c * k_dim * 2 * MOE_V, k_dim, y0, y1);
             for (int r = 0; r < m; ++r) {
@@ -235,9 +243,8 @@ static void gated_rows(const float *x, const float *gup, float *out, int64_t k_d
                        int64_t inter, int64_t row_begin, int64_t row_end) {
     for (int64_t j = 0; j < inter / MOE_V; ++j) {
         for (int64_t row = row_begin; row < row_end; row += MOE_MR) {
-            int m = row_end - row < MOE_MR ? (int)(row_end - row) : MOE_MR;
             const float *a[MOE_MR];
-            for (int r = 0; r < MOE_MR; ++r) a[r] = x + (row + (r < m ? r : m - 1)) * k_dim;
+            const int m = tile_rows(a, x, row, row_end, k_dim);
             mv g[MOE_MR], u[MOE_MR];
             tile_2v(a, gup + j * k_dim * 2 * MOE_V, k_dim, g, u);
             for (int r = 0; r < m; ++r) mstore(out + (row + r) * inter + j * MOE_V, mgelu_tanh(g[r]) * u[r]);

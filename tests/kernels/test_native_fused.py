@@ -5,26 +5,12 @@ replaces, bit for bit: the dense MLP's gate and up projections with GeGLU
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 import kernels
 from kernels import native_cpu, native_moe, native_step, reference, reference_layer
-
-pytestmark = pytest.mark.skipif(
-    shutil.which("cc") is None, reason="no C compiler on this machine (the twins stay bound)"
-)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_library(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("CANVAS_CACHE", str(tmp_path_factory.getbasetemp() / "canvas-cache"))
-    monkeypatch.delenv("CANVAS_NATIVE", raising=False)
-    native_cpu.library.cache_clear()
-    yield
-    native_cpu.library.cache_clear()
+from tests.kernels.test_native_cpu import _fresh_library, pytestmark  # noqa: F401 (autouse)
 
 
 def _lanes() -> int:
