@@ -326,15 +326,12 @@ def sample_and_embed(
     return result, soft * torch.tensor(scale, dtype=weight.dtype)
 
 
-# -- norms (`norms.c`) -------------------------------------------------------------------------
-
-
-# Packed copies of weights by the ids of the tensors they come from (an owner and the others
-# packed with it: one weight may be packed alone and in a group): (a weak reference to the
-# owner, the tensors' version counters, the packed tensors). An entry goes when its owner does,
-# and is rebuilt when a tensor it was made from changes in place (model weights are never
-# inference tensors, whose changes no counter records).
-_PACKED: dict[tuple[int, ...], tuple[Any, ...]] = {}
+# Packed copies of weights by their layout and the ids of the tensors they come from (an owner
+# and the others packed with it: one weight may be packed alone and in a group): (a weak
+# reference to the owner, the tensors' version counters, the packed tensors). An entry goes when
+# its owner does, and is rebuilt when a tensor it was made from changes in place (model weights
+# are never inference tensors, whose changes no counter records).
+_PACKED: dict[tuple[object, ...], tuple[Any, ...]] = {}
 
 
 def _version(t: torch.Tensor) -> int:
@@ -344,11 +341,15 @@ def _version(t: torch.Tensor) -> int:
 
 
 def _packed(
-    owner: torch.Tensor, others: tuple[torch.Tensor, ...], make: Callable[[], tuple[Any, ...]]
+    owner: torch.Tensor,
+    others: tuple[torch.Tensor, ...],
+    make: Callable[[], tuple[Any, ...]],
+    kind: str = "tiles",
 ) -> tuple[Any, ...]:
-    """`make()`'s packed tensors of `owner` (and `others`), made once while they are unchanged.
-    Used by `native_moe` (experts, projections) and `native_step` (the router)."""
-    index = (id(owner), *(id(t) for t in others))
+    """`make()`'s packed tensors of `owner` (and `others`), made once while they are unchanged;
+    `kind` names the layout (one weight may have several). Used by `native_moe` (experts,
+    projections) and `native_step` (the router)."""
+    index = (kind, id(owner), *(id(t) for t in others))
     key = tuple(_version(t) for t in (owner, *others))
     cached = _PACKED.get(index)
     if cached is not None and cached[0]() is owner and cached[1] == key:
@@ -356,6 +357,9 @@ def _packed(
     packed = make()
     _PACKED[index] = (weakref.ref(owner, lambda _: _PACKED.pop(index, None)), key, packed)
     return packed
+
+
+# -- norms (`norms.c`) -------------------------------------------------------------------------
 
 
 def _native_norm(*tensors: torch.Tensor | None) -> bool:

@@ -92,7 +92,7 @@ def route_experts(
     rows = x.shape[0]
     weights = torch.empty(rows, top_k, dtype=torch.float32)
     ids = torch.empty(rows, top_k, dtype=torch.int64)
-    (projt,) = _packed(proj, (), lambda: (_transposed(proj),))
+    (projt,) = _packed(proj, (), lambda: (_transposed(proj),), kind="router")
     tensors = (x, scale.contiguous(), projt, per_expert_scale.contiguous())
     head = (*(t.data_ptr() for t in (*tensors, weights, ids)), size, experts, projt.shape[1])
     head = (*head, top_k, eps)

@@ -179,7 +179,7 @@ def test_a_weight_packed_alone_and_in_a_group_keeps_both_copies():
     q, k = torch.randn(2 * lanes, 64, generator=g), torch.randn(2 * lanes, 64, generator=g)
     native_moe.linear(x, q, None)
     native_moe.linear_many(x, [q, k], None)
-    alone, grouped = (id(q),), (id(q), id(k))
+    alone, grouped = ("tiles", id(q)), ("tiles", id(q), id(k))
     first = native_cpu._PACKED[alone][2], native_cpu._PACKED[grouped][2]
     native_moe.linear(x, q, None)
     native_moe.linear_many(x, [q, k], None)
