@@ -13,7 +13,7 @@ STAMP   := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 BENCH_ARGS  ?=
 
-.PHONY: venv serve test lint bench bench-prefix bench-hybrid bench-structured soak fuzz clean gpu-compile roofline
+.PHONY: venv serve test parity-sweep lint bench bench-prefix bench-hybrid bench-structured soak fuzz clean gpu-compile roofline
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,13 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest tests --durations=15
+
+# Exact numerics against the transformers reference over random configurations x seeds, at
+# 1, 2 and 4 CPU threads (tests/parity_sweep.py; tokens and every decoder pass's logits bit for
+# bit). SWEEP_CASES cases, about 4 s each on 2 cores; `make test` runs a fixed sample.
+SWEEP_CASES ?= 300
+parity-sweep: $(STAMP)
+	$(BIN)/python -m tests.parity_sweep --cases $(SWEEP_CASES)
 
 # Canvas vs the transformers reference on two checkpoints, bench-small and bench-tiny (CPU,
 # ~20 min; every configuration warmed, then timed in rounds); reports in bench-out/small and

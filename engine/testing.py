@@ -374,12 +374,14 @@ def make_tiny(
     seed: int = 0,
     text_overrides: dict[str, Any] | None = None,
     vision: bool = False,
+    canvas_length: int | None = None,
 ) -> Path:
     """Write a tiny checkpoint for `preset` (its text_config updated with `text_overrides`, for
     a config variant under test) into `out_dir` and return the path. `vision`: with a working
     vision tower, image tokens and an image processor config (see TINY_VISION_TEST_CONFIG),
     and, as the real model, `use_bidirectional_attention: "vision"` (image tokens attend to
-    their whole image; `text_overrides={"use_bidirectional_attention": None}`: causally)."""
+    their whole image; `text_overrides={"use_bidirectional_attention": None}`: causally).
+    `canvas_length`: instead of the preset's (the parity sweep's random configurations)."""
     import torch
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
@@ -400,7 +402,7 @@ def make_tiny(
     config = DiffusionGemmaConfig(
         text_config=text,
         vision_config=dict(TINY_VISION_TEST_CONFIG if vision else TINY_VISION_CONFIG),
-        canvas_length=spec.canvas_length,
+        canvas_length=canvas_length or spec.canvas_length,
         **image_ids,
     )
     torch.manual_seed(seed)
