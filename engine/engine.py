@@ -233,10 +233,6 @@ class Engine:
             self.scheduler.check()
         return forgotten
 
-    @property
-    def numerics(self) -> str:
-        return self.model.kernels.describe()
-
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

@@ -79,12 +79,6 @@ class RequestState:
     image_spans: tuple[tuple[int, int], ...] = ()
 
     @property
-    def media_hashes(self) -> tuple[str, ...]:
-        """The content hashes of the request's images, in prompt order (two prompts with the
-        same ids share a prefix's KV only when these agree too)."""
-        return tuple(image.digest for image in self.images)
-
-    @property
     def remaining(self) -> int:
         """Tokens left in the budget."""
         return self.params.max_tokens - len(self.output_ids)

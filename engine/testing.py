@@ -287,18 +287,6 @@ def estimate_parameters(text: dict[str, Any]) -> ParamCount:
     return ParamCount(total + rest, active + rest)
 
 
-def real_26b_a4b_config() -> Any:
-    """The `DiffusionGemmaConfig` of the real 26B-A4B text stack, with the tiny vision tower
-    (text benchmarks never run it). Build its weights only on a GPU."""
-    from transformers import DiffusionGemmaConfig
-
-    return DiffusionGemmaConfig(
-        text_config=dict(REAL_26B_A4B_TEXT_CONFIG),
-        vision_config=dict(TINY_VISION_CONFIG),
-        canvas_length=REAL_26B_A4B_CANVAS_LENGTH,
-    )
-
-
 def build_tokenizer(vocab_size: int, vision: bool = False) -> Any:
     """A byte-level tokenizer that works offline, padded with unused tokens to `vocab_size`
     (`vision`: with the image markup tokens after the chat markup)."""

@@ -180,9 +180,7 @@ def _compare(
     return ""
 
 
-def sweep(
-    indices: Sequence[int], threads: Sequence[int], log: Any = None
-) -> list[CaseResult]:
+def sweep(indices: Sequence[int], threads: Sequence[int], log: Any = None) -> list[CaseResult]:
     """Run the cases; `log(line)` hears one line per case."""
     import transformers
 
