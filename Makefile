@@ -99,8 +99,8 @@ gpu-compile: $(STAMP)
 
 # The engine's step at the real 26B-A4B shapes on the meta device, every op accounted: predicted
 # H200 / H100 step times against the roofline floor, top ops, launches and host syncs per step
-# (README, "GPU roofline"; about a minute of CPU). ROOFLINE_ARGS=--calibrate: the accountant
-# against a measured CPU step instead.
+# (docs/gpu.md, "GPU roofline"; about a minute of CPU). The accountant against a measured CPU
+# step instead: python -m loadtest.roofline_calibrate.
 ROOFLINE_ARGS ?=
 roofline: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.roofline $(ROOFLINE_ARGS)

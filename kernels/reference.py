@@ -14,36 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Gemma RMSNorm in fp32: x * (mean(x^2) + eps)^-0.5 * weight (weight used as is)."""
-    h = x.float()
-    h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    if weight is not None:
-        h = h * weight.float()
-    return h.type_as(x)
-
-
-# Up to this many elements a CPU norm is one `F.rms_norm` call (one dispatch: ~25% less time
-# for the few rows of an AR step); beyond it `F.rms_norm`'s CPU loop is up to 4x slower than
-# `rms_norm_fused`'s three vectorised passes. Both give the same bits (tested), so the switch
-# keeps a row's value independent of its batch.
-SMALL_NORM = 1 << 15
-
-
-def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`rms_norm` in fast numerics, for fp32 operands (other dtypes take the twin): on the CPU
-    the mean square as one dot product per row, then two in-place scalings (3 passes over x
-    instead of the twin's 6, ~40% less time at a small model's shapes), or for a few rows one
-    `F.rms_norm` call; elsewhere `F.rms_norm`. Either may differ from the twin in the last
-    bit."""
-    if x.dtype != torch.float32 or (weight is not None and weight.dtype != torch.float32):
-        return rms_norm(x, weight, eps)
-    if x.device.type != "cpu" or x.numel() <= SMALL_NORM:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    inv = torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps).rsqrt_().unsqueeze(-1)
-    out = x * inv
-    return out if weight is None else out.mul_(weight)
+from kernels.reference_norm import SMALL_NORM, rms_norm, rms_norm_fused
 
 
 def apply_rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

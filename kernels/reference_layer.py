@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import SMALL_NORM, rms_norm, rms_norm_fused
+from kernels.reference_norm import SMALL_NORM, rms_norm, rms_norm_fused
 
 Norm = Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor]
 

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,22 +44,11 @@ from typing import Any
 
 import torch
 
+from loadtest.gpu_compile_variants import SETS, Variant, variants
+
 # Opt-in dynamic shared memory per block (CUDA C programming guide, compute capabilities).
 SHARED_LIMITS = {90: 232_448, 80: 166_912}
 MAX_REGISTERS = 255
-
-
-@dataclass(frozen=True, slots=True)
-class Variant:
-    """One launcher call: every kernel it compiles is checked."""
-
-    name: str
-    group: str  # "real" (26B-A4B bf16), "edge", "test" (the gpu tests' shapes), "fp32"
-    launch: Callable[[], object]
-
-    @property
-    def spills_allowed(self) -> bool:
-        return self.group == "fp32"
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +195,6 @@ def table(compiled: list[Compiled]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadtest.gpu_compile_variants import SETS, variants
-
     p = argparse.ArgumentParser(prog="gpu_compile", description=__doc__.split("\n\n")[0])
     p.add_argument("--set", choices=sorted(SETS), default="make-test", dest="which")
     p.add_argument("--arch", type=int, nargs="+", choices=sorted(SHARED_LIMITS), default=[90])

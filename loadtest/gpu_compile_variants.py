@@ -13,13 +13,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.testing import REAL_26B_A4B_CANVAS_LENGTH, REAL_26B_A4B_TEXT_CONFIG
 from kernels.reference import PagedRows
-from loadtest.gpu_compile import Variant
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One launcher call: every kernel it compiles is checked."""
+
+    name: str
+    group: str  # "real" (26B-A4B bf16), "edge", "test" (the gpu tests' shapes), "fp32"
+    launch: Callable[[], object]
+
+    @property
+    def spills_allowed(self) -> bool:
+        return self.group == "fp32"
+
 
 REAL = REAL_26B_A4B_TEXT_CONFIG
 CANVAS = REAL_26B_A4B_CANVAS_LENGTH

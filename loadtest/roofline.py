@@ -3,7 +3,7 @@ run on the meta device through the custom ops (`KernelSet.with_custom_ops`), eve
 recorded by `loadtest.accountant` and its time predicted on an H200 and an H100 SXM.
 
     python -m loadtest.roofline [--canvases 1 4 16 64] [--layers N] [--top 8]   (make roofline)
-    python -m loadtest.roofline --calibrate   (the accountant against a measured CPU step)
+    python -m loadtest.roofline_calibrate     (the accountant against a measured CPU step)
 
 Step kinds (prefix PREFIX_LEN tokens per row): `denoise` (R canvases, head and sampler),
 `commit` (R commit passes of a canvas beside the R next canvases' first steps), `prefill`
@@ -248,13 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--layers", type=int, default=None, help="only the first N layers")
     parser.add_argument("--top", type=int, default=8)
-    parser.add_argument("--calibrate", action="store_true", help="predict a measured CPU step")
     args = parser.parse_args(argv)
-    if args.calibrate:
-        from loadtest.roofline_calibrate import calibrate
-
-        print(calibrate())
-        return 0
     config = with_layers(model_config(), args.layers)
     kernels = resolve_kernels("cpu", "twins").with_custom_ops()
     model = build(config, kernels, torch.device("meta"))

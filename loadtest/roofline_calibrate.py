@@ -4,7 +4,7 @@ layer pattern and MoE scaled to ~32M parameters) in fp32 on the CPU with the fas
 accountant predicts its time from this machine's rates, measured here (an fp32 GEMM, a copy,
 a tiny op's dispatch cost), and the step is then timed (warmed, median of repeats).
 
-    python -m loadtest.roofline --calibrate
+    python -m loadtest.roofline_calibrate
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from engine.testing import PRESETS, preset_text_config
 from kernels import resolve_kernels
 from loadtest.accountant import Accountant, Hardware, sdpa_flops
 from loadtest.gpu_bench import meta_model
+from loadtest.roofline import StepHarness
 
 PRESET = "bench-small"
 CANVASES = (4, 16)
@@ -86,7 +87,6 @@ def cpu_model(preset: str = PRESET) -> torch.nn.Module:
 
 def calibrate(kinds: tuple[str, ...] = ("denoise", "commit"), repeats: int = 3) -> str:
     """One thread: a shared 2-core VM slows multi-threaded ops erratically (cpu-facts.md)."""
-    from loadtest.roofline import StepHarness
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -122,3 +122,7 @@ def calibrate(kinds: tuple[str, ...] = ("denoise", "commit"), repeats: int = 3) 
                     f"| {measured * 1e3:.1f} | {predicted / measured:.2f} |"
                 )
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(calibrate())

@@ -144,9 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
+    from engine.default_model import cache_dir
     from engine.testing import make_tiny
     from loadtest.inprocess import serve_in_thread
-    from server.serve import cache_dir
 
     torch.set_num_threads(2)
     checkpoint = cache_dir() / "tiny-c16"

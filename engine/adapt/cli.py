@@ -177,11 +177,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from engine.adapt.train import TrainConfig, train
+    from engine.adapt.train import TrainConfig
+    from engine.adapt.train_adapter import run_training
     from engine.model import CheckpointError
 
     try:
-        final = train(config_from_args(TrainConfig, args))
+        final = run_training(config_from_args(TrainConfig, args))
     except (CheckpointError, ValueError) as exc:
         return _fail("train", exc)
     print(f"wrote {final}")

@@ -33,7 +33,8 @@ import torch
 
 from engine.adapt.convert import convert
 from engine.adapt.evaluate import EvalConfig, evaluate
-from engine.adapt.train import TrainConfig, train
+from engine.adapt.train import TrainConfig
+from engine.adapt.train_adapter import run_training
 from engine.model.adapter import CONFIG_FILE, LORA_FILE, SELF_CONDITIONING_FILE
 
 logger = logging.getLogger("canvas.gpu_train")
@@ -187,7 +188,7 @@ def _train_and_evaluate(
     left = args.budget_s - EVAL_SECONDS - (time.monotonic() - start)
     cfg = TrainConfig(**{**asdict(cfg), "max_seconds": max(left, 1.0)})
     mirror.stage = "distilling and training"
-    adapter = train(cfg)
+    adapter = run_training(cfg)
     trained_at = time.monotonic() - start
     mirror.stage = "evaluating"
     mirror.copy()

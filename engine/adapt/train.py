@@ -385,12 +385,10 @@ def _start(cfg: TrainConfig) -> Path | None:
 
 
 def train(cfg: TrainConfig) -> Path:
-    """Run the training described by `cfg`; returns OUT/final (OUT/adapter with
-    `cfg.adapter`)."""
+    """Train the whole decoder as `cfg` describes; returns OUT/final. An adapter's training
+    (`cfg.adapter`) is `engine.adapt.train_adapter.run_training`'s other branch."""
     if cfg.adapter:
-        from engine.adapt.train_adapter import train_adapter
-
-        return train_adapter(cfg)
+        raise ValueError("cfg.adapter trains an adapter: call train_adapter.run_training(cfg)")
     resume_from = _start(cfg)
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)

@@ -50,6 +50,7 @@ from engine.adapt.train import (
     load_sequences,
     own_aligned_memory,
     restore,
+    train,
     truncate_log,
 )
 from engine.adapt.train_data import (
@@ -297,6 +298,12 @@ def draft_sampler(
     own = [set(seq.starts) for seq, _ in kept]
     boundary = [i for i, (seq, start) in enumerate(sampler.pairs) if start in own[seq]]
     return sampler, boundary
+
+
+def run_training(cfg: TrainConfig) -> Path:
+    """The training `cfg` describes: the decoder adapter (`cfg.adapter`: returns OUT/adapter)
+    or the whole decoder (`engine.adapt.train.train`: returns OUT/final)."""
+    return train_adapter(cfg) if cfg.adapter else train(cfg)
 
 
 def train_adapter(cfg: TrainConfig) -> Path:
