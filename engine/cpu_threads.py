@@ -5,9 +5,9 @@ step's operators are small (a small model, a step of a few tokens) a second thre
 in hand-offs than it adds, and when the HTTP front end or a client on the same machine takes a
 core from one of the threads, the whole region waits for it. Where the GEMMs are large every
 core pays, stalls included. Which side wins depends on the model, the step's size and what else
-runs on the machine (a 2-core VM, sidecar server and load generator on the same cores: 16
-canvases of a 32M-parameter model ran 1.6x faster on two threads; 16 AR rows of a 7M one ~10%
-faster on one; those runs predate `confine_to_steps`, see below). So the engine measures it.
+runs on the machine (a sidecar server and its load generator may share the same few cores:
+large canvas steps favour every core, small AR steps sometimes one fewer). So the engine
+measures it.
 Steps are grouped by their token count (half-octave buckets). A bucket runs one count, its
 *incumbent* (at first the largest, or the choice of a decided bucket within a factor of two),
 and now and then a step with another count, a *probe*. A probe is compared with the incumbent's
@@ -22,11 +22,9 @@ The two mistakes cost differently: too many threads on a small step loses a few 
 too few on a large step loses up to a core's worth of the step. So a bucket starts at the
 largest count and moves to a smaller one only when it measured at least SWITCH_MARGIN faster,
 and a bucket with more tokens than one that settled on the largest count runs it unprobed
-(more work per region only favours more threads).
-Starting at the smallest, a `make bench` run on the 2-core VM (`bench-tiny`, 16 canvases)
-settled on one thread after three noisy probes and ran 16 of 17 steps so, every round: forward
-106 ms a step against 60-80 ms on two, 0.87x the reference's static batch instead of 1.4x;
-the probes that would have corrected it were 8 x 32 steps apart.
+(more work per region only favours more threads). Starting at the smallest instead let a
+few noisy probes settle a large step on too few threads, with the probes that would correct
+it far apart.
 
 `torch.set_num_threads` applies to the calling thread's OpenMP and MKL settings: the tuner
 sets it in the thread that runs the step (the server's step loop), before each step.
@@ -231,8 +229,8 @@ class ThreadTuner:
 
 def make_tuner(choices: Sequence[int], exact: bool) -> ThreadTuner | None:
     """The engine's tuner; None leaves torch's thread count alone. Exact numerics never measure:
-    their bits depend on the thread count (on `bench-small`, both Canvas' exact tokens and the
-    transformers reference's own differ between one thread and two), so they run with the
+    their bits depend on the thread count (a CPU GEMM's last bits do, in Canvas and in the
+    transformers reference alike), so they run with the
     count a reference run has, torch's own (its default, or OMP_NUM_THREADS), unless one count
     is fixed."""
     if not choices or (exact and len(set(choices)) > 1):
@@ -249,12 +247,10 @@ def confine_to_steps() -> int:
 
     Why: GNU OpenMP keeps a team of worker threads for each thread that has run a parallel
     region. With the main thread's team (built while the model loaded) beside the step loop's,
-    it manages more threads than a 2-core VM has cores, and then every team's workers sleep
-    between regions instead of spinning: each region pays a futex wake-up (an element-wise add
-    of 512 x 256 floats: 19 us on the main thread, 90 us on a second one), and a step runs
-    thousands. Measured on `bench-tiny`, 16 canvases, two threads: 1.35 s per 16 requests
-    offline, 2.3-2.9 s on a thread started after the main thread had run a region, 1.2-1.4 s
-    on one started after the main thread ran on one thread only."""
+    it manages more threads than the machine has cores, and then every team's workers sleep
+    between regions instead of spinning: each region pays a futex wake-up, several times the
+    cost of a small element-wise op, and a step runs thousands of regions
+    (docs/performance.md has the measurements)."""
     count = torch.get_num_threads()
     one_thread()
     return count

@@ -3,8 +3,8 @@
 The CPU fast path's twins are sequences of ATen operations, each one pass over its tensors.
 Where a kernel makes many passes over a large tensor the passes, not the arithmetic, cost the
 time. `native/sampler.c`: the diffusion sampler makes about fifteen passes over the
-[positions, vocabulary] logits (on `bench-small`, 8 M logits per step at 16 canvases, ~85 ms of
-a ~500 ms step); the C kernel does each row in three passes that stay in the core's cache.
+[positions, vocabulary] logits (a large share of a canvas step on a CPU); the C kernel does
+each row in three passes that stay in the core's cache.
 `native/norms.c`: RMSNorm and a layer's norm tails (`add_rms_norm`, `rms_norm_pair`,
 `close_layer`: 3 to 10 passes over the [tokens, hidden] activations each) one row at a time,
 also bound for attention's per-head q/k/v norms and the router's norm, where at an AR step's few
@@ -203,9 +203,9 @@ def _build_with_openmp(name: str) -> Path:
 def on_torch_team(name: str) -> bool:
     """Whether library `name` was built with OpenMP and shares torch's runtime: then its rows
     split on torch's team. Python threads of ours wait for the cores while torch's workers spin
-    after each of torch's parallel regions: measured on the 2-core VM, bench-tiny's experts
-    took 2.3 ms split on two Python threads right after a parallel torch op, 1.1 ms on torch's
-    team, 2.0 ms on one thread."""
+    after each of torch's parallel regions, so right after a parallel torch op a split on
+    Python threads can be slower than one thread, and torch's own team is the fastest
+    (docs/performance.md has the measurements)."""
     lib = library(name)
     return (
         lib is not None and bool(getattr(lib, f"canvas_{name}_openmp")()) and one_openmp_runtime()

@@ -4,14 +4,13 @@ numerics (`kernels._with_native`).
 One token (an AR step at one request): its experts' matrix-vector products and GeGLU in one
 call instead of ~10 dispatches per expert. Many tokens (canvas steps, AR batches): register-
 tiled expert products on weights packed once per model (`pack_experts`), where each expert's
-weights fit a core's L2 cache (`bench-tiny`: 196 KiB). The twin (`reference.fused_moe_scattered`)
-gathers each expert's rows, runs two grouped GEMMs (MKL, one call per expert each), weights
-and scatters; at `bench-tiny`'s canvas steps (512 tokens, 16 experts of 64 x 256, top-4) the
-tiles take ~0.6x its time and the whole forward ~0.9x (interleaved in one process); larger
-experts (`bench-small`'s 768 KiB) come out even, and beyond the budget the twin runs. Dense
-projections of at least MIN_LINEAR_ROWS rows on weights of at most MAX_PACKED_LINEAR_BYTES
-(`linear`): the same register tile on the weight packed once, 1.15-1.55x MKL's speed at
-`bench-tiny`'s 512-row shapes. Packed copies live beside the weights they come from (`_packed`).
+weights fit a core's L2 cache. The twin (`reference.fused_moe_scattered`) gathers each
+expert's rows, runs two grouped GEMMs (MKL, one call per expert each), weights and scatters:
+more passes and dispatches than the tiles, which pay most where experts are small; larger
+experts come out even, and beyond the budget the twin runs. Dense projections of at least
+MIN_LINEAR_ROWS rows on weights of at most MAX_PACKED_LINEAR_BYTES (`linear`): the same
+register tile on the weight packed once, faster than MKL at many rows and slower at a few
+(docs/performance.md). Packed copies live beside the weights they come from (`_packed`).
 """
 
 from __future__ import annotations
@@ -120,8 +119,8 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tenso
 
 # Dense weights up to which `linear` packs them (a packed copy beside each: bounded memory).
 MAX_PACKED_LINEAR_BYTES = 1 << 20
-# Rows from which `linear` takes the tiles (measured, 2-core VM: 1.15-1.55x MKL from 512 rows,
-# 0.5-0.95x at 8-37 rows), and rows per thread below which one thread runs all.
+# Rows from which `linear` takes the tiles (below it MKL's small-M path is faster), and rows
+# per thread below which one thread runs all.
 MIN_LINEAR_ROWS = 128
 MIN_LINEAR_ROWS_PER_THREAD = 32
 

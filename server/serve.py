@@ -131,8 +131,7 @@ def choose_threads(
     per step size, and runs each step with the faster (`engine.cpu_threads`). Why measure: a
     sidecar's front end and co-located clients take cores from the model's OpenMP regions,
     which then stall; where a step is a few small operators a second thread costs more in
-    hand-offs than it adds. (The 1.6-2.6x that one thread once measured over two on a 2-core VM
-    was mostly a second OpenMP team, which `confine_to_steps` removes.) `own`:
+    hand-offs than it adds. `own`:
     torch's count before `confine_to_steps` set this thread's to one (None: ask torch); a
     confined server runs exact numerics, which are never measured, at that count, set by the
     step loop (a tuner that does not measure sets none, and the loop would inherit one)."""
@@ -387,8 +386,8 @@ def freeze_heap() -> int:
     """Move every object alive now (the model's modules, the imported libraries, the app) out
     of the garbage collector's reach; returns how many. A full collection walks every tracked
     object while holding the interpreter lock, so the step loop stops with it: in a loaded
-    server (~400k objects) each took ~220 ms, twice in 12 s of serving `bench-tiny` at 16
-    canvases. Frozen objects are never collected (what was garbage is collected first); later
+    server (hundreds of thousands of objects) each stalls a step for a noticeable time. Frozen
+    objects are never collected (what was garbage is collected first); later
     collections walk only what serving allocates."""
     gc.collect()
     gc.freeze()
