@@ -270,8 +270,8 @@ class AsyncEngine:
         command that wakes an idle engine starts a gather: requests a client sent together
         reach the loop a few milliseconds apart (each is parsed, templated and tokenized on the
         event loop first), and stepping at the first one's arrival split a burst of 16 over
-        two prefill steps and made the late ones finish a step after the others (18 steps where
-        an offline batch takes 17 on `bench-tiny`). A lone request waits one gap (10 ms)."""
+        two prefill steps and made the late ones finish a step after the others (one step more
+        than an offline batch). A lone request waits one gap."""
         gap, most = self.gather
         deadline = None
         while True:

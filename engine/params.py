@@ -202,7 +202,8 @@ class DecodingDefaults:
     pad_token_id: int | None = None
     mode: DecodeMode = DecodeMode.DIFFUSION  # Canvas' `canvas_default_mode` key
     # Hybrid mode: denoising steps a draft gets before the encoder verifies it (Canvas'
-    # `canvas_hybrid_draft_steps` key; measured on the default model, see the README).
+    # `canvas_hybrid_draft_steps` key; chosen by measuring the default model, see
+    # docs/decoding-modes.md).
     hybrid_draft_steps: int = 1
 
     @classmethod

@@ -3,9 +3,9 @@ fast numerics (`kernels._with_native`).
 
 The twin (`reference.canvas_attention`) gathers every row's prefix keys from their pages into
 a padded [R, Hkv, S, D] tensor, concatenates the rows' new keys, builds a boolean mask over the
-padding, the window and (ENCODE rows) causality, and calls SDPA: at `bench-tiny`'s canvas
-steps (16 canvases of 32 over 150-250 keys) those gathers and masks cost ~40% on top of SDPA,
-and a prompt chunk pays for every key after its queries. The C kernel reads each row's keys
+padding, the window and (ENCODE rows) causality, and calls SDPA: at small canvas steps those
+gathers and masks cost a large fraction of SDPA itself, and a prompt chunk pays for every key
+after its queries. The C kernel reads each row's keys
 from their pages into a packed block per work item (one row, one KV head, up to QUERY_BLOCK of
 its queries with all the head's query heads), takes the scores and the values' product as
 register-tiled products, and runs each query's softmax over the keys it may see only. Rows with
@@ -109,8 +109,8 @@ def _shaped(
 
 def _items(rows: PagedRows, kv_heads: int) -> torch.Tensor:
     """[num_items, 3] int64 (row, KV head, first query) of every work item, built once per
-    forward (`rows.memo`; every layer of the forward has the same rows), in NumPy (a dozen
-    small torch ops cost ~0.2 ms a forward)."""
+    forward (`rows.memo`; every layer of the forward has the same rows), in NumPy (cheaper
+    than a dozen small torch ops)."""
     key = ("native_attention_items", kv_heads)
     items = rows.memo.get(key)
     if items is None:

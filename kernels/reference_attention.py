@@ -192,9 +192,8 @@ def _by_kind(
 ) -> torch.Tensor:
     """`canvas_attention` of a mixed forward (CPU) as two calls, its DECODE rows and its ENCODE
     rows each padded among themselves: padded together, every canvas of 32 queries was padded to
-    the longest prompt chunk's length (and every prompt to its prefix plus that), ~10x the
-    arithmetic at `bench-tiny`'s prompt step (16 prompts of 105-214 tokens with their first
-    canvases: ~35 ms of attention a layer, 60% of the step). Same values: every row's keys,
+    the longest prompt chunk's length (and every prompt to its prefix plus that), several
+    times the arithmetic of a step that mixes prompts and canvases. Same values: every row's keys,
     mask and queries are its own either way."""
     split = rows.memo.get("by_kind")
     if split is None:

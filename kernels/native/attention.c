@@ -2,8 +2,8 @@
  * `kernels.reference.canvas_attention` (bound from `kernels.native_attention`).
  *
  * The twin gathers every row's prefix keys from their pages into a padded [R, Hkv, S, D]
- * tensor, concatenates the new keys, builds a boolean mask and calls SDPA; at `bench-tiny`'s
- * canvas steps the gathers, concatenations and masks cost ~40% as much as SDPA itself. Here a
+ * tensor, concatenates the new keys, builds a boolean mask and calls SDPA; at small canvas
+ * steps the gathers, concatenations and masks cost a large fraction of SDPA itself. Here a
  * work item is one row, one KV head and a block of at most `qblock` of the row's queries (all
  * the head's query heads): its keys are read from their pages (the prefix) and from the new
  * keys (the row's own tokens) into packed blocks in this thread's scratch, the scores of every

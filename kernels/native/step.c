@@ -5,9 +5,8 @@
  * sampler's counter-based random numbers, bit for bit), bound from `kernels.native_step`.
  *
  * The twins are ATen sequences of 5 to 16 passes over [tokens, heads, dim] or [tokens, hidden]
- * (norm, two half-width products per RoPE half, topk, softmax, gathers); at `bench-tiny`'s
- * canvas steps (512 tokens) their dispatches and passes cost ~0.5 ms a call, several times the
- * arithmetic. Here every token is one pass with its rows in the core's cache. Every sum runs in
+ * (norm, two half-width products per RoPE half, topk, softmax, gathers); at a small model's
+ * canvas steps their dispatches and passes cost several times the arithmetic. Here every token is one pass with its rows in the core's cache. Every sum runs in
  * a fixed order (rows.h), so a token's values never depend on its batch; they differ from the
  * twins' in the last bits (ATen's sums and BLAS's order; GELU's tanh as x * sigmoid(2u)).
  */
@@ -139,7 +138,7 @@ void canvas_geglu(const float *gate, const float *up, float *out, int64_t begin,
 /* `kernels.reference.philox_uniform` bit for bit: Philox4x32-10 keyed by each 64-bit seed on
  * each 64-bit counter (low word, high word, 0, 0), the first output word folded as Triton reads
  * it (int32; negatives as ~x) and scaled to [0, 1) in fp32. seeds and counters: [n] each
- * (broadcast by the caller). The twin is ~140 NumPy passes: ~0.3 ms a step's 512 numbers. */
+ * (broadcast by the caller). The twin is ~140 NumPy passes. */
 void canvas_philox_uniform(const int64_t *seeds, const int64_t *counters, float *out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) {
         const uint64_t seed = (uint64_t)seeds[i], counter = (uint64_t)counters[i];
