@@ -252,3 +252,20 @@ def _logprobs(tokens: list[int], top: int) -> list[TokenLogprob]:
     return [
         TokenLogprob(t, -0.5, tuple(((t + k) % 256, -0.5 - k) for k in range(top))) for t in tokens
     ]
+
+
+def make_run(engine: FakeEngine, num_choices: int, max_tokens: int = 40) -> Any:
+    """A completion `RequestRun` of one prompt over `engine`, `num_choices` choices (the
+    streaming tests drive its SSE directly)."""
+    from engine.params import SamplingParams
+    from engine.validation import RequestValidator
+    from server.render import CompletionRenderer
+    from server.run import Prompt, RequestRun
+    from server.state import ServerState
+
+    state = ServerState(engine, ByteTokenizer(), DEFAULTS, "fake")  # type: ignore[arg-type]
+    params = RequestValidator(DEFAULTS, LIMITS).resolve(
+        1, SamplingParams(max_tokens=max_tokens, seed=0)
+    )
+    renderer = CompletionRenderer("x", "fake", include_usage=False)
+    return RequestRun(state, renderer, [Prompt([1], params)], num_choices, [], want_drafts=False)

@@ -24,7 +24,7 @@ from server.app import create_app
 from server.http import uvicorn_config
 from server.state import ServerState
 from tests.server.fake_engine import DEFAULTS, LIMITS, FakeEngine
-from tests.server.test_parsers import THINK_THEN_CALLS, THOUGHT_AND_ANSWER
+from tests.server.parser_samples import THINK_THEN_CALLS, THOUGHT_AND_ANSWER
 
 MODES = [{"mode": "diffusion"}, {"mode": "ar"}]
 TOOL = {

@@ -8,8 +8,7 @@ import asyncio
 
 import pytest
 
-from tests.server.fake_engine import FakeEngine
-from tests.server.test_streaming import make_run
+from tests.server.fake_engine import FakeEngine, make_run
 
 CHAT = [{"role": "user", "content": "hi"}]
 

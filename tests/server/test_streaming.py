@@ -9,16 +9,11 @@ import json
 
 import pytest
 
-from engine.params import SamplingParams
 from engine.types import FinishReason, StepOutput
-from engine.validation import RequestValidator
 from server.errors import ClientGone
 from server.parsers import Parsed
-from server.render import CompletionRenderer
-from server.run import Prompt, RequestRun
-from server.state import ServerState
 from server.stream import ChoiceEvent, OutputCollector
-from tests.server.fake_engine import DEFAULTS, LIMITS, ByteTokenizer, FakeEngine
+from tests.server.fake_engine import FakeEngine, make_run
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -126,15 +121,6 @@ def test_an_engine_fault_mid_stream_is_reported_in_band_then_done(fake):
     assert chunks[1].startswith('data: {"error":')
     assert f"Engine error for request {response_id}: internal engine error" in chunks[1]
     assert chunks[2] == "data: [DONE]"
-
-
-def make_run(engine: FakeEngine, num_choices: int, max_tokens: int = 40) -> RequestRun:
-    state = ServerState(engine, ByteTokenizer(), DEFAULTS, "fake")  # type: ignore[arg-type]
-    params = RequestValidator(DEFAULTS, LIMITS).resolve(
-        1, SamplingParams(max_tokens=max_tokens, seed=0)
-    )
-    renderer = CompletionRenderer("x", "fake", include_usage=False)
-    return RequestRun(state, renderer, [Prompt([1], params)], num_choices, [], want_drafts=False)
 
 
 def test_closing_a_stream_aborts_every_choice():

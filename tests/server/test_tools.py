@@ -11,7 +11,7 @@ import pytest
 
 from tests.server.conftest import FakeServer, make_fake_server
 from tests.server.fake_engine import EOS, LIMITS, ByteTokenizer, FakeEngine
-from tests.server.test_parsers import THINK_THEN_CALLS, THOUGHT_AND_ANSWER
+from tests.server.parser_samples import THINK_THEN_CALLS, THOUGHT_AND_ANSWER
 
 WEATHER = {
     "type": "function",
