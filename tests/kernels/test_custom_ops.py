@@ -13,7 +13,7 @@ from engine.model.config import LayerType
 from engine.model.kv_cache import ForwardBatch, Mode, PagedKVCache, Row
 from kernels import ops, reference, resolve_kernels
 from loadtest.gpu_bench import meta_model, model_config
-from tests.kernels.test_attention import SCENARIOS, make_inputs, run
+from tests.kernels.attention_cases import SCENARIOS, make_inputs, run
 
 
 @pytest.mark.parametrize(

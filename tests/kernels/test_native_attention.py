@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import native_attention, native_cpu, reference
-from tests.kernels.test_attention import SCENARIOS, Inputs, Scenario, make_inputs, run
+from tests.kernels.attention_cases import SCENARIOS, Inputs, Scenario, make_inputs, run
 
 pytestmark = pytest.mark.skipif(
     native_attention.attention_lanes() == 0, reason="the native kernels do not build here"
