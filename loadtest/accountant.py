@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from torch.utils.flop_counter import flop_registry
 
 from kernels.reference import ALIGN_CHUNK, align_capacity
 from kernels.reference_sampler import PROBS_CHUNK_BYTES
+from loadtest.call_sites import in_prepare, project_frame
 
 aten = torch.ops.aten
 
@@ -126,25 +126,6 @@ def _tensors(*trees: Any) -> list[torch.Tensor]:
     return [t for tree in trees for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
-def project_frame() -> str:
-    """The innermost frame of the project (engine/, kernels/) on the stack: where a sync is."""
-    for frame in reversed(traceback.extract_stack()):
-        path = frame.filename.replace("\\", "/")
-        for root in ("/engine/", "/kernels/"):
-            if root in path and "site-packages" not in path:
-                return f"{root[1:]}{path.split(root, 1)[1]}:{frame.lineno} {frame.name}"
-    return "?"
-
-
-def _in_prepare() -> bool:
-    """Inside `ForwardBatch.prepare`: the runner's inputs, moved before the forward is queued
-    (the accountant cannot see where `ModelRunner.execute` starts queueing kernels)."""
-    return any(
-        f.name == "prepare" and f.filename.endswith("kv_cache.py")
-        for f in traceback.extract_stack()
-    )
-
-
 class Accountant(TorchDispatchMode):
     """Records the ops run under it (see the module docstring). `device_type`: where the
     step's kernels run ("meta" for a prediction, "cpu" for a calibration run); ops on other
@@ -185,7 +166,7 @@ class Accountant(TorchDispatchMode):
 
     def sync(self, name: str, kind: str, size: float = 0.0) -> None:
         """Record a synchronisation seen outside the dispatcher (e.g. `.tolist()` on meta)."""
-        phase = "inputs" if self.current == "forward" and _in_prepare() else self.current
+        phase = "inputs" if self.current == "forward" and in_prepare() else self.current
         self.records.append(OpRecord(name, phase, bytes=size, sync=kind, where=project_frame()))
 
     # -- dispatch -----------------------------------------------------------------------------
@@ -232,7 +213,7 @@ class Accountant(TorchDispatchMode):
             record.attention = "scaled_dot_product" in str(packet)
         if sync:
             record.where = project_frame()
-            if self.current == "forward" and _in_prepare():
+            if self.current == "forward" and in_prepare():
                 record.phase = "inputs"
         if on_device or sync:
             self.records.append(record)

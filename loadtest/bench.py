@@ -36,7 +36,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import shutil
 import sys
 import time
@@ -58,6 +57,7 @@ from loadtest.bench_runs import measure as run_configurations
 from loadtest.client import RequestSpec
 from loadtest.floor import Floor, compute_floor, measure_gemm_rate
 from loadtest.loadgen import LoadConfig
+from loadtest.machine import comma_ints, hardware, package_version
 from loadtest.prompts import PROMPT_SETS, Prompt, make_prompts
 
 if TYPE_CHECKING:
@@ -387,8 +387,8 @@ def _meta(config: BenchConfig, checkpoint: Path, num_prompts: int, command: str)
         "canvas_server": config.server,
         "canvas_server_threads": _server_threads(config),
         "torch_version": torch.__version__,
-        "transformers_version": _version("transformers"),
-        "hardware": _hardware(),
+        "transformers_version": package_version("transformers"),
+        "hardware": hardware(),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
     }
 
@@ -407,35 +407,6 @@ def _server_threads(config: BenchConfig) -> str:
             os.environ["OMP_NUM_THREADS"] = saved
 
 
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
-def _hardware() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform()}
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m loadtest.bench",
@@ -452,10 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output directory (bench-out)")
     p.add_argument("--cache-dir", type=Path, default=None, help="checkpoint cache")
     p.add_argument("--preset", default=None)
-    p.add_argument("--concurrency", type=_ints, default=None, help="e.g. 1,4,16,64")
-    p.add_argument("--ar-concurrency", type=_ints, default=None, help="'' to skip AR mode")
+    p.add_argument("--concurrency", type=comma_ints, default=None, help="e.g. 1,4,16,64")
+    p.add_argument("--ar-concurrency", type=comma_ints, default=None, help="'' to skip AR mode")
     p.add_argument(
-        "--exact-concurrency", type=_ints, default=None, help="'' to skip exact numerics"
+        "--exact-concurrency", type=comma_ints, default=None, help="'' to skip exact numerics"
     )
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--reference-requests", type=int, default=None)

@@ -133,7 +133,6 @@ def time_kernels(
     weight = model.embed_tokens.weight
     dev, dtype = weight.device, weight.dtype
     n, el, timer = canvases * length, weight.element_size(), Timer(dev, iters)
-    page = EngineConfig().page_size
     out: list[KernelTiming] = []
 
     def randn(*shape: int) -> torch.Tensor:
@@ -143,28 +142,7 @@ def time_kernels(
         with recorded(errors, f"{name} at {canvases} canvases"):
             out.append(KernelTiming(name, canvases, timer.seconds(fn) * 1e3, moved, flops))
 
-    for full in (False, True):
-        layer = next(x for x in model.layers if x.self_attn.spec.is_sliding != full)
-        spec, ks = layer.self_attn.spec, layer.self_attn.kernels
-        kv, d, heads = spec.num_kv_heads, spec.head_dim, cfg.num_heads
-        window = 0 if full else cfg.sliding_window
-        rows, pages = paged_rows(canvases, prefix, length, window, page, True, dev)
-        pools = randn(pages, kv, page, d), randn(pages, kv, page, d)
-        q, k, v = randn(n, heads, d), randn(n, kv, d), randn(n, kv, d)
-        lo, hi = prefix_range(prefix, window)
-        moved = (2 * n * heads * d + 2 * n * kv * d + 2 * canvases * (hi - lo) * kv * d) * el
-        flops = 4 * heads * d * length * (hi - lo + length) * canvases
-        name = f"attention {'full' if full else 'sliding'}"
-        add(name, lambda: ks.canvas_attention(q, k, v, *pools, rows, window, 1.0), moved, flops)  # noqa: B023
-        attn, tables = layer.self_attn, (randn(n, d), randn(n, d))
-        if attn.qkv_norm:  # a full layer's V is its raw k_proj output (k read twice)
-            qkv = (q, k, k if full else v, attn.q_norm.weight, attn.k_norm.weight, *tables)
-            moved = (2 * n * heads * d + 4 * n * kv * d + n * d) * el  # cos, sin: half each
-            qkv_fn = lambda: ks.qkv_norm_rope(*qkv, cfg.rms_norm_eps)  # noqa: B023, E731
-            add(f"qkv_norm_rope {'full' if full else 'sliding'}", qkv_fn, moved, 0.0)
-        if not full:  # a commit pass: ENCODE rows write their canvas into the pages
-            enc, _ = paged_rows(canvases, prefix, length, window, page, False, dev)
-            add("write_kv", lambda: ks.write_kv(k, v, *pools, enc), 4 * n * kv * d * el, 0.0)  # noqa: B023
+    _time_attention(model, canvases, prefix, add, randn)
     layer, ks = model.layers[0], model.layers[0].kernels
     hidden, top_k, experts = cfg.hidden_size, cfg.top_k_experts, cfg.num_experts
     x = randn(n, hidden)
@@ -195,6 +173,58 @@ def time_kernels(
         moe = (x, layer.experts.gate_up_proj, layer.experts.down_proj, weights, ids)
         moved = (int(ids.unique().numel()) * expert + 2 * n * hidden) * el
         add("fused_moe", lambda: ks.fused_moe(*moe), moved, 2 * n * top_k * expert)
+    _time_head_and_sampler(model, canvases, x, add, errors)
+    return out
+
+
+Add = Callable[[str, Callable[[], object], float, float], None]
+
+
+def _time_attention(
+    model: DiffusionLM,
+    canvases: int,
+    prefix: int,
+    add: Add,
+    randn: Callable[..., torch.Tensor],
+) -> None:
+    """`time_kernels`' attention part: a sliding and a full layer's attention, q/k/v norms and
+    RoPE, and the KV write of a commit pass."""
+    cfg, length = model.cfg, model.config.canvas_length
+    n, el = canvases * length, model.embed_tokens.weight.element_size()
+    dev, page = model.embed_tokens.weight.device, EngineConfig().page_size
+    for full in (False, True):
+        layer = next(x for x in model.layers if x.self_attn.spec.is_sliding != full)
+        spec, ks = layer.self_attn.spec, layer.self_attn.kernels
+        kv, d, heads = spec.num_kv_heads, spec.head_dim, cfg.num_heads
+        window = 0 if full else cfg.sliding_window
+        rows, pages = paged_rows(canvases, prefix, length, window, page, True, dev)
+        pools = randn(pages, kv, page, d), randn(pages, kv, page, d)
+        q, k, v = randn(n, heads, d), randn(n, kv, d), randn(n, kv, d)
+        lo, hi = prefix_range(prefix, window)
+        moved = (2 * n * heads * d + 2 * n * kv * d + 2 * canvases * (hi - lo) * kv * d) * el
+        flops = 4 * heads * d * length * (hi - lo + length) * canvases
+        name = f"attention {'full' if full else 'sliding'}"
+        add(name, lambda: ks.canvas_attention(q, k, v, *pools, rows, window, 1.0), moved, flops)  # noqa: B023
+        attn, tables = layer.self_attn, (randn(n, d), randn(n, d))
+        if attn.qkv_norm:  # a full layer's V is its raw k_proj output (k read twice)
+            qkv = (q, k, k if full else v, attn.q_norm.weight, attn.k_norm.weight, *tables)
+            moved = (2 * n * heads * d + 4 * n * kv * d + n * d) * el  # cos, sin: half each
+            qkv_fn = lambda: ks.qkv_norm_rope(*qkv, cfg.rms_norm_eps)  # noqa: B023, E731
+            add(f"qkv_norm_rope {'full' if full else 'sliding'}", qkv_fn, moved, 0.0)
+        if not full:  # a commit pass: ENCODE rows write their canvas into the pages
+            enc, _ = paged_rows(canvases, prefix, length, window, page, False, dev)
+            add("write_kv", lambda: ks.write_kv(k, v, *pools, enc), 4 * n * kv * d * el, 0.0)  # noqa: B023
+
+
+def _time_head_and_sampler(
+    model: DiffusionLM, canvases: int, x: torch.Tensor, add: Add, errors: list[str]
+) -> None:
+    """`time_kernels`' last part: the LM head, the sampler, the random numbers, the entropy
+    acceptance and the soft embedding, on x [n, hidden]."""
+    cfg, length, ks = model.cfg, model.config.canvas_length, model.layers[0].kernels
+    weight = model.embed_tokens.weight
+    dev, el, hidden = weight.device, weight.element_size(), cfg.hidden_size
+    n = canvases * length
     vh = cfg.vocab_size * hidden
     add("lm_head (torch)", lambda: model.logits(x), vh * el + 4 * n * cfg.vocab_size, 2 * n * vh)
     logits = torch.randn(n, cfg.vocab_size, device=dev).mul_(3.0)  # [n, V] fp32
@@ -220,4 +250,3 @@ def time_kernels(
             4 * n * cfg.vocab_size + vh * el,
             2 * n * vh,
         )
-    return out

@@ -30,7 +30,7 @@ from engine.engine import EngineConfig
 from engine.llm import LLM
 from engine.params import DecodeMode, SamplingParams
 from engine.scheduler import SchedulerConfig
-from loadtest.bench import _hardware
+from loadtest.machine import hardware
 
 QUESTIONS = Path(__file__).resolve().parent.parent / "engine" / "adapt" / "data"
 CONFIGS = ("ar", "hybrid-adaptive", "hybrid-per-request")
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [question_ids(tokenizer, questions[i % len(questions)]) for i in range(wanted)]
     shapes = {1: prompts[: args.questions], args.concurrency: prompts[: args.concurrency]}
     shapes = {c: batch for c, batch in shapes.items() if batch}  # --questions 0: skip one-by-one
-    hw = _hardware()
+    hw = hardware()
     print(f"# hybrid vs AR: {args.model.name}, {hw['cpu']} ({hw['cpu_count']} CPUs)")
     print(f"# command: python -m loadtest.hybrid_bench {' '.join(sys.argv[1:])}".rstrip())
     print(f"# greedy, fast numerics, max_tokens {args.max_tokens}; round 0 is the warm-up\n")
