@@ -121,6 +121,17 @@ def test_train_refuses_to_overwrite_or_to_resume_from_nothing(
     assert "pass --resume" in capsys.readouterr().err
 
 
+def test_whole_decoder_training_refuses_an_adapter_config(tmp_path):
+    from engine.adapt.train import TrainConfig, train
+
+    cfg = TrainConfig(
+        model_dir=tmp_path / "model", out_dir=tmp_path / "run", self_distill=True, adapter=True
+    )
+    with pytest.raises(ValueError, match="run_training"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
 def test_self_distill_trains_on_the_models_own_ar_completions(tiny_checkpoint, tmp_path):
     model, out = tiny_checkpoint("c16"), tmp_path / "run"
     args = ["--self-distill", "--distill-max-tokens", "4", "--steps", "2", "--batch-size", "2"]

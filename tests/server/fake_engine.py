@@ -13,7 +13,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.params import DecodingDefaults, ParamError, ResolvedParams
 from engine.request import first_cut
@@ -28,6 +28,9 @@ from engine.types import (
     StepStats,
     TokenLogprob,
 )
+
+if TYPE_CHECKING:
+    from server.run import RequestRun
 
 EOS = 256  # the byte tokenizer's end of sequence; decodes to nothing
 VOCAB = 260
@@ -254,13 +257,13 @@ def _logprobs(tokens: list[int], top: int) -> list[TokenLogprob]:
     ]
 
 
-def make_run(engine: FakeEngine, num_choices: int, max_tokens: int = 40) -> Any:
+def make_run(engine: FakeEngine, num_choices: int, max_tokens: int = 40) -> RequestRun:
     """A completion `RequestRun` of one prompt over `engine`, `num_choices` choices (the
     streaming tests drive its SSE directly)."""
     from engine.params import SamplingParams
     from engine.validation import RequestValidator
     from server.render import CompletionRenderer
-    from server.run import Prompt, RequestRun
+    from server.run import Prompt, RequestRun  # noqa: F811  (the annotation's, at run time)
     from server.state import ServerState
 
     state = ServerState(engine, ByteTokenizer(), DEFAULTS, "fake")  # type: ignore[arg-type]
