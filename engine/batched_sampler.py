@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.filters import filter_logits, top_p_floor
+from engine.modes import policy
 from engine.params import ResolvedParams
 from kernels import KernelSet
 from kernels.reference import philox_uniform
@@ -139,7 +140,7 @@ class BatchedSampler:
             s.t_max: params.t_max,
             s.bound: params.entropy_bound,
             s.confidence: params.confidence_threshold,
-            s.temperature: params.temperature if params.mode.samples_tokens else 0.0,
+            s.temperature: params.temperature if policy(params.mode).samples_tokens else 0.0,
             s.top_k: params.top_k,
             s.top_p_floor: top_p_floor(params.top_p),
             s.canvas_no: -1,

@@ -25,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.batched_sampler import new_seed
 from engine.cpu_threads import make_tuner
 from engine.images import PreparedImage, image_spans, image_token_positions
@@ -32,25 +34,22 @@ from engine.kv_pages import KVPages, PageGeometry
 from engine.model import DiffusionLM, PagedKVCache
 from engine.model.config import LayerType
 from engine.params import DecodingDefaults, ParamError, ResolvedParams
-from engine.postprocess import ar_results, before_sampling, denoise_results
 from engine.request import RequestState
-from engine.rows import ROW_KINDS
-from engine.runner import ModelRunner, StepInputs
-from engine.sampling import make_sampling
+from engine.rows import ROW_KINDS, KindBatch, RowSpec
+from engine.runner import EncodeInput, ModelRunner, RunOutput, StepInputs
+from engine.sampling import CanvasBatch, Sampling, make_sampling
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured import Constraint, GrammarCompiler, grammar_compiler
 from engine.tokenizer import Tokenizer
 from engine.types import (
     EngineLimits,
     RowEffect,
-    RowResult,
     ScheduledRow,
     StepPlan,
     StepResult,
     StepStats,
 )
 from engine.validation import RequestValidator, context_needed
-from engine.verify import verify_draft
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +251,7 @@ class Engine:
         stats.canvas_latencies = [
             now - row.req.canvas_started
             for row, effect in zip(plan.rows, effects, strict=True)
-            if effect.canvas_steps is not None and effect.error is None
+            if effect.progress.canvas_steps is not None and effect.error is None
         ]
         stats.num_committed = sum(len(o.new_token_ids) for o in outputs)
         stats.accepted_lengths = [e.accepted for e in effects if e.accepted is not None]
@@ -290,23 +289,22 @@ class Engine:
         return effects
 
     def _run(self, rows: list[ScheduledRow], stats: StepStats) -> list[RowEffect]:
-        """Inputs → forward → sample → post-process → effects of `rows`, in order. Writes
-        nothing but, once all of that has succeeded, the sampler state of the rows whose
-        results are not errors."""
+        """Inputs → forward → for each row kind present: sample its rows (`engine.rows`); the
+        effects in plan order. Writes nothing but, once all of that has succeeded, the sampler
+        state of the rows whose effects are not errors."""
         self.sampling.bind([row.req for row in rows if row.admitted])
-        denoise = [row for row in rows if ROW_KINDS[row.kind].decode]
-        encode = [row for row in rows if not ROW_KINDS[row.kind].decode]
-        inputs = [ROW_KINDS[row.kind].encode_input(row) for row in encode]
-        sampling = [r for r, e in zip(encode, inputs, strict=True) if e.wants_last_logits]
-        verify = [(r, e.tokens) for r, e in zip(encode, inputs, strict=True) if e.verify]
-        denoise_reqs, ar_reqs = [row.req for row in denoise], [row.req for row in sampling]
+        specs = [ROW_KINDS[row.kind] for row in rows]
+        decode = [row for row, spec in zip(rows, specs, strict=True) if spec.decode]
+        encode = [(row, spec) for row, spec in zip(rows, specs, strict=True) if not spec.decode]
+        inputs = [spec.encode_input(row) for row, spec in encode]
         canvas = None
-        if denoise:
-            canvas = self.sampling.canvas_inputs(denoise_reqs, [r.starts_canvas for r in denoise])
+        if decode:
+            starting = [row.starts_canvas for row in decode]
+            canvas = self.sampling.canvas_inputs([row.req for row in decode], starting)
         out = self.runner.execute(
             StepInputs(
-                denoise_starts=[row.start for row in denoise],
-                denoise_pages=[row.req.pages for row in denoise],  # type: ignore[misc]
+                denoise_starts=[row.start for row in decode],
+                denoise_pages=[row.req.pages for row in decode],  # type: ignore[misc]
                 canvas_ids=canvas.ids if canvas is not None else None,
                 soft_embeds=canvas.soft if canvas is not None else [],
                 encode=inputs,
@@ -314,40 +312,60 @@ class Engine:
         )
         stats.forward_seconds += out.forward_seconds
         begin = time.perf_counter()
-        raw = before_sampling(ar_reqs, out.last_logits)
-        masked = time.perf_counter()
-        sampled = self.sampling.sample(
-            canvas, out.denoise_logits, denoise_reqs, out.last_logits, ar_reqs
-        )
-        drawn = time.perf_counter()
-        results = dict(
-            zip(
-                map(id, denoise),
-                denoise_results(denoise_reqs, sampled, out.denoise_logits),
-                strict=True,
-            )
-        )
-        results.update(zip(map(id, sampling), ar_results(ar_reqs, sampled, raw), strict=True))
-        draws = self.sampling.verify_draws([row.req for row, _ in verify])
-        logits = out.verify_logits or []
-        verified = [
-            verify_draft(row.req, draft, row_logits, rng)
-            for (row, draft), row_logits, rng in zip(verify, logits, draws, strict=True)
-        ]
-        results.update(zip((id(row) for row, _ in verify), verified, strict=True))
-        effects = [_effect(row, results.get(id(row), RowResult())) for row in rows]
-        end = time.perf_counter()
-        stats.sample_seconds += end - begin
-        stats.grammar_seconds += (masked - begin) + (end - drawn)
-        ok = [results[id(row)].error is None for row in denoise]
-        self.sampling.install(sampled, ok, [results[id(row)].error is None for row in sampling])
-        self.sampling.install_draws(
-            [row.req for row, _ in verify], draws, [r.error is None for r in verified]
-        )
-        return effects
+        batches = _kind_batches(rows, specs, inputs, canvas, out, self.sampling, stats)
+        effects: list[RowEffect | None] = [None] * len(rows)
+        installs = []
+        for spec, (batch, where) in batches.items():
+            kind_effects, install = spec.sample(batch)
+            for i, effect in zip(where, kind_effects, strict=True):
+                effects[i] = effect
+            installs.append((install, [e.error is None for e in kind_effects]))
+        stats.sample_seconds += time.perf_counter() - begin
+        for install, ok in installs:
+            install(ok)
+        return effects  # type: ignore[return-value]
 
 
-def _effect(row: ScheduledRow, result: RowResult) -> RowEffect:
-    if result.error is not None:
-        return RowEffect(error=result.error)
-    return ROW_KINDS[row.kind].effect(row, result)
+def _kind_batches(
+    rows: list[ScheduledRow],
+    specs: list[RowSpec],
+    inputs: list[EncodeInput],
+    canvas: CanvasBatch | None,
+    out: RunOutput,
+    sampling: Sampling,
+    stats: StepStats,
+) -> dict[RowSpec, tuple[KindBatch, list[int]]]:
+    """The rows of each kind present, with their plan positions and their share of the
+    forward's outputs: DECODE rows' logits (all DECODE rows share one canvas batch, so one
+    DECODE kind), ENCODE rows' last-position logits (those that asked), verify passes'
+    per-position logits."""
+    where: dict[RowSpec, list[int]] = {}
+    for i, spec in enumerate(specs):
+        where.setdefault(spec, []).append(i)
+    assert sum(spec.decode for spec in where) <= 1, "one DECODE kind per step"
+    last: dict[int, int] = {}  # plan position -> row of out.last_logits
+    verify: dict[int, torch.Tensor] = {}
+    at = iter(inputs)
+    for i, spec in enumerate(specs):
+        if spec.decode:
+            continue
+        step_input = next(at)
+        if step_input.verify:
+            verify[i] = (out.verify_logits or [])[len(verify)]
+        elif step_input.wants_last_logits:
+            last[i] = len(last)
+    batches = {}
+    for spec, positions in where.items():
+        logits = out.denoise_logits if spec.decode else None
+        picked = [last[i] for i in positions if i in last]
+        if picked:
+            assert out.last_logits is not None
+            logits = out.last_logits
+            if picked != list(range(out.last_logits.shape[0])):
+                logits = logits[torch.tensor(picked, device=logits.device)]
+        rows_of_kind = [rows[i] for i in positions]
+        verify_logits = tuple(verify[i] for i in positions if i in verify)
+        kind_canvas = canvas if spec.decode else None
+        batch = KindBatch(rows_of_kind, sampling, stats, logits, kind_canvas, verify_logits)
+        batches[spec] = (batch, positions)
+    return batches

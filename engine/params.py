@@ -12,26 +12,16 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, fields
-from enum import Enum
 from pathlib import Path
 from typing import Any
+
+from engine.modes import DecodeMode, mode_names, policy
 
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat bound (completions: 5, checked by the server)
 
 
-class DecodeMode(str, Enum):
-    DIFFUSION = "diffusion"
-    AR = "ar"
-    HYBRID = "hybrid"  # canvases drafted by diffusion, verified by the encoder (AR) path
-
-    @property
-    def samples_tokens(self) -> bool:
-        """The encoder's next-token logits choose what is committed (AR and hybrid)."""
-        return self is not DecodeMode.DIFFUSION
-
-
-MODE_NAMES = tuple(m.value for m in DecodeMode)
+MODE_NAMES = mode_names()  # the built-in modes (flag choices)
 
 
 class ParamError(ValueError):
@@ -73,7 +63,7 @@ class SamplingParams:
     """What a request asks for. Fields left None take the checkpoint's defaults."""
 
     max_tokens: int | None = None
-    mode: DecodeMode | None = None  # None: the checkpoint's default mode
+    mode: str | None = None  # a registered mode (`engine.modes`); None: the checkpoint's default
     seed: int | None = None
     ignore_eos: bool = False
     eos_token_ids: tuple[int, ...] | None = None  # overrides the checkpoint's EOS set
@@ -84,7 +74,7 @@ class SamplingParams:
     t_max: float | None = None
     stability_threshold: int | None = None
     confidence_threshold: float | None = None  # 0 disables the adaptive stop
-    # What `temperature` means depends on the mode (engine.validation.apply_temperature):
+    # What `temperature` means depends on the mode (`ModePolicy.apply_temperature`):
     # diffusion: scales the t_min..t_max schedule; AR: the sampling temperature, 0 is greedy.
     temperature: float | None = None
     # Candidate filters on the raw logits (both modes, `engine.filters`): the top_k most likely
@@ -105,9 +95,9 @@ class SamplingParams:
             _check(value is None or value <= bound, name, f"must be <= {bound:g}")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(
-            self.mode is None or isinstance(self.mode, DecodeMode),
+            self.mode is None or self.mode in mode_names(),
             "mode",
-            f"must be one of {', '.join(repr(m) for m in MODE_NAMES)}",
+            f"must be one of {', '.join(repr(m) for m in mode_names())}",
         )
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
         _check(
@@ -163,7 +153,7 @@ class ResolvedParams:
     """Fully specified decoding parameters of one request."""
 
     max_tokens: int
-    mode: DecodeMode
+    mode: str  # a registered mode (`engine.modes`)
     seed: int | None
     eos_token_ids: frozenset[int]
     max_denoising_steps: int
@@ -200,7 +190,7 @@ class DecodingDefaults:
     confidence_threshold: float = 0.005
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    mode: DecodeMode = DecodeMode.DIFFUSION  # Canvas' `canvas_default_mode` key
+    mode: str = DecodeMode.DIFFUSION  # Canvas' `canvas_default_mode` key
     # Hybrid mode: denoising steps a draft gets before the encoder verifies it (Canvas'
     # `canvas_hybrid_draft_steps` key; chosen by measuring the default model, see
     # docs/decoding-modes.md).
@@ -240,7 +230,7 @@ class DecodingDefaults:
 
         eos = params.eos_token_ids if params.eos_token_ids is not None else self.eos_token_ids
         mode = pick(params.mode, self.mode)
-        steps = self.hybrid_draft_steps if mode is DecodeMode.HYBRID else self.max_denoising_steps
+        steps = policy(mode).denoising_steps(self)
         return ResolvedParams(
             max_tokens=pick(params.max_tokens, self.max_new_tokens),
             mode=mode,

@@ -1,6 +1,6 @@
 """Between sampling and committing: the grammar of structured-output requests and the
 log-probabilities of the tokens that are committed (`engine.structured`, `engine.logprobs`),
-turned into one `RowResult` per row.
+turned into one `TokenResult` or `CanvasResult` per row.
 
 Pure: a grammar advances on a fork of the request's constraint, carried in the result; the
 request takes it in the scheduler's update. Only requests that asked for either pay anything.
@@ -8,15 +8,42 @@ request takes it in the scheduler's update. Only requests that asked for either 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.logprobs import token_logprobs
 from engine.request import RequestState
 from engine.sampling import Sampled
-from engine.types import RowResult
+from engine.types import TokenLogprob
 
 NON_FINITE = "the model produced non-finite logits"
 GRAMMAR_REFUSED = "the grammar refused every token (internal engine error)"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenResult:
+    """A row that sampled its next token: the token to commit, its log-probability when asked,
+    the grammar state after it (when it moved), or the row's error."""
+
+    token: int = -1
+    logprobs: list[TokenLogprob] | None = None
+    constraint: object | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CanvasResult:
+    """A denoising step: whether the canvas converged (or hit the step cap) and after how many
+    steps, its argmax draft (finished or asked for; repaired by a grammar), the draft's
+    log-probabilities when asked, the grammar state, or the row's error."""
+
+    finished: bool = False
+    num_steps: int = 0
+    draft: list[int] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    constraint: object | None = None
+    error: str | None = None
 
 
 @torch.inference_mode()
@@ -38,41 +65,41 @@ def before_sampling(ar: list[RequestState], logits: torch.Tensor | None) -> dict
 @torch.inference_mode()
 def ar_results(
     ar: list[RequestState], sampled: Sampled, raw: dict[int, torch.Tensor]
-) -> list[RowResult]:
+) -> list[TokenResult]:
     """Per AR-sampled row: the token to commit (the grammar's choice for constrained
     requests), its log-probability when asked, or the row's error."""
     results = []
     for k, req in enumerate(ar):
         if sampled.ar_failed[k]:
-            results.append(RowResult(error=NON_FINITE))
+            results.append(TokenResult(error=NON_FINITE))
             continue
         token, constraint = sampled.ar_tokens[k], None
         if req.constraint is not None:
             constraint = req.constraint.fork()
             token = constraint.commit_ar(token, req.remaining)
             if token < 0:
-                results.append(RowResult(error=GRAMMAR_REFUSED))
+                results.append(TokenResult(error=GRAMMAR_REFUSED))
                 continue
         logprobs = [token_logprobs(raw[k][None], [token], _top(req))[0]] if k in raw else None
-        results.append(RowResult(token=token, logprobs=logprobs, constraint=constraint))
+        results.append(TokenResult(token, logprobs, constraint))
     return results
 
 
 @torch.inference_mode()
 def denoise_results(
     denoise: list[RequestState], sampled: Sampled, logits: torch.Tensor | None
-) -> list[RowResult]:
+) -> list[CanvasResult]:
     """Per DENOISE row: the canvas's progress; a converged draft repaired by the grammar of a
     constrained request, and its log-probabilities (one per position up to the budget) when
     asked."""
     results = []
     for j, req in enumerate(denoise):
         if sampled.failed[j]:
-            results.append(RowResult(error=NON_FINITE))
+            results.append(CanvasResult(error=NON_FINITE))
             continue
         draft, constraint, logprobs = sampled.drafts[j], None, None
-        # A hybrid draft is not committed as is: its verify pass applies grammar and logprobs.
-        wanted = not req.is_hybrid and (
+        # A draft that is not committed as it is (hybrid: verified) gets neither here.
+        wanted = req.policy.commits_drafts() and (
             req.constraint is not None or req.params.logprobs is not None
         )
         if sampled.finished[j] and draft is not None and wanted:
@@ -85,7 +112,7 @@ def denoise_results(
             if req.params.logprobs is not None:
                 logprobs = token_logprobs(rows, draft[: min(length, req.remaining)], _top(req))
         results.append(
-            RowResult(
+            CanvasResult(
                 finished=sampled.finished[j],
                 num_steps=sampled.num_steps[j],
                 draft=draft,

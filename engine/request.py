@@ -11,8 +11,8 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from engine.kv_pages import PageTables
-from engine.params import DecodeMode, ResolvedParams
-from engine.types import FinishReason
+from engine.modes import ModePolicy, policy
+from engine.params import ResolvedParams
 
 if TYPE_CHECKING:
     from engine.images import PreparedImage
@@ -20,12 +20,10 @@ if TYPE_CHECKING:
 
 
 class SeqState(str, Enum):
+    """A request that is not running. A running one's state is the row kind it runs next
+    (`engine.rows.ROW_KINDS`: `engine.types.RowKind` or a registered kind's name)."""
+
     WAITING = "waiting"
-    PREFILL = "prefill"
-    DENOISE = "denoise"
-    COMMIT = "commit"
-    VERIFY = "verify"  # hybrid: the draft goes through the encoder, which accepts a prefix
-    AR = "ar"
     FINISHED = "finished"
 
 
@@ -40,7 +38,7 @@ class RequestState:
     want_drafts: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     # scheduling
-    state: SeqState = SeqState.WAITING
+    state: str = SeqState.WAITING  # or the kind of the next row (running)
     num_computed: int = 0  # positions whose KV is written
     # Prefix caching: `cache_key` joins the tokens in naming the KV (media hashes); the names
     # of the full pages known so far (the prompt's, then each completed one), how many are
@@ -55,7 +53,7 @@ class RequestState:
     slot: int | None = None
     # progress
     output_ids: list[int] = field(default_factory=list)
-    draft_to_commit: list[int] | None = None
+    draft_to_commit: list[int] = field(default_factory=list)  # a canvas to encode (COMMIT, VERIFY)
     in_canvas: bool = False  # a canvas is being denoised
     canvas_started: float = 0.0
     steps_per_canvas: list[int] = field(default_factory=list)
@@ -88,30 +86,15 @@ class RequestState:
         return len(self.prompt_ids)
 
     @property
-    def is_ar(self) -> bool:
-        return self.params.mode is DecodeMode.AR
-
-    @property
-    def is_hybrid(self) -> bool:
-        return self.params.mode is DecodeMode.HYBRID
+    def policy(self) -> ModePolicy:
+        """The request's decode mode (`engine.modes`)."""
+        return policy(self.params.mode)
 
     @property
     def pinned_token(self) -> int:
-        """Hybrid: the token the next canvas starts with (sampled by the encoder, its KV not
-        yet written: the canvas's verify pass writes it); -1 in the other modes."""
-        return self.output_ids[-1] if self.is_hybrid and self.output_ids else -1
-
-
-def first_cut(
-    draft: list[int], budget: int, eos_token_ids: frozenset[int]
-) -> tuple[list[int], FinishReason | None]:
-    """Cut a committed draft at the first EOS (kept) and at the remaining token budget."""
-    for i, token in enumerate(draft[:budget]):
-        if token in eos_token_ids:
-            return draft[: i + 1], FinishReason.STOP
-    if len(draft) >= budget:
-        return draft[:budget], FinishReason.LENGTH
-    return draft, None
+        """The token the next canvas holds in slot 0, or -1 (hybrid: the pending token, sampled
+        by the encoder, its KV not yet written: the canvas's verify pass writes it)."""
+        return self.policy.pinned_token(self)
 
 
 def whole_images(spans: tuple[tuple[int, int], ...], start: int, num: int) -> int:

@@ -112,9 +112,9 @@ class BatchedSampling:
     def canvas_inputs(self, reqs: list[RequestState], starting: list[bool]) -> CanvasBatch:
         flags = torch.tensor(starting, dtype=torch.bool).to(self.device, non_blocking=True)
         pinned = None
-        if any(r.is_hybrid for r in reqs):
-            pinned = torch.tensor([r.pinned_token for r in reqs], dtype=torch.long)
-            pinned = pinned.to(self.device, non_blocking=True)
+        tokens = [r.pinned_token for r in reqs]
+        if any(token >= 0 for token in tokens):
+            pinned = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
         ids, soft, rows = self.sampler.canvas_inputs(self._slots(reqs), flags, pinned)
         return CanvasBatch(ids, soft, rows)
 
@@ -146,7 +146,7 @@ class BatchedSampling:
             index = torch.tensor([len(r.output_ids) for r in ar])
             index = index.to(self.device, non_blocking=True)
             # The slots' temperatures as `BatchedSampler.admit` sets them, read on the host.
-            greedy = all(r.params.temperature <= 0 or not r.params.mode.samples_tokens for r in ar)
+            greedy = all(r.params.temperature <= 0 or not r.policy.samples_tokens for r in ar)
             logits = self._filtered(ar_logits, slots, ar, 1)
             parts += self.sampler.sample_ar(logits, slots, index, all_greedy=greedy)
         host = to_host(parts)

@@ -36,11 +36,14 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.draft_policy import ACCEPT_DECAY, PRIOR_DECAY, DraftPolicy, StepCost, decayed
+from engine.draft_policy import PRIOR_DECAY, DraftPolicy, StepCost, decayed
 from engine.kv_pages import CacheHit, IdPool, KVPages
 from engine.prefix_cache import chain_hashes, root_hash
-from engine.request import RequestState, SeqState, whole_images
+from engine.request import RequestState, SeqState
+from engine.rows import ROW_KINDS, PlanContext
 from engine.types import (
+    PROGRESS_COUNTS,
+    PROGRESS_VALUES,
     FinishReason,
     QueueFull,
     RequestStats,
@@ -139,7 +142,7 @@ class Scheduler:
             raise
         self.waiting.popleft()
         seq.pages, seq.slot = pages, slot
-        seq.state = SeqState.PREFILL
+        seq.state = RowKind.PREFILL
         seq.first_scheduled_time = now
         if hit is not None:
             copies += hit.copies(pages)
@@ -154,7 +157,7 @@ class Scheduler:
         not cached yet: `seq` waits, then reuses them."""
         names = seq.page_names
         return any(
-            r.state is SeqState.PREFILL
+            r.state == RowKind.PREFILL
             and r.num_registered < len(os.path.commonprefix([names, r.page_names]))
             for r in self.running.values()
         )
@@ -243,7 +246,7 @@ class Scheduler:
     ) -> ScheduledRow | None:
         try:
             row = self.row_for(seq, budget, admitted)
-            if row is not None and row.kind is not RowKind.DENOISE and seq.pages is not None:
+            if row is not None and not ROW_KINDS[row.kind].decode and seq.pages is not None:
                 self.pages.before_write(seq.pages, row.start, row.num_tokens)
             return row
         except Exception as exc:
@@ -255,27 +258,9 @@ class Scheduler:
         return self.fail(seq.request_id, f"internal engine error in {stage} ({type(exc).__name__})")
 
     def row_for(self, seq: RequestState, budget: int, admitted: bool) -> ScheduledRow | None:
-        start = seq.num_computed
-        if seq.state is SeqState.PREFILL:
-            num = min(seq.num_prompt - start, self.config.max_prefill_chunk, budget)
-            num = whole_images(seq.image_spans, start, num)
-            if num <= 0:
-                return None
-            return ScheduledRow(seq, RowKind.PREFILL, start, num, admitted=admitted)
-        if seq.state is SeqState.DENOISE:
-            if seq.is_hybrid and not seq.in_canvas and not self._drafts(seq):
-                return ScheduledRow(seq, RowKind.AR, start, 1)
-            length = seq.canvas_length
-            return ScheduledRow(
-                seq, RowKind.DENOISE, start, length, starts_canvas=not seq.in_canvas
-            )
-        if seq.state is SeqState.COMMIT:
-            return ScheduledRow(seq, RowKind.COMMIT, start, seq.canvas_length)
-        if seq.state is SeqState.VERIFY:
-            return ScheduledRow(seq, RowKind.VERIFY, start, seq.canvas_length)
-        if seq.state is SeqState.AR:
-            return ScheduledRow(seq, RowKind.AR, start, 1)
-        return None
+        """The row `seq` runs next: its state's row kind plans it (`engine.rows`)."""
+        context = PlanContext(self.config.max_prefill_chunk, self._drafts)
+        return ROW_KINDS[seq.state].plan(seq, budget, context, admitted)
 
     def _drafts(self, seq: RequestState) -> bool:
         policy = self.config.draft_policy
@@ -313,40 +298,26 @@ class Scheduler:
     def _apply(
         self, row: ScheduledRow, effect: RowEffect, started: float, now: float
     ) -> StepOutput | None:
-        seq = row.req
+        """Apply one effect: its `Progress` field by field, then its tokens and its end."""
+        seq, progress = row.req, effect.progress
         if effect.constraint is not None:
             seq.constraint = effect.constraint  # type: ignore[assignment]
-        if row.kind is RowKind.DENOISE:
-            seq.decoder_passes += 1
-            if row.starts_canvas:
-                seq.in_canvas, seq.canvas_started = True, started
-            if effect.canvas_steps is not None:
-                seq.steps_per_canvas.append(effect.canvas_steps)
-                seq.in_canvas = False
-                if effect.commit is not None:
-                    seq.draft_to_commit = effect.commit
-                    seq.state = SeqState.VERIFY if seq.is_hybrid else SeqState.COMMIT
-        else:
-            seq.encoder_passes += 1
-            kept = row.num_tokens if effect.num_kept is None else effect.num_kept
-            seq.num_computed = row.start + kept
-            if row.kind is RowKind.PREFILL and seq.num_computed == seq.num_prompt:
-                seq.state = SeqState.AR if seq.is_ar else SeqState.DENOISE
-            elif row.kind in (RowKind.COMMIT, RowKind.VERIFY):
-                seq.state, seq.draft_to_commit = SeqState.DENOISE, None
-            if effect.accepted is not None:
-                seq.verify_passes += 1
-                seq.accepted_tokens += effect.accepted
-                seq.tokens_since_draft = 0
-                seq.accept_average = decayed(seq.accept_average, effect.accepted, ACCEPT_DECAY)
-                self.accept_prior = decayed(self.accept_prior, effect.accepted, PRIOR_DECAY)
-            elif row.kind is RowKind.AR and seq.is_hybrid:
-                seq.tokens_since_draft += 1
+        for name in PROGRESS_VALUES:
+            value = getattr(progress, name)
+            if value is not None:
+                setattr(seq, name, value)
+        for name in PROGRESS_COUNTS:
+            setattr(seq, name, getattr(seq, name) + getattr(progress, name))
+        if progress.starts_canvas:
+            seq.canvas_started = started
+        if progress.canvas_steps is not None:
+            seq.steps_per_canvas.append(progress.canvas_steps)
+        if effect.accepted is not None:
+            self.accept_prior = decayed(self.accept_prior, effect.accepted, PRIOR_DECAY)
         if effect.tokens and seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_ids += effect.tokens
-        if row.kind is not RowKind.DENOISE:
-            self._name_pages(seq)
+        self._name_pages(seq)
         accepted = effect.accepted if effect.verified is not None else None  # shown with it
         if effect.finish_reason is not None:
             self.end(seq.request_id)
@@ -455,12 +426,9 @@ def first_step_along(row: ScheduledRow) -> ScheduledRow | None:
     count); exact numerics, whose rows' arithmetic is their own, give the reference's tokens
     as before (the parity and batch-invariance tests)."""
     seq = row.req
-    if seq.params.mode.samples_tokens:
+    if seq.policy.samples_tokens or not ROW_KINDS[row.kind].ends_prefix(row):
         return None
     end = row.start + row.num_tokens
-    prompt_done = row.kind is RowKind.PREFILL and end == seq.num_prompt
-    if row.kind is not RowKind.COMMIT and not prompt_done:
-        return None
     return ScheduledRow(seq, RowKind.DENOISE, end, seq.canvas_length, starts_canvas=True)
 
 

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
-from engine.params import ParamError, ResolvedParams
-
 if TYPE_CHECKING:
     from engine.images import PreparedImage
+    from engine.params import ResolvedParams
     from engine.request import RequestState
 
 __all__ = [
@@ -24,12 +23,11 @@ __all__ = [
     "EngineLimits",
     "EngineStats",
     "FinishReason",
-    "ParamError",
+    "Progress",
     "QueueFull",
     "RequestStats",
     "RowEffect",
     "RowKind",
-    "RowResult",
     "ScheduledRow",
     "StepListener",
     "StepOutput",
@@ -109,6 +107,9 @@ class StepOutput:
 
 
 class RowKind(str, Enum):
+    """The built-in row kinds (`engine.rows.ROW_KINDS`; a registered kind's name may be any
+    other string). A running request's state is the kind of the row it runs next."""
+
     PREFILL = "prefill"  # encoder over a prompt chunk
     DENOISE = "denoise"  # decoder over the canvas
     COMMIT = "commit"  # encoder over the finished canvas
@@ -124,7 +125,7 @@ class ScheduledRow:
     `starts_canvas`: a DENOISE row that begins a new canvas."""
 
     req: RequestState
-    kind: RowKind
+    kind: str  # a key of `engine.rows.ROW_KINDS`
     start: int  # position of the first new token
     num_tokens: int
     admitted: bool = False
@@ -153,40 +154,55 @@ class StepPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class RowResult:
-    """What sampling and post-processing produced for one row (a value: nothing was written
-    to its request). `constraint`: the request's grammar state after this row, when it moved."""
+class Progress:
+    """How a row's step moves its request, as data; the scheduler's update applies it field
+    by field (`PROGRESS_VALUES` are new values, None leaving the field as it is;
+    `PROGRESS_COUNTS` are added). `state` is the row kind the request runs next;
+    `draft_to_commit` [] means none. `starts_canvas`: a canvas begins (stamped with the plan's
+    time); `canvas_steps`: one finished after that many steps."""
 
-    token: int | None = None  # ENCODE rows that sample the next token (AR)
-    tokens: list[int] | None = None  # VERIFY: accepted draft tokens, then the verifier's
-    num_accepted: int = 0  # VERIFY: draft tokens accepted (the prefix of `tokens`)
-    finished: bool = False  # DENOISE: the canvas converged or hit the step cap
-    num_steps: int = 0  # DENOISE: steps taken by the canvas so far
-    draft: list[int] | None = None  # DENOISE: the argmax canvas (finished or asked for)
-    error: str | None = None  # the row failed: its request ends with this error, alone
-    logprobs: list[TokenLogprob] | None = None  # per token (AR) or per draft position
-    constraint: object | None = None
+    state: str | None = None
+    num_computed: int | None = None  # positions whose KV is written
+    in_canvas: bool | None = None
+    draft_to_commit: list[int] | None = None
+    tokens_since_draft: int | None = None  # hybrid draft policy
+    accept_average: float | None = None  # hybrid draft policy
+    decoder_passes: int = 0
+    encoder_passes: int = 0
+    verify_passes: int = 0
+    accepted_tokens: int = 0
+    starts_canvas: bool = False
+    canvas_steps: int | None = None
+
+
+PROGRESS_VALUES = (
+    "state",
+    "num_computed",
+    "in_canvas",
+    "draft_to_commit",
+    "tokens_since_draft",
+    "accept_average",
+)
+PROGRESS_COUNTS = ("decoder_passes", "encoder_passes", "verify_passes", "accepted_tokens")
 
 
 @dataclass(frozen=True, slots=True)
 class RowEffect:
-    """What a row's step means for its request, as a value (the row kind's verdict); the
-    scheduler's update alone applies it. `canvas_steps`: a canvas finished after that many
-    steps; `commit`: its draft, to be written by a commit pass (the request goes on)."""
+    """What a row's step means for its request, as a value (its row kind's verdict); the
+    scheduler's update alone applies it. `tokens` are committed now (never revised); `draft`
+    is an unfinished canvas's draft, for a client that asked; `accepted` and `verified`: a
+    verify pass's accepted draft tokens and its proposals (the latter for a client that asked
+    for drafts)."""
 
-    tokens: list[int] = field(default_factory=list)  # committed now, never revised
+    tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
-    error: str | None = None
-    draft: list[int] | None = None  # an unfinished canvas's draft, for a client that asked
-    canvas_steps: int | None = None
-    commit: list[int] | None = None
-    constraint: object | None = None
-    # VERIFY: positions of the row whose KV stays (the pending token and the accepted draft
-    # tokens; the rest is rolled back), and how many draft tokens were accepted.
-    num_kept: int | None = None
+    error: str | None = None  # the row failed: its request ends with this error, alone
+    draft: list[int] | None = None
+    constraint: object | None = None  # the request's grammar state after this row, when moved
+    progress: Progress = Progress()
     accepted: int | None = None
-    verified: list[int] | None = None  # the proposals, for a client that asked for drafts
+    verified: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -3,24 +3,23 @@ defaults and the engine's limits, become the `ResolvedParams` the engine runs wi
 
 Used by the HTTP server and the offline `LLM` alike, so both accept, reject and interpret the
 same requests. It holds everything that is not a single field's bound (those are checked when
-a `SamplingParams` is built): the temperature policy, the default token budget, the context,
+a `SamplingParams` is built): the mode's temperature policy, the default token budget, the context,
 vocabulary and KV-cache checks, and the bounds of the HTTP-only request fields (`n`, `stop`).
 Torch-free. The engine itself only asserts what this module guarantees.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
-from engine.params import DecodeMode, DecodingDefaults, ParamError, ResolvedParams, SamplingParams
+from engine.modes import policy
+from engine.params import DecodingDefaults, ParamError, ResolvedParams, SamplingParams
 from engine.types import EngineLimits
 
 MAX_N = 8
 MAX_STOP = 4
 MAX_STOP_LEN = 256
 MAX_USER_LEN = 256
-MIN_SCHEDULE_SCALE = 0.01  # temperature 0 in diffusion mode: nearly greedy denoising
 
 
 class ContextLengthError(ParamError):
@@ -38,28 +37,14 @@ class ContextLengthError(ParamError):
 
 
 def context_needed(num_prompt: int, params: ResolvedParams, canvas_length: int) -> int:
-    """Positions a request occupies: diffusion canvases are whole even when cut; a hybrid
-    draft starts at its pending token (the last one committed, not yet encoded), so its last
-    verify pass writes up to canvas_length - 1 positions past the budget."""
-    if params.mode is DecodeMode.AR:
-        return num_prompt + params.max_tokens
-    if params.mode is DecodeMode.HYBRID:
-        return num_prompt + params.max_tokens - 1 + canvas_length
-    return num_prompt + math.ceil(params.max_tokens / canvas_length) * canvas_length
+    """Positions a request occupies (its mode's answer: `ModePolicy.context_needed`)."""
+    return policy(params.mode).context_needed(num_prompt, params.max_tokens, canvas_length)
 
 
 def apply_temperature(params: SamplingParams, defaults: DecodingDefaults) -> SamplingParams:
-    """The temperature policy, the same for HTTP and offline callers. In diffusion mode
-    `temperature` scales the whole linear schedule (1 = the checkpoint's t_min..t_max, 0 is
-    taken as 0.01: nearly greedy denoising); explicit `t_min`/`t_max` are scaled too. In AR
-    mode it is the sampling temperature (absent or 0: greedy)."""
-    mode = params.mode or defaults.mode
-    if mode is not DecodeMode.DIFFUSION or params.temperature is None:
-        return params
-    scale = max(params.temperature, MIN_SCHEDULE_SCALE)
-    t_min = params.t_min if params.t_min is not None else defaults.t_min
-    t_max = params.t_max if params.t_max is not None else defaults.t_max
-    return replace(params, t_min=t_min * scale, t_max=t_max * scale, temperature=None)
+    """The temperature policy, the same for HTTP and offline callers: what `temperature`
+    means in the request's mode (`ModePolicy.apply_temperature`)."""
+    return policy(params.mode or defaults.mode).apply_temperature(params, defaults)
 
 
 def check_n(n: int) -> None:

@@ -31,6 +31,7 @@ the raw logits at the token's position, before the mask.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -39,10 +40,23 @@ from engine.filters import filter_logits, top_p_floor
 from engine.logprobs import token_logprobs
 from engine.params import ResolvedParams
 from engine.request import RequestState
-from engine.types import RowResult
+from engine.types import TokenLogprob
 
 GRAMMAR_REFUSED = "the grammar refused every token (internal engine error)"
 NON_FINITE = "the model produced non-finite logits"
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """What a verify pass commits: the accepted proposals, then the verifier's own token
+    (`num_accepted` is how many of `tokens` are proposals); their log-probabilities when
+    asked, the grammar state after them, or the row's error."""
+
+    tokens: list[int]
+    num_accepted: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    constraint: object | None = None
+    error: str | None = None
 
 
 class Draws(Protocol):
@@ -70,12 +84,12 @@ def filter_one(params: ResolvedParams, logits: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def verify_draft(
     req: RequestState, draft: list[int], logits: torch.Tensor, draws: Draws
-) -> RowResult:
+) -> Verified:
     """The tokens a verify pass commits (accepted proposals, then the verifier's token) and
     how many proposals were accepted. logits: [L, V] fp32 raw, row i at the draft's position i.
     Pure: a grammar advances on a fork, carried in the result."""
     if not bool(torch.isfinite(torch.logsumexp(logits, -1)).all()):
-        return RowResult(error=NON_FINITE)
+        return Verified([], error=NON_FINITE)
     params, budget = req.params, req.remaining
     first = len(req.output_ids)  # output index of the first token decided here
     constraint = req.constraint.fork() if req.constraint is not None else None
@@ -96,7 +110,7 @@ def verify_draft(
             token = _choose(params, row, proposal, coins[i] if coins else 0.0, draws, first + i)
             token = constraint.commit_ar(token, budget - i)
             if token < 0:
-                return RowResult(error=GRAMMAR_REFUSED)
+                return Verified([], error=GRAMMAR_REFUSED)
         tokens.append(token)
         if token != proposal or token in params.eos_token_ids:
             break
@@ -104,7 +118,7 @@ def verify_draft(
     logprobs = None
     if params.logprobs is not None:
         logprobs = token_logprobs(logits[: len(tokens)], tokens, params.logprobs)
-    return RowResult(tokens=tokens, num_accepted=accepted, logprobs=logprobs, constraint=constraint)
+    return Verified(tokens, accepted, logprobs, constraint)
 
 
 def _agreeing(tokens: list[int], draft: list[int]) -> list[int]:

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine import engine as engine_module
 from engine import postprocess as postprocess_module
+from engine import rows as rows_module
 from engine import scheduler as scheduler_module
 from engine.draft_policy import DraftPolicy
 from engine.engine import EngineConfig
@@ -157,7 +157,7 @@ def inject(llm: LLM, stage: str, victim: str, monkeypatch: pytest.MonkeyPatch) -
 
         monkeypatch.setattr(req().constraint, "fork", fork_raises)
     elif stage == "verify":  # judging the victim's hybrid draft (its VERIFY row) raises
-        wrap(engine_module, "verify_draft", lambda seq, *a: seq.request_id == victim)
+        wrap(rows_module, "verify_draft", lambda seq, *a: seq.request_id == victim)
     elif stage == "post-process":  # only the victim asks for log-probabilities
         wrap(postprocess_module, "token_logprobs", lambda *a: True)
     elif stage == "output":  # building the victim's final output

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -72,14 +73,15 @@ def _oracle_drafts(
     def effect(row, result):  # type: ignore[no-untyped-def]
         out = original(row, result)
         req = row.req
-        if out.commit is not None and req.is_hybrid:
+        commit = out.progress.draft_to_commit
+        if commit and out.progress.state == RowKind.VERIFY:
             done = len(req.output_ids)  # the pending token is output index done - 1
             future = truth[tuple(req.prompt_ids)][done - 1 :]
-            draft = (future + out.commit)[: len(out.commit)]
+            draft = (future + commit)[: len(commit)]
             wrong_from = rng.choice([1, 2, len(draft) // 2, len(draft)])
             for i in range(wrong_from, len(draft)):
                 draft[i] = (draft[i] + 1) % 256
-            out = type(out)(canvas_steps=out.canvas_steps, commit=draft)
+            out = replace(out, progress=replace(out.progress, draft_to_commit=draft))
         return out
 
     monkeypatch.setattr(kind, "effect", effect)

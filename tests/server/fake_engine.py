@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from engine.modes import first_cut
 from engine.params import DecodingDefaults, ParamError, ResolvedParams
-from engine.request import first_cut
 from engine.types import (
     EngineLimits,
     EngineStats,

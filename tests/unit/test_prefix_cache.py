@@ -8,10 +8,11 @@ import pytest
 
 from engine.kv_pages import KVPages, PageGeometry
 from engine.params import DecodeMode, DecodingDefaults, SamplingParams
+from engine.postprocess import TokenResult
 from engine.prefix_cache import chain_hashes, root_hash
 from engine.request import RequestState, SeqState
-from engine.scheduler import InvariantError, RowKind, Scheduler, SchedulerConfig
-from engine.types import FinishReason, RowEffect
+from engine.rows import ROW_KINDS
+from engine.scheduler import InvariantError, Scheduler, SchedulerConfig
 
 PAGE = 4
 
@@ -37,11 +38,8 @@ def step(sched: Scheduler, token: int = 7) -> list[str]:
     plan = sched.schedule()
     effects = []
     for row in plan.rows:
-        seq, end = row.req, row.start + row.num_tokens
-        samples = row.kind is RowKind.AR or (row.kind is RowKind.PREFILL and end == seq.num_prompt)
-        done = samples and len(seq.output_ids) + 1 >= seq.params.max_tokens
-        tokens = [token] if samples else []
-        effects.append(RowEffect(tokens, finish_reason=FinishReason.LENGTH if done else None))
+        kind = ROW_KINDS[row.kind]
+        effects.append(kind.effect(row, TokenResult(token) if kind.wants_token(row) else None))
     outputs = sched.update(plan, effects)
     sched.check()
     return [o.request_id for o in outputs if o.finish_reason is not None]

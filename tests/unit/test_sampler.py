@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.modes import first_cut
 from engine.params import DecodingDefaults, ParamError, SamplingParams
-from engine.request import first_cut
 from engine.sampler import CanvasState, denoise_update, temperature, token_entropy
 
 

@@ -6,7 +6,9 @@ import pytest
 
 from engine.kv_pages import IdPool, KVPages, PageGeometry
 from engine.params import DecodeMode, DecodingDefaults, SamplingParams
+from engine.postprocess import CanvasResult
 from engine.request import RequestState, SeqState
+from engine.rows import ROW_KINDS
 from engine.scheduler import InvariantError, RowKind, Scheduler, SchedulerConfig
 from engine.types import FinishReason, QueueFull, RowEffect
 
@@ -68,9 +70,13 @@ def test_usage_and_release():
 
 
 def effect(row, converged: set[str]) -> RowEffect:  # type: ignore[no-untyped-def]
-    if row.kind is RowKind.DENOISE and row.seq_id in converged:
-        return RowEffect(canvas_steps=3, commit=[1] * row.num_tokens)
-    return RowEffect()
+    """The row kind's own effect of a step that samples nothing (a DENOISE row's canvas
+    converges to ones when its request is in `converged`)."""
+    kind = ROW_KINDS[row.kind]
+    if row.kind is RowKind.DENOISE:
+        done = row.seq_id in converged
+        return kind.effect(row, CanvasResult(done, 3, [1] * row.num_tokens if done else None))
+    return kind.effect(row, None)
 
 
 def run_rows(sched: Scheduler, converged: set[str] = frozenset()) -> list:
