@@ -1,7 +1,8 @@
 """The one state object of a request (torch-free): what it asked for, where the scheduler has
 it, what it holds and what it has produced. Everyone may read it; only the scheduler writes it
 (`engine.scheduler`: add, admission, the step's update, end), so a step that fails before its
-update has changed nothing. Nothing is kept in a second dict by the same id."""
+update has changed nothing. Other structures hold the object itself (the scheduler's
+`requests`, `waiting` and `running`), never a copy of its fields."""
 
 from __future__ import annotations
 

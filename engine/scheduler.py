@@ -7,12 +7,14 @@ converged goes on to its commit pass at the next step; nothing waits for slower 
 diffusion request's commit pass takes the next canvas's first denoising step along in the
 same forward (`first_step_along`): its second row.
 
-States: WAITING → PREFILL → (DENOISE → COMMIT → DENOISE …) | AR | (DENOISE → VERIFY → DENOISE …)
-→ FINISHED. Hybrid requests draft a canvas (DENOISE, a few steps) and verify it (VERIFY: the
-encoder over the draft; the effect says how many of its positions keep their KV — rolling the
-rest back is not advancing `num_computed` past them, and the next pass overwrites them: a
-request's pages are reserved for its whole context at admission, so nothing is freed or taken
-mid-request).
+A running request's state is the row kind it runs next: that kind plans its row, and the row's
+effect names the state after it (`engine.rows`; what a mode changes is its policy's,
+`engine.modes`). Built in: WAITING → PREFILL → (DENOISE → COMMIT → DENOISE …) | AR |
+(DENOISE → VERIFY → DENOISE …) → FINISHED. Hybrid requests draft a canvas (DENOISE, a few
+steps) and verify it (VERIFY: the encoder over the draft; the effect says how many of its
+positions keep their KV — rolling the rest back is not advancing `num_computed` past them, and
+the next pass overwrites them: a request's pages are reserved for its whole context at
+admission, so nothing is freed or taken mid-request).
 
 A request's life has four writers, all here: `add` (queued), admission in `schedule` (its KV
 pages and sampler slot, acquired together), `update` (the step's effects, the only place

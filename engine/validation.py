@@ -3,9 +3,10 @@ defaults and the engine's limits, become the `ResolvedParams` the engine runs wi
 
 Used by the HTTP server and the offline `LLM` alike, so both accept, reject and interpret the
 same requests. It holds everything that is not a single field's bound (those are checked when
-a `SamplingParams` is built): the mode's temperature policy, the default token budget, the context,
-vocabulary and KV-cache checks, and the bounds of the HTTP-only request fields (`n`, `stop`).
-Torch-free. The engine itself only asserts what this module guarantees.
+a `SamplingParams` is built): the mode's meaning of `temperature`, the default token budget,
+the context, vocabulary and KV-cache checks, and the bounds of the HTTP-only request fields
+(`n`, `stop`). Torch-free. `Engine.add_request` runs the prompt and context checks again, so a
+caller that skipped the validator gets the same errors.
 """
 
 from __future__ import annotations
