@@ -107,7 +107,7 @@ class Engine:
         num_sliding = sched.max_num_seqs * geometry.sliding_ring(cfg.max_position_embeddings)
         # Exact numerics never reuse a prefix: their values depend on how a prompt is cut into
         # passes (GEMMs under SMALL_ROWS rows, per-request expert groups), so a reused prefix
-        # could not give the tokens recomputing it gives (README "Prefix caching").
+        # could not give the tokens recomputing it gives (docs/prefix-caching.md).
         caching = self.config.prefix_caching and not model.kernels.exact
         self.pages = KVPages(geometry, num_full, num_sliding, caching)
         # Everything besides the tokens that the KV depends on and that is fixed per engine.

@@ -6,7 +6,8 @@ by vLLM and SGLang). Chosen over xgrammar and outlines-core: it has no Python de
 (xgrammar pulls an unpinned torch, triton and a TVM runtime), compiles a schema lazily (no
 up-front automaton over the whole vocabulary, so a new schema costs milliseconds, not seconds),
 and answers the two questions a canvas needs cheaply: "how many of these tokens are valid from
-here" (`validate_tokens`) and "which tokens may come next" (a mask). Numbers in the README.
+here" (`validate_tokens`) and "which tokens may come next" (a mask). Its cost is measured in
+docs/performance.md.
 
 How a request is constrained (`Constraint`):
 - AR rows: before sampling, the next-token logits outside the grammar's mask are set to -inf;

@@ -305,8 +305,8 @@ def test_a_cache_hit_never_ends_inside_an_image_and_gives_the_tokens_of_caching_
     """Two prompts share an image and diverge right after it, inside the page its last tokens
     are on: the second's hit stops before the image (its tokens are computed in one pass, with
     the whole image), the first's repeat hits past the image; both give caching off's tokens
-    (AR mode: fast numerics' diffusion tokens may differ with a pass's cut, README "Prefix
-    caching")."""
+    (AR mode: fast numerics' diffusion tokens may differ with a pass's cut; see
+    docs/prefix-caching.md)."""
     cached, uncached = fast(), fast(EngineConfig(prefix_caching=False))
     ar = SamplingParams(mode=DecodeMode.AR, max_tokens=6)
     a, images = chat_ids(vision, [1, "Say what it is. " * 8])
