@@ -50,32 +50,32 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
-	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.bench $(BENCH_ARGS)
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.cpu.bench $(BENCH_ARGS)
 
-# What JSON-schema constraints cost a step that mixes constrained and free requests (default model).
-# Prefix caching on vs off (loadtest/prefix_bench.py): a second request over a shared
+# Prefix caching on vs off (loadtest/cpu/prefix_bench.py): a second request over a shared
 # 2,000-token system prompt, 16 clients sharing one, 4-turn chats; report in bench-out/prefix.
 bench-prefix: $(BENCH_STAMP)
-	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.prefix_bench $(BENCH_ARGS)
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.cpu.prefix_bench $(BENCH_ARGS)
 
-# Hybrid decoding vs AR mode on the default model (loadtest/hybrid_bench.py), 1 and 16 at once.
+# Hybrid decoding vs AR mode on the default model (loadtest/cpu/hybrid_bench.py), 1 and 16 at once.
 bench-hybrid: $(STAMP)
-	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.hybrid_bench $(BENCH_ARGS)
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.cpu.hybrid_bench $(BENCH_ARGS)
 
+# What JSON-schema constraints cost a step that mixes constrained and free requests (default
+# model; loadtest/cpu/structured_bench.py).
 bench-structured: $(STAMP)
-	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.structured_bench
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.cpu.structured_bench
 
-# Style and types (CI runs this before the tests): ruff, then mypy on engine/ and server/.
 # A live server under mixed, partly hostile traffic for 5 minutes, RSS sampled (bench-out/soak).
 soak: $(STAMP)
-	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.soak --seconds 300
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.load.soak --seconds 300
 
 # Numeric-extreme request bodies against a live server: 0 5xx, 0 in-band errors, nothing held
 # after (FUZZ_SEED repeats a run; the test suite runs 300 of them).
 FUZZ_REQUESTS ?= 100000
 FUZZ_SEED     ?= 0
 fuzz: $(STAMP)
-	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.fuzz --requests $(FUZZ_REQUESTS) --seed $(FUZZ_SEED)
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.load.fuzz --requests $(FUZZ_REQUESTS) --seed $(FUZZ_SEED)
 
 # Every Triton kernel compiled for sm_90 and sm_80 without a GPU (the ptxas in Triton's wheel):
 # all variants (real 26B-A4B shapes, edge specialisations, the gpu tests' shapes, fp32 paths)
@@ -86,7 +86,7 @@ fuzz: $(STAMP)
 TRITON_IMAGE ?= 3.6.0
 TRITON_SIDE  := .cache/triton-$(TRITON_IMAGE)
 COMPILE      := env -u TRITON_INTERPRET OMP_NUM_THREADS=1 $(BIN)/python -W ignore \
-	-m loadtest.gpu_compile --set all --arch 90 80
+	-m loadtest.gpu.compile --set all --arch 90 80
 gpu-compile: $(STAMP)
 	mkdir -p $(GPU_OUT)
 	test -d $(TRITON_SIDE) || $(BIN)/pip install -q --no-deps --target $(TRITON_SIDE) \
@@ -100,11 +100,12 @@ gpu-compile: $(STAMP)
 # The engine's step at the real 26B-A4B shapes on the meta device, every op accounted: predicted
 # H200 / H100 step times against the roofline floor, top ops, launches and host syncs per step
 # (docs/gpu.md, "GPU roofline"; about a minute of CPU). The accountant against a measured CPU
-# step instead: python -m loadtest.roofline_calibrate.
+# step instead: python -m loadtest.gpu.roofline_calibrate.
 ROOFLINE_ARGS ?=
 roofline: $(STAMP)
-	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.roofline $(ROOFLINE_ARGS)
+	OMP_NUM_THREADS=2 $(BIN)/python -m loadtest.gpu.roofline $(ROOFLINE_ARGS)
 
+# Style and types (CI runs this before the tests): ruff, then mypy on engine/ and server/.
 lint: $(STAMP)
 	$(BIN)/ruff check server engine kernels tests loadtest
 	$(BIN)/ruff format --check server engine kernels tests loadtest
@@ -113,11 +114,11 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# A GPU machine as it may come (README, "Serving DiffusionGemma on a GPU"; the device tool:
-# docs/gpu-device-runs.md), its image as it is (python3 with CUDA torch and triton; no venv, no
-# network), so these use $(PY) and no $(STAMP): `make gpu-check GPU_OUT=dir` runs every test
-# marked gpu, then the GPU benchmark, in under 9 minutes; `make gpu-bench` the benchmark alone
-# (under 8). Reports in $(GPU_OUT); loadtest/README.md ("GPU check") has the device tool call.
+# A GPU machine as it may come (docs/gpu.md; the device tool: docs/gpu-device-runs.md), its
+# image as it is (python3 with CUDA torch and triton; no venv, no network), so these use $(PY)
+# and no $(STAMP): `make gpu-check GPU_OUT=dir` runs every test marked gpu, then the GPU
+# benchmark, in under 9 minutes; `make gpu-bench` the benchmark alone (under 8). Reports in
+# $(GPU_OUT); loadtest/README.md ("GPU check") has the device tool call.
 # CPU dry runs: make gpu-check PY=.venv/bin/python GPU_ARGS=--dry-run
 GPU_OUT  ?= gpu-results
 GPU_ARGS ?=
@@ -126,15 +127,15 @@ GPU_ENV  := PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1
 .PHONY: gpu-bench gpu-check gpu-train gpu-train-pack
 
 gpu-bench:
-	$(GPU_ENV) $(PY) -m loadtest.gpu_bench --json $(GPU_OUT)/gpu_bench.json \
+	$(GPU_ENV) $(PY) -m loadtest.gpu.bench --json $(GPU_OUT)/gpu_bench.json \
 		--markdown $(GPU_OUT)/gpu_bench.md $(GPU_ARGS)
 
 gpu-check:
-	$(GPU_ENV) $(PY) -m loadtest.gpu_check --out $(GPU_OUT) $(GPU_ARGS)
+	$(GPU_ENV) $(PY) -m loadtest.gpu.check --out $(GPU_OUT) $(GPU_ARGS)
 
-# The decoder adapter's recipe on the lent GPU (README, "Training the decoder adapter"): convert,
-# distill, train within the budget, evaluate; the adapter, loss log, eval and summary land in
-# $(GPU_OUT). CPU dry run: make gpu-train PY=.venv/bin/python GPU_ARGS=--dry-run
+# The decoder adapter's recipe on the lent GPU (docs/decoding-modes.md, "Decoder adapter"):
+# convert, distill, train within the budget, evaluate; the adapter, loss log, eval and summary
+# land in $(GPU_OUT). CPU dry run: make gpu-train PY=.venv/bin/python GPU_ARGS=--dry-run
 gpu-train:
 	$(GPU_ENV) $(PY) -m engine.adapt.gpu_train --out $(GPU_OUT) $(GPU_ARGS)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine import LLM, DecodeMode, SamplingParams
-from loadtest.reference import greedy_ar
+from loadtest.cpu.reference import greedy_ar
 
 
 def reference_greedy(ref, prompt: list[int], max_tokens: int, eos: set[int]) -> list[int]:

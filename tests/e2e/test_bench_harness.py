@@ -18,10 +18,10 @@ from engine.testing import (
     estimate_parameters,
     preset_text_config,
 )
-from loadtest.bench import BenchConfig, build_parser, configs_from_args, main
-from loadtest.bench_report import thread_shares
-from loadtest.metrics import StepTotals, parse_step_totals
-from loadtest.prompts import PROMPT_SETS, make_prompts
+from loadtest.cpu.bench import BenchConfig, build_parser, configs_from_args, main
+from loadtest.cpu.bench_report import thread_shares
+from loadtest.load.metrics import StepTotals, parse_step_totals
+from loadtest.load.prompts import PROMPT_SETS, make_prompts
 from server.serve import describe_threads
 
 SUMMARY_FIELDS = {
@@ -261,7 +261,7 @@ def test_step_totals_sum_the_canvas_step_histograms():
 
 
 def test_the_hybrid_benchmark_warms_then_reports_each_configuration(tiny_checkpoint, capsys):
-    from loadtest import hybrid_bench
+    from loadtest.cpu import hybrid_bench
 
     args = ["--model", str(tiny_checkpoint("c16")), "--questions", "1", "--concurrency", "2"]
     assert hybrid_bench.main([*args, "--max-tokens", "3", "--rounds", "1"]) == 0
@@ -275,7 +275,7 @@ def test_the_hybrid_benchmark_warms_then_reports_each_configuration(tiny_checkpo
 
 
 def test_a_sidecar_server_that_cannot_start_says_why(tmp_path: Path) -> None:
-    from loadtest.sidecar import serve_in_subprocess
+    from loadtest.load.sidecar import serve_in_subprocess
 
     with (
         pytest.raises(RuntimeError, match="exited") as failure,

@@ -1,5 +1,5 @@
 """Deliberately broken Triton kernels, each with a launcher, for the tests of the compile check
-(`loadtest.gpu_compile`). `python -m tests.kernels.bad_kernels` (TRITON_INTERPRET unset)
+(`loadtest.gpu.compile`). `python -m tests.kernels.bad_kernels` (TRITON_INTERPRET unset)
 compiles them for sm_90 and prints the check's findings as JSON lines."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def tiles(bm: int, bn: int, bk: int, num_warps: int, num_stages: int) -> torch.T
 
 
 def main() -> int:
-    from loadtest.gpu_compile import Variant, check
+    from loadtest.gpu.compile import Variant, check
 
     variants = [
         Variant("retyped accumulator", "bad", retyped_accumulator),

@@ -12,7 +12,7 @@ import torch
 from engine.model.config import LayerType
 from engine.model.kv_cache import ForwardBatch, Mode, PagedKVCache, Row
 from kernels import ops, reference, resolve_kernels
-from loadtest.gpu_bench import meta_model, model_config
+from loadtest.gpu.bench import meta_model, model_config
 from tests.kernels.attention_cases import SCENARIOS, make_inputs, run
 
 

@@ -19,9 +19,10 @@ from types import ModuleType
 import pytest
 import torch
 
-from loadtest import gpu_bench, gpu_check
-from loadtest.gpu_kernels import time_kernels
-from loadtest.gpu_report import BenchReport
+from loadtest.gpu import bench as gpu_bench
+from loadtest.gpu import check as gpu_check
+from loadtest.gpu.kernel_timing import time_kernels
+from loadtest.gpu.report import BenchReport
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = (
@@ -87,7 +88,7 @@ def test_real_shapes_hold_the_26b_weights() -> None:
 def test_dry_run_times_every_kernel_and_the_engine_step(tmp_path: Path) -> None:
     json_path, md_path = tmp_path / "bench.json", tmp_path / "bench.md"
     done = run_module(
-        "loadtest.gpu_bench", "--dry-run", "--json", str(json_path), "--markdown", str(md_path)
+        "loadtest.gpu.bench", "--dry-run", "--json", str(json_path), "--markdown", str(md_path)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
@@ -109,7 +110,7 @@ def test_gpu_check_dry_run_runs_the_gpu_tests_and_the_benchmark(tmp_path: Path) 
     no_wheels = tmp_path / "no-wheels"
     no_wheels.mkdir()
     done = run_module(
-        "loadtest.gpu_check",
+        "loadtest.gpu.check",
         "--dry-run",
         "--out",
         str(tmp_path / "out"),

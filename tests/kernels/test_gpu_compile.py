@@ -1,7 +1,7 @@
 """Every real-shape bf16 Triton kernel compiles for sm_90 on this CPU-only machine (Triton's
 bundled ptxas), within sm_90's shared memory and without register spills; and the check
 catches a kernel that does not compile, one that needs too much shared memory and one that
-spills (`loadtest.gpu_compile`; `make gpu-compile` runs the full matrix: every variant,
+spills (`loadtest.gpu.compile`; `make gpu-compile` runs the full matrix: every variant,
 sm_80 too, and the GPU image's Triton).
 
 Compiles run in a subprocess: the kernels must be defined with TRITON_INTERPRET unset (this
@@ -22,7 +22,7 @@ import pytest
 from kernels import TRITON_MODULES
 
 pytest.importorskip("triton")
-from loadtest.gpu_compile import SHARED_LIMITS, Compiled, problems  # noqa: E402
+from loadtest.gpu.compile import SHARED_LIMITS, Compiled, problems  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 REAL_KERNELS = {
@@ -85,7 +85,7 @@ def test_the_compiled_set_covers_every_triton_kernel_of_the_project() -> None:
 def test_real_shape_bf16_kernels_compile_for_sm90_in_its_shared_memory_without_spills(
     tmp_path: Path,
 ) -> None:
-    shards = [("loadtest.gpu_compile", "--json", str(tmp_path / f"sm90-{i}.json"), "--shard",
+    shards = [("loadtest.gpu.compile", "--json", str(tmp_path / f"sm90-{i}.json"), "--shard",
                f"{i}/2") for i in range(2)]  # fmt: skip
     for result in run_modules(shards):
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

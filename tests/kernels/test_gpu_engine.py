@@ -26,7 +26,7 @@ from engine.params import DecodingDefaults, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.types import StepOutput
 from kernels import resolve_kernels, triton_available
-from loadtest.gpu_bench import build_model, model_config
+from loadtest.gpu.bench import build_model, model_config
 
 pytestmark = [
     pytest.mark.gpu,

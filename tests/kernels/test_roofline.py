@@ -1,4 +1,4 @@
-"""The roofline's accountant (`loadtest.accountant`) and its dry run: FLOPs and bytes of an op,
+"""The roofline's accountant (`loadtest.gpu.accountant`) and its dry run: FLOPs and bytes of an op,
 host synchronisations caught on the meta device, and the fast-numerics step (forward, head,
 sampler) at the real shapes on meta, whose forward and sampler must not synchronise."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kernels import resolve_kernels
-from loadtest import roofline
-from loadtest.accountant import H200, Accountant
-from loadtest.gpu_bench import model_config
+from loadtest.gpu import roofline
+from loadtest.gpu.accountant import H200, Accountant
+from loadtest.gpu.bench import model_config
 
 META = torch.device("meta")
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from loadtest.inprocess import serve_in_thread
+from loadtest.load.inprocess import serve_in_thread
 from server.app import ServerState, create_app
 from tests.server.fake_engine import DEFAULTS, ByteTokenizer, FakeEngine
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from loadtest.fuzz import fuzz
+from loadtest.load.fuzz import fuzz
 from tests.server.conftest import LiveServer, start_server
 
 
@@ -88,7 +88,7 @@ def test_the_soak_sends_numeric_extremes_and_checks_what_is_held() -> None:
     """`make soak` draws hostile bodies from the fuzzer and reads the same gauges."""
     import random
 
-    from loadtest import soak
+    from loadtest.load import soak
 
     assert soak.held_after is not None and soak.body_for is not None
     route, body = soak.body_for(random.Random(0), "tiny")

@@ -1,4 +1,4 @@
-"""The benchmark's FLOP floor (`loadtest.floor`): what a canvas and a prompt cost."""
+"""The benchmark's FLOP floor (`loadtest.cpu.floor`): what a canvas and a prompt cost."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from engine.model import load_model_config
 from engine.model.config import TextConfig
-from loadtest.floor import Floor, attention_flops, canvas_flops, prompt_flops, token_flops
+from loadtest.cpu.floor import Floor, attention_flops, canvas_flops, prompt_flops, token_flops
 
 
 @pytest.fixture(scope="module")

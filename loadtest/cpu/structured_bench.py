@@ -1,6 +1,6 @@
 """What structured outputs cost a step that mixes constrained and free requests.
 
-    python -m loadtest.structured_bench [--model DIR] [--requests 16] [--max-tokens 96]
+    python -m loadtest.cpu.structured_bench [--model DIR] [--requests 16] [--max-tokens 96]
     (make bench-structured)
 
 Offline engine (`LLM`), the built-in default model by default (SmolLM2-135M converted: a real

@@ -1,7 +1,7 @@
 """Numeric-extreme fuzzing of the HTTP API: no body may make the server answer 5xx or fail a
 stream in-band, and none may hurt the ordinary requests after it.
 
-    python -m loadtest.fuzz [--requests 100000] [--seed 0] [--concurrency 16]   (make fuzz)
+    python -m loadtest.load.fuzz [--requests 100000] [--seed 0] [--concurrency 16]   (make fuzz)
 
 An in-process server on the tiny `c16` checkpoint (`--max-num-seqs 8`) gets `--requests`
 bodies, each a valid request with one to four fields set to extremes (0, denormals, huge, ±inf
@@ -133,7 +133,7 @@ def _gauge(text: str, name: str) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.fuzz", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m loadtest.load.fuzz", description=__doc__)
     p.add_argument("--requests", type=int, default=100_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=16)
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from engine.default_model import cache_dir
     from engine.testing import make_tiny
-    from loadtest.inprocess import serve_in_thread
+    from loadtest.load.inprocess import serve_in_thread
 
     torch.set_num_threads(2)
     checkpoint = cache_dir() / "tiny-c16"

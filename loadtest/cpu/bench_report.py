@@ -1,6 +1,6 @@
 """The side-by-side benchmark's comparison: spreads, ratios per round, step breakdown, goals.
 
-Every configuration ran once per round, all in a fixed order (`loadtest.bench_runs`), so a
+Every configuration ran once per round, all in a fixed order (`loadtest.cpu.bench_runs`), so a
 ratio is computed within each round from neighbouring runs and reported as its values per
 round with their min / median / max; this VM's speed drifts between minutes, and a ratio of a
 fast minute over a slow one is not a result. The goals are notes for the reader, judged on the
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench_runs import Series
-from loadtest.report import (
+from loadtest.cpu.bench_runs import Series
+from loadtest.load.report import (
     latency_series,
     markdown,
     plot_latency_cdf,
@@ -24,7 +24,7 @@ from loadtest.report import (
     records_json,
     write_json,
 )
-from loadtest.stats import RequestRecord, RunSummary
+from loadtest.load.stats import RequestRecord, RunSummary
 
 
 @dataclass(frozen=True, slots=True)

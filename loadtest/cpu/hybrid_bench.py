@@ -1,6 +1,6 @@
 """Hybrid decoding against AR mode (`make bench-hybrid`), one request at a time and N at once.
 
-    python -m loadtest.hybrid_bench [--model DIR] [--questions 6] [--concurrency 16]
+    python -m loadtest.cpu.hybrid_bench [--model DIR] [--questions 6] [--concurrency 16]
         [--max-tokens 48] [--rounds 2]
 
 Offline engine (`LLM`), fast numerics, greedy, the built-in default model by default (its
@@ -32,7 +32,7 @@ from engine.params import DecodeMode, SamplingParams
 from engine.scheduler import SchedulerConfig
 from loadtest.machine import hardware
 
-QUESTIONS = Path(__file__).resolve().parent.parent / "engine" / "adapt" / "data"
+QUESTIONS = Path(__file__).resolve().parents[2] / "engine" / "adapt" / "data"
 CONFIGS = ("ar", "hybrid-adaptive", "hybrid-per-request")
 
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {c: batch for c, batch in shapes.items() if batch}  # --questions 0: skip one-by-one
     hw = hardware()
     print(f"# hybrid vs AR: {args.model.name}, {hw['cpu']} ({hw['cpu_count']} CPUs)")
-    print(f"# command: python -m loadtest.hybrid_bench {' '.join(sys.argv[1:])}".rstrip())
+    print(f"# command: python -m loadtest.cpu.hybrid_bench {' '.join(sys.argv[1:])}".rstrip())
     print(f"# greedy, fast numerics, max_tokens {args.max_tokens}; round 0 is the warm-up\n")
     print("| concurrency | round | configuration | tok/s | vs AR | TPF | verify | accepted", end="")
     print(" | text = AR |")

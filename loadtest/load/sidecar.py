@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.inprocess import ServerHandle
+from loadtest.load.inprocess import ServerHandle
 
 logger = logging.getLogger(__name__)
 _ADDRESS = re.compile(r"http://127\.0\.0\.1:(\d+)/v1")

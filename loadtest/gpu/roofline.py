@@ -1,9 +1,9 @@
 """GPU speed without a GPU: the engine's real step at the real DiffusionGemma 26B-A4B shapes,
 run on the meta device through the custom ops (`KernelSet.with_custom_ops`), every op
-recorded by `loadtest.accountant` and its time predicted on an H200 and an H100 SXM.
+recorded by `loadtest.gpu.accountant` and its time predicted on an H200 and an H100 SXM.
 
-    python -m loadtest.roofline [--canvases 1 4 16 64] [--layers N] [--top 8]   (make roofline)
-    python -m loadtest.roofline_calibrate     (the accountant against a measured CPU step)
+    python -m loadtest.gpu.roofline [--canvases 1 4 16 64] [--layers N] [--top 8]   (make roofline)
+    python -m loadtest.gpu.roofline_calibrate     (the accountant against a measured CPU step)
 
 Step kinds (prefix PREFIX_LEN tokens per row): `denoise` (R canvases, head and sampler),
 `commit` (R commit passes of a canvas beside the R next canvases' first steps), `prefill`
@@ -35,8 +35,8 @@ from engine.model.config import LayerType, ModelConfig
 from engine.model.kv_cache import PagedKVCache
 from engine.runner import EncodeInput, ModelRunner, StepInputs
 from kernels import KernelSet, resolve_kernels
-from loadtest.accountant import GPUS, Accountant, Hardware, OpRecord, StepRows, touched_experts
-from loadtest.gpu_bench import meta_model, model_config
+from loadtest.gpu.accountant import GPUS, Accountant, Hardware, OpRecord, StepRows, touched_experts
+from loadtest.gpu.bench import meta_model, model_config
 
 KINDS = ("denoise", "commit", "prefill", "ar")
 PREFIX_LEN = 1024

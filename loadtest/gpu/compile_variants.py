@@ -1,4 +1,4 @@
-"""The launcher calls `loadtest.gpu_compile` compiles: each Triton kernel of Canvas at the real
+"""The launcher calls `loadtest.gpu.compile` compiles: each Triton kernel of Canvas at the real
 26B-A4B shapes in bf16 (engine/testing.py REAL_26B_A4B_TEXT_CONFIG), its edge specialisations
 (one token, one AR row, a page table of width 1, short canvases), the shapes of the gpu tests,
 and the fp32 paths (gpu-train's evaluation of SmolLM2, toy engines).

@@ -37,8 +37,8 @@ from typing import Any
 
 import httpx
 
-from loadtest.bench import BenchConfig, checkpoint_for, configure_logging
-from loadtest.prompts import WORDS
+from loadtest.cpu.bench import BenchConfig, checkpoint_for, configure_logging
+from loadtest.load.prompts import WORDS
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def _spread(values: list[float]) -> str:
 
 @contextlib.contextmanager
 def two_servers(checkpoint: Path, flags: list[str]) -> Iterator[dict[str, str]]:
-    from loadtest.inprocess import serve_in_thread
+    from loadtest.load.inprocess import serve_in_thread
 
     with (
         serve_in_thread(checkpoint, flags) as on,
@@ -286,7 +286,7 @@ def two_servers(checkpoint: Path, flags: list[str]) -> Iterator[dict[str, str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest.prefix_bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m loadtest.cpu.prefix_bench", description=__doc__)
     p.add_argument("--preset", default="bench-small", help="benchmark checkpoint preset")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--mode", choices=["diffusion", "ar"], default="diffusion")
@@ -314,7 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = urls.pop("model")
         results = asyncio.run(measure(urls, model, args))
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m loadtest.prefix_bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m loadtest.cpu.prefix_bench " + argv_text
     table = report(results)
     (args.out / "results.json").write_text(json.dumps({"command": command, "results": results}))
     (args.out / "results.md").write_text(f"`{command.strip()}`\n\n{table}\n")

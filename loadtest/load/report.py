@@ -13,10 +13,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loadtest.stats import RequestRecord, RunSummary
+from loadtest.load.stats import RequestRecord, RunSummary
 
 if TYPE_CHECKING:
-    from loadtest.loadgen import LevelResult, LoadConfig
+    from loadtest.load.loadgen import LevelResult, LoadConfig
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from loadtest.loadgen import Level, LevelResult, LoadConfig, make_client, run_level
-from loadtest.stats import summarize
+from loadtest.load.loadgen import Level, LevelResult, LoadConfig, make_client, run_level
+from loadtest.load.stats import summarize
 
 logger = logging.getLogger(__name__)
 WARMUP, TIMED = "warmup", "timed"
@@ -150,7 +150,7 @@ def reference_runner(
     mode: str,
 ) -> Callable[[int], LevelResult]:
     """Runs the first n prompts through the reference, `width` at a time, in `mode`."""
-    from loadtest import reference as ref
+    from loadtest.cpu import reference as ref
 
     pad = model.generation_config.pad_token_id or 0
 

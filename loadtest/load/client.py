@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from loadtest.prompts import Prompt
-from loadtest.stats import RequestRecord, gaps
+from loadtest.load.prompts import Prompt
+from loadtest.load.stats import RequestRecord, gaps
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 

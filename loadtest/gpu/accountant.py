@@ -31,7 +31,7 @@ from torch.utils.flop_counter import flop_registry
 
 from kernels.reference import ALIGN_CHUNK, align_capacity
 from kernels.reference_sampler import PROBS_CHUNK_BYTES
-from loadtest.call_sites import in_prepare, project_frame
+from loadtest.gpu.call_sites import in_prepare, project_frame
 
 aten = torch.ops.aten
 

@@ -3,7 +3,7 @@ triton, transformers 5.17, no venv, no network): every test marked gpu, then the
 inside a time budget; one JSON and one markdown report; a short summary printed last.
 
     make gpu-check GPU_OUT=$OUT                   # on the GPU machine (loadtest/README.md)
-    python3 -m loadtest.gpu_check --dry-run       # the same flow on CPU, under a minute
+    python3 -m loadtest.gpu.check --dry-run       # the same flow on CPU, under a minute
 
 1. Wheels: the *.whl files in --wheels (default wheels/, when there) are installed with
    `pip install --no-index --no-deps --target` into a temporary folder put first on
@@ -11,7 +11,7 @@ inside a time budget; one JSON and one markdown report; a short summary printed 
 2. `pytest -m gpu` over the test files that mark tests gpu (found by their text: collecting
    all of tests/ stops at the server's imports on that image), one JUnit XML for the report;
    with a per-test timeout where pytest-timeout is installed. Without a GPU they skip.
-3. `python3 -m loadtest.gpu_bench` (--dry-run in a dry run) with the time left as its budget.
+3. `python3 -m loadtest.gpu.bench` (--dry-run in a dry run) with the time left as its budget.
 
 Written into --out: gpu_check.json, gpu_check.md, gpu_tests.log, gpu_tests.xml, gpu_bench.json,
 gpu_bench.md, gpu_bench.log (seven files: the device tool brings back at most eight).
@@ -34,7 +34,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = Path("gpu-results")
 TESTS_TIMEOUT_S = 240  # all gpu tests together
 PER_TEST_TIMEOUT_S = 150
@@ -141,7 +141,7 @@ def run_bench(out: Path, env: dict[str, str], dry_run: bool, left: float) -> dic
     paths = {"json": out / "gpu_bench.json", "markdown": out / "gpu_bench.md"}
     budget = max(left - MARGIN_S, 30.0)
     reports = ["--json", str(paths["json"]), "--markdown", str(paths["markdown"])]
-    cmd = [sys.executable, "-m", "loadtest.gpu_bench", *reports, "--budget-s", f"{budget:.0f}"]
+    cmd = [sys.executable, "-m", "loadtest.gpu.bench", *reports, "--budget-s", f"{budget:.0f}"]
     if dry_run:
         cmd.append("--dry-run")
     result = run_logged(cmd, out / "gpu_bench.log", env, timeout=left - 5)
@@ -225,7 +225,7 @@ def summary(result: dict[str, Any], out: Path) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     doc = __doc__ or ""
     p = argparse.ArgumentParser(
-        prog="python3 -m loadtest.gpu_check",
+        prog="python3 -m loadtest.gpu.check",
         description=doc.split("\n\n")[0],
         epilog=doc.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = tests["rc"] == 0 and not failures and bool((bench["report"] or {}).get("checks_pass"))
     result = {
         "meta": {
-            "command": " ".join(["python3 -m loadtest.gpu_check", *argv]),
+            "command": " ".join(["python3 -m loadtest.gpu.check", *argv]),
             "dry_run": args.dry_run,
             "device": device,
             "python": platform.python_version(),

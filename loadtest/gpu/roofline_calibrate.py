@@ -1,10 +1,10 @@
 """The roofline's accountant checked against a step it can measure: the CPU. The same step
-harness as `loadtest.roofline` runs the `bench-small` stack (engine/testing.py: the real
+harness as `loadtest.gpu.roofline` runs the `bench-small` stack (engine/testing.py: the real
 layer pattern and MoE scaled to ~32M parameters) in fp32 on the CPU with the fast twins; the
 accountant predicts its time from this machine's rates, measured here (an fp32 GEMM, a copy,
 a tiny op's dispatch cost), and the step is then timed (warmed, median of repeats).
 
-    python -m loadtest.roofline_calibrate
+    python -m loadtest.gpu.roofline_calibrate
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from engine.model.config import ModelConfig, parse_text_config
 from engine.testing import PRESETS, preset_text_config
 from kernels import resolve_kernels
-from loadtest.accountant import Accountant, Hardware, sdpa_flops
-from loadtest.gpu_bench import meta_model
-from loadtest.roofline import StepHarness
+from loadtest.gpu.accountant import Accountant, Hardware, sdpa_flops
+from loadtest.gpu.bench import meta_model
+from loadtest.gpu.roofline import StepHarness
 
 PRESET = "bench-small"
 CANVASES = (4, 16)

@@ -1,9 +1,9 @@
 """Every Triton kernel of Canvas compiled for a GPU architecture on a machine without a GPU:
 compiled, within the architecture's shared memory, and (bf16) without register spills.
 
-    python -m loadtest.gpu_compile                      # the real-shape bf16 kernels, sm_90
-    python -m loadtest.gpu_compile --set all --arch 90 80 --json out.json   # `make gpu-compile`
-    python -m loadtest.gpu_compile --shard 1/2          # every other variant (two processes)
+    python -m loadtest.gpu.compile                      # the real-shape bf16 kernels, sm_90
+    python -m loadtest.gpu.compile --set all --arch 90 80 --json out.json   # `make gpu-compile`
+    python -m loadtest.gpu.compile --shard 1/2          # every other variant (two processes)
 
 Triton's wheel bundles `ptxas` and `cuobjdump`, so it compiles for `GPUTarget("cuda", arch, 32)`
 with no GPU, CUDA toolkit or driver. The kernels are compiled through the project's own
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from loadtest.gpu_compile_variants import SETS, Variant, variants
+from loadtest.gpu.compile_variants import SETS, Variant, variants
 
 # Opt-in dynamic shared memory per block (CUDA C programming guide, compute capabilities).
 SHARED_LIMITS = {90: 232_448, 80: 166_912}
@@ -195,7 +195,9 @@ def table(compiled: list[Compiled]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gpu_compile", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.gpu.compile", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--set", choices=sorted(SETS), default="make-test", dest="which")
     p.add_argument("--arch", type=int, nargs="+", choices=sorted(SHARED_LIMITS), default=[90])
     p.add_argument("--json", type=Path, help="write the compiles and problems here")

@@ -1,6 +1,6 @@
 """The GPU benchmark's measurements below the engine: the machine's ceilings (copy bandwidth,
 GEMM rate) and each kernel the model has bound, timed alone at one batch of canvases with the
-bytes and FLOPs a perfect kernel would need (see `loadtest.gpu_bench`)."""
+bytes and FLOPs a perfect kernel would need (see `loadtest.gpu.bench`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """GPU benchmark of Canvas itself: the engine's own DiffusionGemma at the real 26B-A4B shapes.
 
     make gpu-bench                              # one H100/H200: real shapes, bf16, < 8 minutes
-    python3 -m loadtest.gpu_bench --dry-run     # the same flow on CPU at a toy shape, seconds
+    python3 -m loadtest.gpu.bench --dry-run     # the same flow on CPU at a toy shape, seconds
 
 No checkpoint: the engine's model (engine/model) is built on the meta device from the real
 text config (engine/testing.py REAL_26B_A4B_TEXT_CONFIG, the one source of the shapes), then
@@ -49,8 +49,8 @@ from engine.model.loader import BACKBONES
 from engine.params import DecodingDefaults, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.testing import REAL_26B_A4B_CANVAS_LENGTH, REAL_26B_A4B_TEXT_CONFIG
-from loadtest.gpu_kernels import Timer, measure_ceilings, recorded, time_kernels
-from loadtest.gpu_report import BenchReport, EngineTiming, markdown, summary, write_reports
+from loadtest.gpu.kernel_timing import Timer, measure_ceilings, recorded, time_kernels
+from loadtest.gpu.report import BenchReport, EngineTiming, markdown, summary, write_reports
 
 logger = logging.getLogger("gpu_bench")
 RESULTS_DIR = Path("gpu-results")
@@ -367,7 +367,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     doc = __doc__ or ""
     p = argparse.ArgumentParser(
-        prog="python3 -m loadtest.gpu_bench",
+        prog="python3 -m loadtest.gpu.bench",
         description=doc.split("\n\n")[0],
         epilog=doc.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "gpu_bench_dry_run" if s.dry_run else "gpu_bench"
     json_path = args.json or RESULTS_DIR / f"{name}.json"
     md_path = args.markdown or RESULTS_DIR / f"{name}.md"
-    command = " ".join(["python3 -m loadtest.gpu_bench", *argv])
+    command = " ".join(["python3 -m loadtest.gpu.bench", *argv])
     report = run(s, command, lambda r: write_reports(r, json_path, md_path))
     write_reports(report, json_path, md_path)
     print(markdown(report))

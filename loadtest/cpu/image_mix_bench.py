@@ -18,7 +18,7 @@ number of denoising steps and no EOS (random weights never converge), so every r
 writes `--max-tokens`. On a tiny checkpoint by default
 (`canvas make-tiny --vision`, built into a temporary directory), or `--model DIR`.
 
-    python -m loadtest.image_mix_bench [--model DIR] [--repeats 3]
+    python -m loadtest.cpu.image_mix_bench [--model DIR] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Arrival:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest.image_mix_bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m loadtest.cpu.image_mix_bench", description=__doc__)
     p.add_argument("--model", help="a vision checkpoint (default: a tiny one, built now)")
     p.add_argument("--text-requests", type=int, default=12)
     p.add_argument("--text-gap", type=int, default=2, help="steps between text arrivals")
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for _ in range(args.repeats):
             for kind in kinds:  # interleaved, so drift hits all three alike
                 times[kind].append(run(llm, args, workload(args, processor, kind, rng)))
-    print("command: python -m loadtest.image_mix_bench " + " ".join(argv or sys.argv[1:]))
+    print("command: python -m loadtest.cpu.image_mix_bench " + " ".join(argv or sys.argv[1:]))
     print(f"model: {args.model or 'make-tiny --vision (c16)'}; hardware: {hardware()}")
     median = {kind: statistics.median(values) for kind, values in times.items()}
     for kind in kinds:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest.stats import EngineOverhead, RequestRecord, gaps
+from loadtest.load.stats import EngineOverhead, RequestRecord, gaps
 
 logger = logging.getLogger(__name__)
 UNREACHABLE_CONFIDENCE = 1e-30  # the stop needs mean entropy below it: never, before the cap

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from loadtest.stats import EngineOverhead
+from loadtest.load.stats import EngineOverhead
 
 logger = logging.getLogger(__name__)
 STEP = "canvas:step_seconds"

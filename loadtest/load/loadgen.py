@@ -1,6 +1,6 @@
 """Load generator for OpenAI-compatible servers (Canvas or any other), on httpx + asyncio.
 
-    python -m loadtest.loadgen --url http://127.0.0.1:8000 --concurrency 1,4,16 \\
+    python -m loadtest.load.loadgen --url http://127.0.0.1:8000 --concurrency 1,4,16 \\
         --num-requests 64 --max-tokens 128 [--request-rate 2,4] [--out DIR]
 
 Each level of the sweep is either a fixed concurrency (closed loop: N clients, each sends its
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.client import ENDPOINTS, RequestSpec, send_request
-from loadtest.metrics import StepTotals, read_step_totals
-from loadtest.prompts import PROMPT_SETS, Prompt, make_prompts
-from loadtest.stats import RequestRecord, RunSummary, summarize
+from loadtest.load.client import ENDPOINTS, RequestSpec, send_request
+from loadtest.load.metrics import StepTotals, read_step_totals
+from loadtest.load.prompts import PROMPT_SETS, Prompt, make_prompts
+from loadtest.load.stats import RequestRecord, RunSummary, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ def _numbers(kind: Callable[[str], float]) -> Callable[[str], list[float]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.loadgen",
+        prog="python -m loadtest.load.loadgen",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -310,7 +310,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LoadConfig, list[Level]]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep, write the reports and print the table. 0: no request failed."""
-    from loadtest.report import write_loadgen_report
+    from loadtest.load.report import write_loadgen_report
 
     args = build_parser().parse_args(argv)
     try:

@@ -1,5 +1,5 @@
 """The GPU benchmark's report: its record (`BenchReport`), the JSON and markdown files written
-from it, and the short summary printed last (see `loadtest.gpu_bench`)."""
+from it, and the short summary printed last (see `loadtest.gpu.bench`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest.gpu_kernels import Ceilings, KernelTiming
+from loadtest.gpu.kernel_timing import Ceilings, KernelTiming
 
 
 @dataclass(frozen=True, slots=True)

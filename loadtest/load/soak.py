@@ -1,6 +1,6 @@
 """Soak: a live Canvas server under mixed, partly hostile traffic for a while, RSS sampled.
 
-    python -m loadtest.soak [--seconds 300] [--workers 8] [--out bench-out/soak]   (make soak)
+    python -m loadtest.load.soak [--seconds 300] [--workers 8] [--out bench-out/soak]   (make soak)
 
 An in-process server on the tiny `c16` checkpoint (built into the cache on first use) gets,
 from `--workers` concurrent clients in a loop: normal completions and chats (streamed or not),
@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.fuzz import body_for, held_after
+from loadtest.load.fuzz import body_for, held_after
 
 REFUSED = [  # (body changes, expected status): every one must be a clean 4xx
     ({"temperature": 1e-45}, 400),
@@ -87,7 +87,7 @@ async def one_request(
         body["prompt"] = [5, 6, 7]
         changes, _ = rng.choice(REFUSED)
         body.update(changes)
-    elif kind < 0.75:  # numeric extremes (loadtest.fuzz): 4xx or served, never 5xx
+    elif kind < 0.75:  # numeric extremes (loadtest.load.fuzz): 4xx or served, never 5xx
         route, body = body_for(rng, "tiny")
     elif kind < 0.85:
         body["prompt"] = [5, 6, 7]
@@ -134,7 +134,7 @@ async def soak(url: str, seconds: float, workers: int, deadline: float, seed: in
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m loadtest.load.soak", description=__doc__)
     p.add_argument("--seconds", type=float, default=300.0)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--deadline", type=float, default=120.0, help="seconds before a hang")
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from engine.default_model import cache_dir
     from engine.testing import make_tiny
-    from loadtest.inprocess import serve_in_thread
+    from loadtest.load.inprocess import serve_in_thread
 
     torch.set_num_threads(2)
     checkpoint = cache_dir() / "tiny-c16"

@@ -1,6 +1,7 @@
 """Side-by-side benchmark: Canvas against the transformers reference, in one run.
 
-    python -m loadtest.bench [--out bench-out] [--size full|small|tiny|toy] [flags]  (make bench)
+    python -m loadtest.cpu.bench [--out bench-out] [--size full|small|tiny|toy] [flags]
+    make bench
 
 Two checkpoints (`--size full`, the default): `bench-small` (the real model's layer pattern
 and MoE scaled to ~32M parameters: the GEMMs dominate) and `bench-tiny` (hidden 256, vocab 512,
@@ -18,9 +19,10 @@ denoising steps, all in this process with the same torch thread count:
 Every configuration is warmed at the shape it is timed at (--warmup runs of its first wave)
 before anything is timed, then all are timed once per round for --repeats rounds, each Canvas
 run next to its reference run; ratios are taken within a round and reported with their spread
-(`loadtest.bench_runs`, `loadtest.bench_report`). Per step the report splits forward, sampler
-and the rest. It also measures this machine's fp32 GEMM rate and computes the checkpoint's
-FLOP floor (`loadtest.floor`), so every diffusion throughput reads as a fraction of the floor.
+(`loadtest.cpu.bench_runs`, `loadtest.cpu.bench_report`). Per step the report splits forward,
+sampler and the rest. It also measures this machine's fp32 GEMM rate and computes the
+checkpoint's FLOP floor (`loadtest.cpu.floor`), so every diffusion throughput reads as a
+fraction of the floor.
 
 Random weights never converge like a trained model's, so the adaptive stop is disabled and
 every canvas runs exactly --denoising-steps steps (vLLM's published DiffusionGemma benchmark
@@ -44,8 +46,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loadtest.bench_report import assemble, write_bench_report
-from loadtest.bench_runs import (
+from loadtest.cpu.bench_report import assemble, write_bench_report
+from loadtest.cpu.bench_runs import (
     Configuration,
     Ledger,
     Series,
@@ -53,15 +55,15 @@ from loadtest.bench_runs import (
     canvas_runner,
     reference_runner,
 )
-from loadtest.bench_runs import measure as run_configurations
-from loadtest.client import RequestSpec
-from loadtest.floor import Floor, compute_floor, measure_gemm_rate
-from loadtest.loadgen import LoadConfig
+from loadtest.cpu.bench_runs import measure as run_configurations
+from loadtest.cpu.floor import Floor, compute_floor, measure_gemm_rate
+from loadtest.load.client import RequestSpec
+from loadtest.load.loadgen import LoadConfig
+from loadtest.load.prompts import PROMPT_SETS, Prompt, make_prompts
 from loadtest.machine import comma_ints, hardware, package_version
-from loadtest.prompts import PROMPT_SETS, Prompt, make_prompts
 
 if TYPE_CHECKING:
-    from loadtest.inprocess import ServerHandle
+    from loadtest.load.inprocess import ServerHandle
 
 logger = logging.getLogger(__name__)
 NOTE = (
@@ -215,7 +217,7 @@ def configurations(
     """Every measured configuration, ordered so that each Canvas run sits next to the
     reference run it is compared with: per mode, per width, Canvas fast, exact, then the
     reference (one at a time at width 1, its static batch at `static_batch`)."""
-    from loadtest.reference import ReferenceSettings
+    from loadtest.cpu.reference import ReferenceSettings
 
     settings = ReferenceSettings(config.max_tokens, config.denoising_steps, config.seed)
     out: list[Configuration] = []
@@ -265,11 +267,11 @@ def measure(
     each_round: Callable[[int], None] | None = None,
 ) -> list[Series]:
     """Both Canvas servers (fast, exact) and the reference up at once; every configuration
-    warmed, then timed in rounds (`loadtest.bench_runs.measure`)."""
+    warmed, then timed in rounds (`loadtest.cpu.bench_runs.measure`)."""
     from engine.tokenizer import Tokenizer
-    from loadtest import reference as ref
-    from loadtest.inprocess import serve_in_thread
-    from loadtest.sidecar import serve_in_subprocesses
+    from loadtest.cpu import reference as ref
+    from loadtest.load.inprocess import serve_in_thread
+    from loadtest.load.sidecar import serve_in_subprocesses
 
     tokenizer = Tokenizer(checkpoint)  # the server's own tokenizer: the same prompt ids
     prompt_ids = [(p.name, tokenizer.apply_chat_template(p.chat_messages())) for p in prompts]
@@ -409,7 +411,7 @@ def _server_threads(config: BenchConfig) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench",
+        prog="python -m loadtest.cpu.bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -480,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
-    command = "python -m loadtest.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m loadtest.cpu.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     errors = 0
     for config in configs:
         result = run_bench(config, command.strip())
