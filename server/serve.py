@@ -1,4 +1,6 @@
-"""`canvas serve`: load a checkpoint, build the engine, run uvicorn."""
+"""`canvas serve`'s serving jobs, each a named helper: bind the socket before the weights load,
+build the server state (its engine through the one build path, `engine.build`), report
+start-up errors in one line, freeze the loaded heap, and run uvicorn with a drain."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from engine.engine import Engine
     from engine.types import EngineClient
     from server.state import ServerState
@@ -122,7 +126,9 @@ def banner(
     ]
 
 
-def draining_server(state, config, drain_seconds: float, confined: bool = False):  # type: ignore[no-untyped-def]
+def draining_server(
+    state: ServerState, config: uvicorn.Config, drain_seconds: float, confined: bool = False
+) -> uvicorn.Server:
     """A uvicorn server that drains before it exits. The first SIGTERM or SIGINT starts the
     drain: /ready turns 503 and new completions get 503 + Retry-After while the running
     requests go on, until none is left or `drain_seconds` have passed. A second signal ends
@@ -194,7 +200,9 @@ def end_requests(engine: EngineClient) -> int:
     return engine.fail_all_inflight(error)
 
 
-def start(args: argparse.Namespace, own_threads: int | None = None):  # type: ignore[no-untyped-def]
+def start(
+    args: argparse.Namespace, own_threads: int | None = None
+) -> tuple[socket.socket, ServerState, list[str]]:
     """Bind the socket, then build the server state: (socket, state, banner). Any failure is
     a StartupError of one line (with --debug: the original exception, traceback and all)."""
     sock = None
