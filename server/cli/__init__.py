@@ -17,11 +17,12 @@ Command = Callable[[argparse.Namespace], int]
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows each flag's default, except where the help already says it (a default
     that depends on the environment, such as --api-key's, is described, never printed) or
-    there is none to show (None, a switch's False)."""
+    there is none to show (None, or a switch: a store_false one's True would read as the
+    flag's effect)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default in (None, False) or "default" in text:
+        if action.default is None or action.nargs == 0 or "default" in text:
             return action.help
         return super()._get_help_string(action)
 
