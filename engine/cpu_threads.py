@@ -260,3 +260,42 @@ def one_thread() -> None:
     """torch on one thread in the calling thread (a helper thread of a confined server: its
     parallel regions would build an OpenMP team beside the step loop's)."""
     torch.set_num_threads(1)
+
+
+def choose_threads(
+    requested: str | None, own: int | None = None, exact: bool = False
+) -> tuple[int, ...]:
+    """The CPU thread counts an engine runs its steps with (`EngineConfig.cpu_threads`), from
+    a `--threads` value: a count fixes it; "auto", the default (None) unless OMP_NUM_THREADS is
+    set (then torch's count, which follows it), measures every usable core but one against
+    every core, per step size, and runs each step with the faster (`ThreadTuner`). Why measure:
+    a sidecar's front end and co-located clients take cores from the model's OpenMP regions,
+    which then stall; where a step is a few small operators a second thread costs more in
+    hand-offs than it adds. `own`: torch's count before `confine_to_steps` set the calling
+    thread's to one (None: ask torch); a confined server runs exact numerics, which are never
+    measured, at that count, set by the step loop (a tuner that does not measure sets none,
+    and the loop would inherit one). Raises ValueError naming --threads for anything else."""
+    if requested is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return (own or torch.get_num_threads(),)
+        requested = "auto"
+    if requested == "auto":
+        choices = auto_choices()
+        return (own,) if own is not None and exact and len(choices) > 1 else choices
+    try:
+        count = int(requested)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"--threads must be 'auto' or a count of at least 1, got {requested!r}")
+    return (count,)
+
+
+def describe_threads(choices: tuple[int, ...], exact: bool = False) -> str:
+    """A banner's words for `choices` (exact numerics are never measured: torch's count)."""
+    if len(choices) == 1:
+        return str(choices[0])
+    if exact:
+        return f"{torch.get_num_threads()} (torch's own: exact numerics' bits depend on the count)"
+    counts = " or ".join(map(str, choices))
+    return f"{counts}, per step, whichever measures faster (--threads auto)"

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.engine import Engine, EngineConfig
+from engine.build import BuildConfig, Checkpoint, CheckpointConfig, build_engine, open_checkpoint
+from engine.engine import EngineConfig
 from engine.images import PreparedImage
-from engine.model import DiffusionLM, load_model
+from engine.model import DiffusionLM
 from engine.params import DecodingDefaults, ParamError, SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.types import StepOutput, TokenLogprob, tokens_per_forward
@@ -46,10 +47,6 @@ class RequestOutput:
         )
 
 
-def has_tokenizer(model_dir: str | Path) -> bool:
-    return any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
-
-
 class LLM:
     def __init__(
         self,
@@ -61,10 +58,16 @@ class LLM:
         self.model = model
         self.tokenizer = tokenizer
         self.defaults = defaults
-        self.engine = Engine(model, defaults, config, tokenizer)
+        self.engine = build_engine(Checkpoint(model, tokenizer, defaults), config)
         self.validator = self.engine.validator
         self.canvas_length = model.config.canvas_length
         self._next_id = 0
+
+    @classmethod
+    def from_config(cls, config: BuildConfig) -> LLM:
+        """Open `config`'s checkpoint and build its engine (`engine.build`)."""
+        checkpoint = open_checkpoint(config.checkpoint)
+        return cls(checkpoint.model, checkpoint.tokenizer, checkpoint.defaults, config.engine)
 
     @classmethod
     def from_pretrained(
@@ -77,16 +80,13 @@ class LLM:
         kernels: str = "auto",
         adapter: str | Path | bool = True,
     ) -> LLM:
-        """Load a checkpoint. `exact`: reference-exact numerics (token-identical to the
-        transformers reference at batch size 1 on CPU, batch invariant) instead of the fast
-        batched default; `kernels`: "auto" | "triton" | "twins"; `adapter`: a decoder adapter
-        directory, True for the checkpoint's own (if any), False for none."""
-        model = load_model(
-            model_dir, dtype=dtype, device=device, exact=exact, kernels=kernels, adapter=adapter
-        )
-        tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
-        defaults = DecodingDefaults.from_checkpoint(model_dir, model.cfg.eos_token_ids)
-        return cls(model, tokenizer, defaults, config)
+        """Load a checkpoint (`engine.build.CheckpointConfig` describes the arguments). `exact`:
+        reference-exact numerics (token-identical to the transformers reference at batch size 1
+        on CPU, batch invariant) instead of the fast batched default; `kernels`: a backend of
+        `kernels.BACKENDS`; `adapter`: a decoder adapter directory, True for the checkpoint's
+        own (if any), False for none."""
+        checkpoint = CheckpointConfig(Path(model_dir), dtype, device, exact, kernels, adapter)
+        return cls.from_config(BuildConfig(checkpoint, config or EngineConfig()))
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -1,4 +1,6 @@
-"""`canvas serve`: load a checkpoint, build the engine, run uvicorn."""
+"""`canvas serve`'s serving jobs, each a named helper: bind the socket before the weights load,
+build the server state (its engine through the one build path, `engine.build`), report
+start-up errors in one line, freeze the loaded heap, and run uvicorn with a drain."""
 
 from __future__ import annotations
 
@@ -6,7 +8,6 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import re
 import socket
 import time
@@ -14,10 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.default_model import default_model_dir, placeholder_model_dir
-
 if TYPE_CHECKING:
+    import uvicorn
+
+    from engine.engine import Engine
     from engine.types import EngineClient
+    from server.state import ServerState
 
 logger = logging.getLogger("canvas")
 
@@ -32,162 +35,6 @@ FORCE_EXIT_GRACE_SECONDS = 1.0
 class StartupError(Exception):
     """`canvas serve` could not start; the message is one line naming the flag or path at
     fault."""
-
-
-class _PlaceholderModel(argparse.Action):
-    """--placeholder-model: the placeholder checkpoint stands for --model."""
-
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
-        super().__init__(option_strings, dest, nargs=0, **kwargs)  # type: ignore[arg-type]
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[no-untyped-def]
-        namespace.model = str(placeholder_model_dir())
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """`canvas serve`'s flags; engine defaults come from the config dataclasses."""
-    from engine.engine import EngineConfig
-    from engine.model.loader import DEVICE_HELP, DTYPE_CHOICES, resolve_device
-    from engine.scheduler import SchedulerConfig
-
-    scheduler, engine = SchedulerConfig(), EngineConfig()
-    model = parser.add_mutually_exclusive_group()
-    model.add_argument(
-        "--model", default=None, help="checkpoint directory (default: built-in model)"
-    )
-    model.add_argument(
-        "--placeholder-model",
-        dest="model",
-        action=_PlaceholderModel,
-        help="serve a tiny random-weight checkpoint instead (demos and tests: output is noise)",
-    )
-    from engine.adapt.cli import add_adapter_argument
-
-    add_adapter_argument(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="name clients pass as `model` (default: the checkpoint directory's name)",
-    )
-    parser.add_argument(
-        "--max-num-seqs", type=int, default=scheduler.max_num_seqs, help="requests running at once"
-    )
-    parser.add_argument(
-        "--max-queue", type=int, default=scheduler.max_queue, help="requests waiting before 429"
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=scheduler.max_num_batched_tokens,
-        help="tokens per step",
-    )
-    parser.add_argument(
-        "--kv-cache-tokens",
-        type=int,
-        default=engine.kv_cache_tokens,
-        help="full-attention KV positions",
-    )
-    parser.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default="auto", help="weight and activation dtype"
-    )
-    parser.add_argument("--device", default="auto", type=resolve_device, help=DEVICE_HELP)
-    parser.add_argument(
-        "--exact",
-        action="store_true",
-        help="reference-exact numerics: the transformers reference's tokens for a seed, batch "
-        "invariant (slower); default: fast batched numerics",
-    )
-    parser.add_argument(
-        "--kernels",
-        choices=["auto", "triton", "twins"],
-        default="auto",
-        help="kernel backend: Triton on CUDA (auto), or the PyTorch twins",
-    )
-    parser.add_argument(
-        "--drain-seconds",
-        type=float,
-        default=5.0,
-        help="on SIGTERM/SIGINT, let running requests finish for up to this long (a second "
-        "signal exits at once)",
-    )
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("CANVAS_API_KEY"),
-        help="require this bearer key on /v1 (default: $CANVAS_API_KEY, which keeps it out of "
-        "the process list; unset: no auth; empty: an error)",
-    )
-    parser.add_argument("--debug", action="store_true", help="traceback of a start-up error")
-    _add_engine_switches(parser)
-
-
-def choose_threads(
-    requested: str | None, own: int | None = None, exact: bool = False
-) -> tuple[int, ...]:
-    """The CPU thread counts the engine runs steps with (`EngineConfig.cpu_threads`):
-    `--threads N` fixes N; `--threads auto`, the default unless OMP_NUM_THREADS is set (then
-    torch's count, which follows it), measures every usable core but one against every core,
-    per step size, and runs each step with the faster (`engine.cpu_threads`). Why measure: a
-    sidecar's front end and co-located clients take cores from the model's OpenMP regions,
-    which then stall; where a step is a few small operators a second thread costs more in
-    hand-offs than it adds. `own`:
-    torch's count before `confine_to_steps` set this thread's to one (None: ask torch); a
-    confined server runs exact numerics, which are never measured, at that count, set by the
-    step loop (a tuner that does not measure sets none, and the loop would inherit one)."""
-    import torch
-
-    from engine.cpu_threads import auto_choices
-
-    if requested is None:
-        if os.environ.get("OMP_NUM_THREADS"):
-            return (own or torch.get_num_threads(),)
-        requested = "auto"
-    if requested == "auto":
-        choices = auto_choices()
-        return (own,) if own is not None and exact and len(choices) > 1 else choices
-    try:
-        count = int(requested)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise StartupError(f"--threads must be 'auto' or a count of at least 1, got {requested!r}")
-    return (count,)
-
-
-def describe_threads(choices: tuple[int, ...], exact: bool = False) -> str:
-    """The banner's words for `choices` (exact numerics are never measured: torch's count)."""
-    if len(choices) == 1:
-        return str(choices[0])
-    if exact:
-        import torch
-
-        return f"{torch.get_num_threads()} (torch's own: exact numerics' bits depend on the count)"
-    counts = " or ".join(map(str, choices))
-    return f"{counts}, per step, whichever measures faster (--threads auto)"
-
-
-def _add_engine_switches(parser: argparse.ArgumentParser) -> None:
-    """The engine's on/off flags (their defaults: EngineConfig's) and the media limits."""
-    from server.media import add_media_arguments
-
-    parser.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        help="recompute every prompt (default: complete prefix pages are cached and reused; "
-        "exact numerics never cache)",
-    )
-    check = "verify pages, sampler slots and request sets after every step"
-    parser.add_argument("--check-invariants", action="store_true", help=check)
-    parser.add_argument(
-        "--threads",
-        default=None,
-        help="CPU threads for the model's operators: a count, or 'auto' (default, unless "
-        "$OMP_NUM_THREADS is set): every usable core but one (left to the HTTP front end and "
-        "clients on the same machine) and every core are measured per step size, and each "
-        "step runs with the faster",
-    )
-    add_media_arguments(parser)
 
 
 def check_api_key(key: str | None) -> str | None:
@@ -227,64 +74,61 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_state(args: argparse.Namespace, own_threads: int | None = None):  # type: ignore[no-untyped-def]
-    """The engine, model and server state of `args`. `own_threads`: torch's thread count when
-    the caller confined parallel regions to the step loop (`serve`; `choose_threads`)."""
+def build_state(
+    args: argparse.Namespace, own_threads: int | None = None
+) -> tuple[ServerState, list[str]]:
+    """The server state of `canvas serve`'s `args` and its banner: the engine built by the
+    one build path (`engine.build`) from the configuration the flags describe. `own_threads`:
+    torch's thread count when the caller confined parallel regions to the step loop (`serve`;
+    `engine.cpu_threads.choose_threads`)."""
     from engine.async_engine import AsyncEngine
-    from engine.engine import CHECK_INVARIANTS, Engine, EngineConfig
-    from engine.llm import has_tokenizer
-    from engine.model import load_model
-    from engine.params import DecodingDefaults
-    from engine.scheduler import SchedulerConfig
-    from engine.tokenizer import Tokenizer
+    from engine.build import build
+    from server.cli.config import CHECKPOINT_FLAGS, ENGINE_FLAGS, build_config, with_threads
     from server.media import build_media
     from server.state import ServerState
 
     api_key = check_api_key(args.api_key)
-    threads = choose_threads(args.threads, own_threads, args.exact)
-    model_dir = Path(args.model) if args.model else default_model_dir()
-    model = load_model(
-        model_dir,
-        dtype=args.dtype,
-        device=args.device,
-        exact=args.exact,
-        kernels=args.kernels,
-        adapter=args.adapter,
-    )
-    tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
-    defaults = DecodingDefaults.from_checkpoint(model_dir, model.cfg.eos_token_ids)
-    config = EngineConfig(
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_queue=args.max_queue,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        ),
-        kv_cache_tokens=args.kv_cache_tokens,
-        check_invariants=args.check_invariants or CHECK_INVARIANTS,
-        prefix_caching=not args.no_prefix_caching,
-        cpu_threads=threads,
-    )
-    engine = AsyncEngine(Engine(model, defaults, config, tokenizer))
+    model = Path(args.model) if args.model else None
+    config = build_config(args, model, (*CHECKPOINT_FLAGS, *ENGINE_FLAGS))
+    config = with_threads(config, args.threads, own_threads)  # before the weights load
+    checkpoint, engine = build(config)
+    model_dir = checkpoint.model_dir
+    assert model_dir is not None, "opened from a directory"
     name = args.served_model_name or model_dir.name
-    state = ServerState(engine, tokenizer, defaults, name, api_key=api_key)
-    state.media = build_media(args, model_dir, model.vision is not None)
-    banner = [
-        f"Canvas serving {name!r} from {model_dir}",
+    state = ServerState(
+        AsyncEngine(engine), checkpoint.tokenizer, checkpoint.defaults, name, api_key=api_key
+    )
+    state.media = build_media(args, model_dir, checkpoint.model.vision is not None)
+    return state, banner(args, state, model_dir, engine)
+
+
+def banner(
+    args: argparse.Namespace, state: ServerState, model_dir: Path, engine: Engine
+) -> list[str]:
+    """What the server logs once it is ready to listen: the model, the engine's settings and
+    where to reach it."""
+    from engine.cpu_threads import describe_threads
+
+    model = engine.model
+    threads = describe_threads(engine.config.cpu_threads, model.kernels.exact)
+    return [
+        f"Canvas serving {state.model_name!r} from {model_dir}",
         f"  canvas length {model.config.canvas_length}, {model.cfg.num_layers} layers, "
         f"dtype {next(model.parameters()).dtype}, device {args.device}, "
         f"{model.kernels.describe()}",
         f"  decoder adapter: {'attached' if model.adapter is not None else 'none'}, "
-        f"prefix caching {'on' if engine.limits.prefix_caching else 'off'}, "
+        f"prefix caching {'on' if state.engine.limits.prefix_caching else 'off'}, "
         f"image input {'on' if state.media is not None else 'off'}",
         f"  max-num-seqs {args.max_num_seqs}, max-queue {args.max_queue}, "
-        f"auth {'on' if api_key else 'off'}",
-        f"  cpu threads {describe_threads(threads, model.kernels.exact)}",
+        f"auth {'on' if state.api_key else 'off'}",
+        f"  cpu threads {threads}",
         f"  http://{args.host}:{args.port}/v1  (docs: /docs, metrics: /metrics)",
     ]
-    return state, banner
 
 
-def draining_server(state, config, drain_seconds: float, confined: bool = False):  # type: ignore[no-untyped-def]
+def draining_server(
+    state: ServerState, config: uvicorn.Config, drain_seconds: float, confined: bool = False
+) -> uvicorn.Server:
     """A uvicorn server that drains before it exits. The first SIGTERM or SIGINT starts the
     drain: /ready turns 503 and new completions get 503 + Retry-After while the running
     requests go on, until none is left or `drain_seconds` have passed. A second signal ends
@@ -356,7 +200,9 @@ def end_requests(engine: EngineClient) -> int:
     return engine.fail_all_inflight(error)
 
 
-def start(args: argparse.Namespace, own_threads: int | None = None):  # type: ignore[no-untyped-def]
+def start(
+    args: argparse.Namespace, own_threads: int | None = None
+) -> tuple[socket.socket, ServerState, list[str]]:
     """Bind the socket, then build the server state: (socket, state, banner). Any failure is
     a StartupError of one line (with --debug: the original exception, traceback and all)."""
     sock = None

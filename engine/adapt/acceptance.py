@@ -21,6 +21,7 @@ from pathlib import Path
 
 from engine.adapt.evaluate import question_ids
 from engine.adapt.prompts import EVAL_PROMPTS, held_out_prompts
+from engine.build import adapter_choice
 from engine.draft_policy import DraftPolicy
 from engine.engine import EngineConfig
 from engine.llm import LLM
@@ -73,8 +74,6 @@ def eval_question_prompts(path: Path = EVAL_PROMPTS) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.adapt.cli import adapter_choice
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="default: the built-in model")
     parser.add_argument("--adapter", type=adapter_choice, default=True, metavar="DIR|auto|none")

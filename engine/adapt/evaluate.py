@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from engine.adapt.forward import TrainKVCache, train_batch
+from engine.build import CheckpointConfig, open_checkpoint
 from engine.engine import EngineConfig
 from engine.llm import LLM, RequestOutput
-from engine.model import DiffusionLM, Mode, load_model
-from engine.params import DecodeMode, SamplingParams
+from engine.model import DiffusionLM, Mode
+from engine.params import MODE_NAMES, DecodeMode, SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.types import tokens_per_forward
 
@@ -63,7 +64,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         if not self.modes:
-            raise ValueError("--modes: name at least one of diffusion, ar, hybrid")
+            raise ValueError(f"--modes: name at least one of {', '.join(MODE_NAMES)}")
         if self.max_tokens < 1:
             raise ValueError("--max-tokens must be >= 1")
         if self.limit is not None and self.limit < 1:
@@ -178,7 +179,8 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         )
     source = llm.model
     if cfg.source_dir is not None:
-        source = load_model(cfg.source_dir, dtype=cfg.dtype, device=cfg.device, adapter=False)
+        source_config = CheckpointConfig(cfg.source_dir, cfg.dtype, cfg.device, adapter=False)
+        source = open_checkpoint(source_config).model
         if source.cfg.vocab_size != llm.model.cfg.vocab_size:
             raise ValueError(
                 f"--source {cfg.source_dir}: vocab size {source.cfg.vocab_size} differs from the "

@@ -42,8 +42,8 @@ from engine.adapt.train_data import (
     load_data_file,
     self_distill,
 )
-from engine.model import DiffusionLM, Mode, load_model, save_weights
-from engine.params import DecodingDefaults
+from engine.build import Checkpoint, CheckpointConfig, open_checkpoint
+from engine.model import DiffusionLM, Mode, save_weights
 
 logger = logging.getLogger(__name__)
 
@@ -317,20 +317,30 @@ def truncate_log(log: Path, step: int) -> None:
 # -- the run -------------------------------------------------------------------------------------
 
 
+def open_for_training(cfg: TrainConfig, model_dir: Path) -> Checkpoint:
+    """`model_dir` opened to train: on the twins in exact numerics (autograd needs the PyTorch
+    ops, the Triton kernels have no backward, and exact resume needs batch-invariant values),
+    without an adapter (training attaches its own, or trains the whole model, into which an
+    attached adapter would be saved)."""
+    return open_checkpoint(
+        CheckpointConfig(
+            model_dir, cfg.dtype, cfg.device, exact=True, kernels="twins", adapter=False
+        )
+    )
+
+
 def load_sequences(
     cfg: TrainConfig,
-    model: DiffusionLM,
+    checkpoint: Checkpoint,
     spec: DataSpec,
-    defaults: DecodingDefaults,
     distill_deadline: float | None = None,
 ) -> list[TrainSequence]:
     """The training sequences; self-distilled data is generated once and kept in OUT, so that
     a resumed run trains on the same completions (not on those of the half-trained model).
     Distillation starts no new chunk of prompts after `distill_deadline` (`time.monotonic()`)."""
-    from engine.llm import LLM, has_tokenizer
-    from engine.tokenizer import Tokenizer
+    from engine.llm import LLM
 
-    tokenizer = Tokenizer(cfg.model_dir) if has_tokenizer(cfg.model_dir) else None
+    model, tokenizer = checkpoint.model, checkpoint.tokenizer
     if cfg.data is not None:
         return load_data_file(cfg.data, tokenizer, spec)
     cached = cfg.out_dir / DISTILL_FILE
@@ -343,7 +353,7 @@ def load_sequences(
         model.bind_kernels(
             resolve_kernels(model.embed_tokens.weight.device.type, trained.backend, False)
         )
-        llm = LLM(model, tokenizer, defaults)
+        llm = LLM(model, tokenizer, checkpoint.defaults)
         extra = generated_prompts(cfg.distill_prompts, cfg.seed)
         records = self_distill(
             llm,
@@ -359,8 +369,10 @@ def load_sequences(
     return load_data_file(cached, tokenizer, spec)
 
 
-def _data_spec(cfg: TrainConfig, model: DiffusionLM, defaults: DecodingDefaults) -> DataSpec:
-    eos = defaults.eos_token_ids or model.cfg.eos_token_ids
+def data_spec(cfg: TrainConfig, checkpoint: Checkpoint) -> DataSpec:
+    """How the training examples are cut from `checkpoint`'s sequences."""
+    model = checkpoint.model
+    eos = checkpoint.defaults.eos_token_ids or model.cfg.eos_token_ids
     if not eos:
         raise ValueError(f"{cfg.model_dir}: the checkpoint declares no EOS token")
     return DataSpec(
@@ -371,7 +383,7 @@ def _data_spec(cfg: TrainConfig, model: DiffusionLM, defaults: DecodingDefaults)
     )
 
 
-def _start(cfg: TrainConfig) -> Path | None:
+def prepare_out(cfg: TrainConfig) -> Path | None:
     """Validate OUT against `resume`; the checkpoint to resume from, if any."""
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     latest = latest_checkpoint(cfg.out_dir)
@@ -389,22 +401,14 @@ def train(cfg: TrainConfig) -> Path:
     (`cfg.adapter`) is `engine.adapt.train_adapter.run_training`'s other branch."""
     if cfg.adapter:
         raise ValueError("cfg.adapter trains an adapter: call train_adapter.run_training(cfg)")
-    resume_from = _start(cfg)
+    resume_from = prepare_out(cfg)
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
-    # The twins in exact numerics: autograd needs the PyTorch ops (the Triton kernels have no
-    # backward), and exact resume needs batch-invariant values.
-    model = load_model(
-        resume_from or cfg.model_dir,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        exact=True,
-        kernels="twins",
-        adapter=False,  # the whole model trains; an attached adapter would be saved into it
-    )
-    defaults = DecodingDefaults.from_checkpoint(cfg.model_dir, model.cfg.eos_token_ids)
-    spec = _data_spec(cfg, model, defaults)
-    sampler = ExampleSampler(load_sequences(cfg, model, spec, defaults), spec)
+    # The whole model trains: from the checkpoint resumed, else from the source.
+    checkpoint = open_for_training(cfg, resume_from or cfg.model_dir)
+    model, defaults = checkpoint.model, checkpoint.defaults
+    spec = data_spec(cfg, checkpoint)
+    sampler = ExampleSampler(load_sequences(cfg, checkpoint, spec), spec)
     logger.info("Training on %d examples, canvas length %d", len(sampler.pairs), spec.canvas_length)
     own_aligned_memory(model)
     model.train().requires_grad_(True)

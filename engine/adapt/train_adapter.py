@@ -43,12 +43,13 @@ from engine.adapt.train import (
     StepMetrics,
     TemperatureRange,
     TrainConfig,
-    _data_spec,
-    _start,
     corrupt,
+    data_spec,
     latest_checkpoint,
     load_sequences,
+    open_for_training,
     own_aligned_memory,
+    prepare_out,
     restore,
     train,
     truncate_log,
@@ -60,7 +61,7 @@ from engine.adapt.train_data import (
     TrainSequence,
     every_position,
 )
-from engine.model import DiffusionLM, ForwardBatch, Mode, load_model
+from engine.model import DiffusionLM, ForwardBatch, Mode
 from engine.model.adapter import (
     AdapterConfig,
     adapter_parameters,
@@ -68,7 +69,6 @@ from engine.model.adapter import (
     load_adapter,
     save_adapter,
 )
-from engine.params import DecodingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -310,21 +310,12 @@ def train_adapter(cfg: TrainConfig) -> Path:
     """Run `cfg` (with `cfg.adapter`); returns OUT/adapter."""
     started = time.monotonic()  # `max_seconds` counts the load and the distillation too
     deadline = started + cfg.max_seconds if cfg.max_seconds else None
-    resume_from = _start(cfg)
+    resume_from = prepare_out(cfg)
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
-    # The bare source, on the twins in exact numerics: autograd needs the PyTorch ops, and
-    # exact resume needs batch-invariant values.
-    model = load_model(
-        cfg.model_dir,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        exact=True,
-        kernels="twins",
-        adapter=False,
-    )
-    defaults = DecodingDefaults.from_checkpoint(cfg.model_dir, model.cfg.eos_token_ids)
-    spec = _data_spec(cfg, model, defaults)
+    checkpoint = open_for_training(cfg, cfg.model_dir)  # the bare source
+    model, defaults = checkpoint.model, checkpoint.defaults
+    spec = data_spec(cfg, checkpoint)
     if spec.canvas_length != model.config.canvas_length:
         raise ValueError(
             f"--canvas-length {spec.canvas_length}: an adapter trains for the checkpoint's "
@@ -332,7 +323,7 @@ def train_adapter(cfg: TrainConfig) -> Path:
         )
     # Distilled with the bare source (before the adapter is attached; AR mode is unaffected).
     distill_deadline = started + cfg.max_seconds / 2 if cfg.max_seconds else None
-    sequences = load_sequences(cfg, model, spec, defaults, distill_deadline)
+    sequences = load_sequences(cfg, checkpoint, spec, distill_deadline)
     if cfg.draft_regime:
         sampler, boundary = draft_sampler(sequences, spec)
     else:

@@ -399,7 +399,7 @@ def _server_threads(config: BenchConfig) -> str:
     """The CPU threads of the Canvas servers, in the banner's words: `--server-threads`, else a
     sidecar's default (`canvas serve` without OMP_NUM_THREADS: auto); in-process servers
     follow this process's OMP_NUM_THREADS, as `canvas serve` does."""
-    from server.serve import choose_threads, describe_threads
+    from engine.cpu_threads import choose_threads, describe_threads
 
     saved = os.environ.pop("OMP_NUM_THREADS", None) if config.server == "subprocess" else None
     try:

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from engine.build import Checkpoint, build_engine
 from engine.engine import Engine, EngineConfig
 from engine.model import DiffusionLM, ModelConfig
 from engine.model.config import parse_text_config
@@ -49,6 +50,7 @@ from engine.model.loader import BACKBONES
 from engine.params import DecodingDefaults, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.testing import REAL_26B_A4B_CANVAS_LENGTH, REAL_26B_A4B_TEXT_CONFIG
+from kernels import BACKENDS
 from loadtest.gpu.kernel_timing import Timer, measure_ceilings, recorded, time_kernels
 from loadtest.gpu.report import BenchReport, EngineTiming, markdown, summary, write_reports
 
@@ -175,11 +177,8 @@ def make_engine(model: DiffusionLM, canvases: int, prompt_len: int) -> Engine:
         max_num_batched_tokens=canvases * max(length, prompt_len),
         max_prefill_chunk=length,  # sizes the sliding-window ring: one canvas is the longest pass
     )
-    return Engine(
-        model,
-        DecodingDefaults(),
-        EngineConfig(scheduler=sched, page_size=page, kv_cache_tokens=canvases * context),
-    )
+    config = EngineConfig(scheduler=sched, page_size=page, kv_cache_tokens=canvases * context)
+    return build_engine(Checkpoint(model, None, DecodingDefaults()), config)
 
 
 def instrument_forward(engine: Engine, timer: Timer) -> list[float]:
@@ -377,7 +376,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="denoising steps per canvas (default 16; dry 2)")
     p.add_argument(
         "--backend",
-        choices=["auto", "triton", "twins"],
+        choices=BACKENDS,
         help="kernel set (default: auto, Triton on CUDA; twins in a dry run)",
     )
     p.add_argument("--iters", type=int, help="timed calls per kernel (default 10; dry 1)")

@@ -36,8 +36,9 @@ def serve_in_thread(
     import uvicorn
 
     from server.app import create_app
+    from server.cli.serve import add_serve_arguments
     from server.http import uvicorn_config
-    from server.serve import add_serve_arguments, build_state
+    from server.serve import build_state
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cpu_threads import auto_choices
+from engine.cpu_threads import auto_choices, describe_threads
 from engine.testing import (
     PRESETS,
     REAL_26B_A4B_TEXT_CONFIG,
@@ -22,7 +22,6 @@ from loadtest.cpu.bench import BenchConfig, build_parser, configs_from_args, mai
 from loadtest.cpu.bench_report import thread_shares
 from loadtest.load.metrics import StepTotals, parse_step_totals
 from loadtest.load.prompts import PROMPT_SETS, make_prompts
-from server.serve import describe_threads
 
 SUMMARY_FIELDS = {
     "label", "system", "concurrency", "request_rate", "num_requests", "num_errors",

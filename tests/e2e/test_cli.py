@@ -223,7 +223,7 @@ def test_serve_help_shows_the_defaults_but_never_the_api_key(monkeypatch, capsys
 
 
 def test_serve_threads_default_to_measuring_every_core_but_one_against_all(monkeypatch, capsys):
-    from server.serve import StartupError, choose_threads, describe_threads
+    from engine.cpu_threads import choose_threads, describe_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     for cores, want in ((1, (1,)), (2, (1, 2)), (16, (15, 16))):
@@ -239,7 +239,7 @@ def test_serve_threads_default_to_measuring_every_core_but_one_against_all(monke
     assert choose_threads(None) == (torch.get_num_threads(),)  # torch already follows it
     for bad in ("0", "-1", "two", ""):
         with pytest.raises(
-            StartupError, match=f"--threads must be 'auto' or a count of at least 1, got '{bad}'"
+            ValueError, match=f"--threads must be 'auto' or a count of at least 1, got '{bad}'"
         ):
             choose_threads(bad)
     threads = torch.get_num_threads()

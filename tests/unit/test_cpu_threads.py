@@ -201,3 +201,23 @@ def test_confined_parallel_regions_run_on_the_step_loop_alone():
     assert seen["own"] == 2 and seen["main"] == 1, seen
     assert seen["step"] is True and seen["step after helper"] == 2, seen
     assert seen["helper"] == 1, seen
+
+
+def test_the_thread_policy_gives_a_confined_server_torchs_own_count_where_it_does_not_measure(
+    monkeypatch,
+):
+    """`choose_threads` (the engine's policy for `--threads`): a server that confined torch to
+    its step loop (`own`: the count torch had) runs exact numerics, which are never measured,
+    and an OMP_NUM_THREADS setting at that count, not at the confined thread's one."""
+    from engine.cpu_threads import choose_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(4)))
+    assert choose_threads("auto", own=4) == (3, 4)  # fast numerics measure
+    assert choose_threads("auto", own=4, exact=True) == (4,)
+    assert choose_threads(None, own=4, exact=True) == (4,)
+    assert choose_threads("2", own=4, exact=True) == (2,)  # a fixed count stays fixed
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert choose_threads(None, own=3) == (3,)
+    with pytest.raises(ValueError, match="--threads must be 'auto'"):
+        choose_threads("auto-ish", own=4)

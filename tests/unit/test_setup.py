@@ -109,7 +109,7 @@ def configuration_section() -> str:
 
 
 def test_the_configuration_table_lists_every_serve_flag():
-    from server.serve import add_serve_arguments
+    from server.cli.serve import add_serve_arguments
 
     serve = argparse.ArgumentParser(add_help=False)
     add_serve_arguments(serve)

@@ -1,40 +1,15 @@
-"""The `canvas` command line: serve (HTTP) and generate (offline) here; the tooling commands
-(convert, train, eval, make-tiny) in `engine.adapt.cli`. Each command maps its arguments onto
-config objects whose defaults are written once, in the config dataclasses."""
+"""`canvas generate`: one prompt through the offline engine (`LLM`), with its stats."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from engine.params import MODE_NAMES
-
-Command = Callable[[argparse.Namespace], int]
-
-
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each flag's default, except where the help already says it (a default
-    that depends on the environment, such as --api-key's, is described, never printed) or
-    there is none to show (None, a switch's False)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if action.default in (None, False) or "default" in text:
-            return action.help
-        return super()._get_help_string(action)
-
-
-class CommandParser(argparse.ArgumentParser):
-    """A subcommand's parser, whose --help shows the defaults."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
-        super().__init__(*args, **kwargs)
+from server.cli.config import CHECKPOINT_FLAGS, add_flags, build_config
 
 
 def _ids(text: str) -> list[int]:
@@ -46,19 +21,7 @@ def _ids(text: str) -> list[int]:
         ) from None
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
-    """The parser and each subcommand's handler."""
-    from engine.adapt.cli import add_adapter_argument, add_device_arguments, add_parsers
-    from server.serve import add_serve_arguments
-
-    parser = argparse.ArgumentParser(prog="canvas", description=__doc__)
-    sub = parser.add_subparsers(
-        dest="command",
-        required=True,
-        parser_class=CommandParser,
-    )
-
-    gen = sub.add_parser("generate", help="generate offline for one prompt and print stats")
+def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--model", required=True, help="checkpoint directory")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenized with the checkpoint's tokenizer)")
@@ -83,18 +46,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
         "sampling temperature (0 = greedy)",
     )
     gen.add_argument("--max-denoising-steps", type=int, default=None)
-    add_device_arguments(gen)
-    add_adapter_argument(gen)
+    add_flags(gen, CHECKPOINT_FLAGS)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    gen.add_argument(
-        "--exact",
-        action="store_true",
-        help="reference-exact numerics (the transformers reference's tokens for a seed)",
-    )
-    gen.add_argument("--kernels", choices=["auto", "triton", "twins"], default="auto")
-
-    add_serve_arguments(sub.add_parser("serve", help="start the OpenAI-compatible HTTP server"))
-    return parser, {"generate": cmd_generate, "serve": cmd_serve, **add_parsers(sub)}
 
 
 def chat_prompt(
@@ -120,14 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         image_files = {path: Path(path).read_bytes() for path in args.image}  # before the model
-        llm = LLM.from_pretrained(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            exact=args.exact,
-            kernels=args.kernels,
-            adapter=args.adapter,
-        )
+        llm = LLM.from_config(build_config(args, Path(args.model), CHECKPOINT_FLAGS))
         params = SamplingParams(
             max_tokens=args.max_tokens,
             seed=args.seed,
@@ -174,28 +120,3 @@ def cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from server.serve import StartupError, serve
-
-    try:
-        return serve(args)
-    except StartupError as exc:
-        print(f"canvas serve: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C while the weights load: no traceback
-        return 130
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    parser, commands = build_parser()
-    args = parser.parse_args(argv)
-    return commands[args.command](args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

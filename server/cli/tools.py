@@ -1,5 +1,6 @@
 """The tooling commands of `canvas`: convert, train, eval and make-tiny. Each maps its arguments
-onto its config object by field name; every default is the config dataclass's own."""
+onto its config object by field name; every default is the config dataclass's own, and the
+flags that open a checkpoint are the configuration tree's (`server.cli.config`)."""
 
 from __future__ import annotations
 
@@ -7,51 +8,18 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.model.loader import DEVICE_HELP, DTYPE_CHOICES, resolve_device
-from engine.params import DecodeMode
+from engine.params import MODE_NAMES, DecodeMode
+from server.cli.config import ADAPTER, DEVICE, DTYPE, add_flags, config_from_args, field_defaults
 
 Command = Callable[[argparse.Namespace], int]
+if TYPE_CHECKING:
+    Subparsers = argparse._SubParsersAction[Any]  # of `server.cli.CommandParser`
 
 
-def field_defaults(cls: type) -> dict[str, Any]:
-    """A config dataclass's field defaults, by field name."""
-    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
-
-
-def config_from_args(cls: type, args: argparse.Namespace) -> Any:
-    """`cls` built from the parsed arguments whose names are its fields."""
-    given = vars(args)
-    return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
-
-
-def adapter_choice(text: str) -> str | bool:
-    """--adapter: `auto` (the checkpoint's own adapter/ when it has one), `none`, or a
-    directory."""
-    return {"auto": True, "none": False}.get(text, text)
-
-
-def add_adapter_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--adapter",
-        type=adapter_choice,
-        default=True,
-        metavar="DIR|auto|none",
-        help="decoder adapter for diffusion mode: a directory, auto (the checkpoint's own "
-        "adapter/ if any; default) or none",
-    )
-
-
-def add_device_arguments(parser: argparse.ArgumentParser, dtype: str = "auto") -> None:
-    """--device (default auto) and --dtype, the same for every command that loads a model."""
-    parser.add_argument("--device", default="auto", type=resolve_device, help=DEVICE_HELP)
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=dtype)
-
-
-def add_parsers(sub: argparse._SubParsersAction) -> dict[str, Command]:
+def add_parsers(sub: Subparsers) -> dict[str, Command]:
     """Register the tooling subcommands; returns each one's handler."""
     add_convert_parser(sub)
     add_train_parser(sub)
@@ -73,7 +41,7 @@ def _fail(command: str, exc: Exception) -> int:
 # -- convert -------------------------------------------------------------------------------------
 
 
-def add_convert_parser(sub: argparse._SubParsersAction) -> None:
+def add_convert_parser(sub: Subparsers) -> None:
     from engine.adapt.convert import ConvertOptions
 
     d = field_defaults(ConvertOptions)
@@ -83,7 +51,7 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("--canvas-length", type=int, default=d["canvas_length"])
     conv.add_argument(
         "--default-mode",
-        choices=[m.value for m in DecodeMode],
+        choices=MODE_NAMES,
         default=d["default_mode"],
         help="the mode requests get unless they name one (hybrid: diffusion drafts, AR verifies)",
     )
@@ -109,7 +77,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 # -- train ---------------------------------------------------------------------------------------
 
 
-def add_train_parser(sub: argparse._SubParsersAction) -> None:
+def add_train_parser(sub: Subparsers) -> None:
     from engine.adapt.train import TrainConfig
 
     d = field_defaults(TrainConfig)
@@ -170,7 +138,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         "token, the rest noise, one step, the loss weighted toward the left)",
     )
     train.add_argument("--resume", action="store_true", help="continue from OUT's latest")
-    add_device_arguments(train, dtype=d["dtype"])
+    add_flags(train, (DEVICE, DTYPE), dtype=d["dtype"])
     train.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bar"
     )
@@ -192,19 +160,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 # -- eval ----------------------------------------------------------------------------------------
 
 
-def _modes(text: str) -> tuple[Any, ...]:
-    from engine.params import DecodeMode
-
+def _modes(text: str) -> tuple[DecodeMode, ...]:
     names = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in {d.value for d in DecodeMode}]
+    unknown = [m for m in names if m not in MODE_NAMES]
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown mode(s) {unknown}; expected diffusion, ar, hybrid (comma-separated)"
+            f"unknown mode(s) {unknown}; expected {', '.join(MODE_NAMES)} (comma-separated)"
         )
     return tuple(DecodeMode(m) for m in names)
 
 
-def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+def add_eval_parser(sub: Subparsers) -> None:
     from engine.adapt.evaluate import EvalConfig
 
     d = field_defaults(EvalConfig)
@@ -217,13 +183,13 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "--modes",
         type=_modes,
         default=d["modes"],
-        help="comma-separated: diffusion, ar, hybrid (default: diffusion, ar, hybrid)",
+        help=f"comma-separated, of {', '.join(MODE_NAMES)} (default: "
+        f"{', '.join(m.value for m in d['modes'])})",
     )
     ev.add_argument("--max-tokens", type=int, default=d["max_tokens"])
     ev.add_argument("--limit", type=int, default=d["limit"], help="only the first N prompts")
     ev.add_argument("--seed", type=int, default=d["seed"])
-    add_device_arguments(ev, dtype=d["dtype"])
-    add_adapter_argument(ev)
+    add_flags(ev, (DEVICE, DTYPE, ADAPTER), dtype=d["dtype"])
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.add_argument(
         "--set-default-mode",
@@ -258,7 +224,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 # -- make-tiny -----------------------------------------------------------------------------------
 
 
-def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
+def add_make_tiny_parser(sub: Subparsers) -> None:
     from engine.testing import DEFAULT_PRESET, PRESETS
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight DiffusionGemma checkpoint")

@@ -1,0 +1,99 @@
+"""The one build path: open a checkpoint, build an engine.
+
+    checkpoint = open_checkpoint(config.checkpoint)      # model, tokenizer, DecodingDefaults
+    engine = build_engine(checkpoint, config.engine)      # Engine
+
+`canvas serve`, `canvas generate`, `LLM`, training and the GPU benchmark all build here. One
+record describes a build: `BuildConfig`, the checkpoint and how its model is loaded
+(`CheckpointConfig`) beside the engine's own configuration (`EngineConfig`, the scheduler's
+inside it). The command line maps its flags onto these fields (`server.cli.config`), and
+`LLM.from_pretrained`'s arguments are the same fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.default_model import default_model_dir
+from engine.engine import Engine, EngineConfig
+from engine.model import DiffusionLM, load_model
+from engine.params import DecodingDefaults
+from engine.tokenizer import Tokenizer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointConfig:
+    """Which checkpoint to open and how its model is loaded (`engine.model.load_model`):
+    `model_dir` None is the built-in default model (`engine.default_model`); `device` "auto"
+    is cuda when available; `exact`: reference-exact numerics instead of the fast batched ones;
+    `kernels`: a backend of `kernels.BACKENDS`; `adapter`: a decoder adapter directory, True
+    for the checkpoint's own (if any), False for none."""
+
+    model_dir: Path | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    exact: bool = False
+    kernels: str = "auto"
+    adapter: str | Path | bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class BuildConfig:
+    """Everything one engine is built from."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """An opened checkpoint: its model with the kernel set bound, its tokenizer (None: the
+    checkpoint has none, prompts are token ids) and its decoding defaults. `model_dir`: where
+    it was read from (None: a model built without one, as the GPU benchmark's)."""
+
+    model: DiffusionLM
+    tokenizer: Tokenizer | None
+    defaults: DecodingDefaults
+    model_dir: Path | None = None
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    return any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def adapter_choice(text: str) -> str | bool:
+    """`CheckpointConfig.adapter` from its text form: `auto` (True: the checkpoint's own
+    adapter/ when it has one), `none` (False), or a directory."""
+    return {"auto": True, "none": False}.get(text, text)
+
+
+def open_checkpoint(config: CheckpointConfig) -> Checkpoint:
+    """Load `config`'s checkpoint; raises CheckpointError (or ValueError, OSError) naming the
+    file or setting at fault, and DefaultModelMissing when the built-in model is asked for and
+    cannot be built."""
+    model_dir = Path(config.model_dir) if config.model_dir is not None else default_model_dir()
+    model = load_model(
+        model_dir,
+        dtype=config.dtype,
+        device=config.device,
+        exact=config.exact,
+        kernels=config.kernels,
+        adapter=config.adapter,
+    )
+    tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
+    defaults = DecodingDefaults.from_checkpoint(model_dir, model.cfg.eos_token_ids)
+    return Checkpoint(model, tokenizer, defaults, model_dir)
+
+
+def build_engine(checkpoint: Checkpoint, config: EngineConfig | None = None) -> Engine:
+    """The engine that runs `checkpoint` as `config` (None: the defaults) describes."""
+    return Engine(checkpoint.model, checkpoint.defaults, config, checkpoint.tokenizer)
+
+
+def build(config: BuildConfig) -> tuple[Checkpoint, Engine]:
+    """Open `config`'s checkpoint and build its engine."""
+    checkpoint = open_checkpoint(config.checkpoint)
+    return checkpoint, build_engine(checkpoint, config.engine)

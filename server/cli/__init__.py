@@ -1,0 +1,59 @@
+"""The `canvas` command line, one module per command: serve (HTTP) and generate (offline), and
+the tooling commands (convert, train, eval, make-tiny) in `server.cli.tools`. Every flag that
+describes a build is defined once, in the configuration tree (`server.cli.config`), and every
+command maps its arguments onto config objects whose defaults are written once, in the config
+dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Command = Callable[[argparse.Namespace], int]
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, except where the help already says it (a default
+    that depends on the environment, such as --api-key's, is described, never printed) or
+    there is none to show (None, or a switch: a store_false one's True would read as the
+    flag's effect)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or action.nargs == 0 or "default" in text:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser, whose --help shows the defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
+    """The parser and each subcommand's handler."""
+    from server.cli.generate import add_generate_arguments, cmd_generate
+    from server.cli.serve import add_serve_arguments, cmd_serve
+    from server.cli.tools import add_parsers
+
+    parser = argparse.ArgumentParser(prog="canvas", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
+    add_generate_arguments(
+        sub.add_parser("generate", help="generate offline for one prompt and print stats")
+    )
+    add_serve_arguments(sub.add_parser("serve", help="start the OpenAI-compatible HTTP server"))
+    return parser, {"generate": cmd_generate, "serve": cmd_serve, **add_parsers(sub)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    parser, commands = build_parser()
+    args = parser.parse_args(argv)
+    return commands[args.command](args)

@@ -1,0 +1,169 @@
+"""The command line's configuration tree: every flag that describes a build is defined once
+here, as a `Flag` naming its field of `engine.build.BuildConfig` (a dotted path), and takes
+that field's default; `build_config` maps parsed arguments back onto the record. Choices come
+from their constants (`kernels.BACKENDS`, `engine.model.loader.DTYPE_CHOICES`)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from engine.build import BuildConfig, CheckpointConfig, adapter_choice
+from engine.model.loader import DEVICE_HELP, DTYPE_CHOICES, resolve_device
+from kernels import BACKENDS
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """`name` sets the field at `path` in `BuildConfig`, whose default it shows. A `switch`
+    takes no value: given, it sets the field to `switch`; absent, the field keeps its
+    default. `kind`: the value's parser (default: the field default's type)."""
+
+    name: str
+    path: str
+    help: str
+    kind: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    switch: bool | None = None
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_")
+
+
+# How the checkpoint is opened: every command that loads a model.
+DTYPE = Flag("--dtype", "checkpoint.dtype", "weight and activation dtype", choices=DTYPE_CHOICES)
+DEVICE = Flag("--device", "checkpoint.device", DEVICE_HELP, kind=resolve_device)
+EXACT = Flag(
+    "--exact",
+    "checkpoint.exact",
+    "reference-exact numerics: the transformers reference's tokens for a seed, batch "
+    "invariant (slower); default: fast batched numerics",
+    switch=True,
+)
+KERNELS = Flag(
+    "--kernels",
+    "checkpoint.kernels",
+    "kernel backend (auto: the fastest this device has; Triton on CUDA)",
+    choices=BACKENDS,
+)
+ADAPTER = Flag(
+    "--adapter",
+    "checkpoint.adapter",
+    "decoder adapter for diffusion mode: a directory, auto (the checkpoint's own adapter/ if "
+    "any; default) or none",
+    kind=adapter_choice,
+    metavar="DIR|auto|none",
+)
+CHECKPOINT_FLAGS = (DTYPE, DEVICE, EXACT, KERNELS, ADAPTER)
+
+# The engine's own configuration: `canvas serve`.
+ENGINE_FLAGS = (
+    Flag("--max-num-seqs", "engine.scheduler.max_num_seqs", "requests running at once"),
+    Flag("--max-queue", "engine.scheduler.max_queue", "requests waiting before 429"),
+    Flag("--max-num-batched-tokens", "engine.scheduler.max_num_batched_tokens", "tokens per step"),
+    Flag("--kv-cache-tokens", "engine.kv_cache_tokens", "full-attention KV positions"),
+    Flag(
+        "--no-prefix-caching",
+        "engine.prefix_caching",
+        "recompute every prompt (default: complete prefix pages are cached and reused; exact "
+        "numerics never cache)",
+        switch=False,
+    ),
+    Flag(
+        "--check-invariants",
+        "engine.check_invariants",
+        "verify pages, sampler slots and request sets after every step",
+        switch=True,
+    ),
+)
+
+
+def field_value(record: Any, path: str) -> Any:
+    """The value at dotted `path` in nested dataclass `record`."""
+    for name in path.split("."):
+        record = getattr(record, name)
+    return record
+
+
+def with_field(record: Any, path: str, value: Any) -> Any:
+    """`record` with the field at dotted `path` replaced (frozen dataclasses, rebuilt up the
+    path)."""
+    head, _, rest = path.partition(".")
+    if rest:
+        value = with_field(getattr(record, head), rest, value)
+    return replace(record, **{head: value})
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag], **defaults: Any) -> None:
+    """Add `flags`, each defaulting to its field's default in `BuildConfig()` or to
+    `defaults[flag.dest]` (a command whose own config record defaults otherwise)."""
+    base = BuildConfig()
+    for flag in flags:
+        if flag.switch is not None:
+            parser.add_argument(flag.name, action="store_true", help=flag.help)
+            continue
+        default = defaults.get(flag.dest, field_value(base, flag.path))
+        parser.add_argument(
+            flag.name,
+            type=flag.kind or type(default),
+            default=default,
+            choices=flag.choices,
+            metavar=flag.metavar,
+            help=flag.help,
+        )
+
+
+def build_config(
+    args: argparse.Namespace, model: Path | None, flags: Sequence[Flag] = ()
+) -> BuildConfig:
+    """The build of `model` (None: the built-in default model) that the parsed `flags` of
+    `args` describe; fields without a flag keep their defaults."""
+    config = BuildConfig(CheckpointConfig(model_dir=model))
+    for flag in flags:
+        value = getattr(args, flag.dest)
+        if flag.switch is None:
+            config = with_field(config, flag.path, value)
+        elif value:
+            config = with_field(config, flag.path, flag.switch)
+    return config
+
+
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    """--threads: a request ("auto", a count, or unset) that the engine's thread policy turns
+    into `EngineConfig.cpu_threads` (`with_threads`)."""
+    parser.add_argument(
+        "--threads",
+        default=None,
+        help="CPU threads for the model's operators: a count, or 'auto' (default, unless "
+        "$OMP_NUM_THREADS is set): every usable core but one (left to the HTTP front end and "
+        "clients on the same machine) and every core are measured per step size, and each "
+        "step runs with the faster",
+    )
+
+
+def with_threads(config: BuildConfig, requested: str | None, own: int | None) -> BuildConfig:
+    """`config` with the CPU thread counts the engine's policy chooses for `--threads
+    requested` (`engine.cpu_threads.choose_threads`: ValueError naming the flag). `own`:
+    torch's count before the server confined it to the step loop (None: not confined)."""
+    from engine.cpu_threads import choose_threads
+
+    threads = choose_threads(requested, own, config.checkpoint.exact)
+    return with_field(config, "engine.cpu_threads", threads)
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    """A config dataclass's field defaults, by field name."""
+    assert is_dataclass(cls)
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
+def config_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """Config dataclass `cls` built from the parsed arguments whose names are its fields."""
+    assert is_dataclass(cls)
+    given = vars(args)
+    return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})

@@ -1,0 +1,81 @@
+"""`canvas serve`'s flags: the checkpoint and engine flags of the configuration tree
+(`server.cli.config`, defaults from the config dataclasses), and the server's own."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from engine.default_model import placeholder_model_dir
+from server.cli.config import CHECKPOINT_FLAGS, ENGINE_FLAGS, add_flags, add_threads_flag
+
+
+class _PlaceholderModel(argparse.Action):
+    """--placeholder-model: the placeholder checkpoint stands for --model."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        namespace.model = str(placeholder_model_dir())
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """`canvas serve`'s flags."""
+    from server.media import add_media_arguments
+
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument(
+        "--model", default=None, help="checkpoint directory (default: built-in model)"
+    )
+    model.add_argument(
+        "--placeholder-model",
+        dest="model",
+        action=_PlaceholderModel,
+        help="serve a tiny random-weight checkpoint instead (demos and tests: output is noise)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="name clients pass as `model` (default: the checkpoint directory's name)",
+    )
+    add_flags(parser, CHECKPOINT_FLAGS)
+    add_flags(parser, ENGINE_FLAGS)
+    add_threads_flag(parser)
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=5.0,
+        help="on SIGTERM/SIGINT, let running requests finish for up to this long (a second "
+        "signal exits at once)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("CANVAS_API_KEY"),
+        help="require this bearer key on /v1 (default: $CANVAS_API_KEY, which keeps it out of "
+        "the process list; unset: no auth; empty: an error)",
+    )
+    parser.add_argument("--debug", action="store_true", help="traceback of a start-up error")
+    add_media_arguments(parser)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from server.serve import StartupError, serve
+
+    try:
+        return serve(args)
+    except StartupError as exc:
+        print(f"canvas serve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C while the weights load: no traceback
+        return 130
