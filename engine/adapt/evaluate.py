@@ -29,6 +29,7 @@ from engine.build import CheckpointConfig, open_checkpoint
 from engine.engine import EngineConfig
 from engine.llm import LLM, RequestOutput
 from engine.model import DiffusionLM, Mode
+from engine.modes import policy
 from engine.params import MODE_NAMES, DecodeMode, SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.types import tokens_per_forward
@@ -191,7 +192,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     for mode in cfg.modes:
         result, accepted = evaluate_mode(llm, source, prompts, mode, cfg)
         results[mode.value] = asdict(result)
-        if mode is DecodeMode.HYBRID:
+        if not policy(mode).commits_drafts():  # its drafts are verified: how much was kept
             results[mode.value]["mean_accepted"] = accepted
     return {
         "model": str(cfg.model_dir),
