@@ -129,7 +129,8 @@ class BatchedSampler:
         """Write a newly running request's parameters into its slot (idempotent)."""
         s = self.state
         values = {name: getattr(params, name) for name in KNOB_NAMES}
-        values["top_p"] = top_p_floor(params.top_p)
+        values["top_p"] = top_p_floor(params.top_p)  # what `filter_logits` compares with
+        # The mode decides whether the slot's temperature draws AR tokens.
         values["temperature"] = params.temperature if params.mode.samples_tokens else 0.0
         for name, value in values.items():
             s.knobs[name][slot] = value

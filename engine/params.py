@@ -2,9 +2,11 @@
 
 `SamplingParams` is what a caller asks for (None = "use the checkpoint default");
 `DecodingDefaults` comes from generation_config.json; `resolve` merges them into the
-fully specified `ResolvedParams` the engine runs with. Each field's bounds are checked here,
-when a `SamplingParams` is built, with messages that name the parameter; `engine.validation`
-adds what needs the engine (context, vocabulary, KV cache) and the temperature policy.
+fully specified `ResolvedParams` the engine runs with. The decoding knobs the three share are
+one record, `DecodingKnobs`, and the maps between them loop over its fields. Each field's
+bounds are checked here, when a `SamplingParams` is built, with messages that name the
+parameter; `engine.validation` adds what needs the engine (context, vocabulary, KV cache) and
+the temperature policy.
 """
 
 from __future__ import annotations
