@@ -21,7 +21,7 @@ import torch
 
 from engine.filters import filter_logits, top_p_floor
 from engine.modes import policy
-from engine.params import ResolvedParams
+from engine.params import FLOAT_KNOBS, KNOB_NAMES, ResolvedParams
 from kernels import KernelSet
 from kernels.reference import philox_uniform
 
@@ -55,7 +55,9 @@ def new_seed() -> int:
 
 
 class SlotState:
-    """Per-slot denoising state and parameters of up to `num_slots` running requests."""
+    """Per-slot denoising state and parameters of up to `num_slots` running requests: `knobs`
+    holds one tensor per decoding knob (`engine.params.DecodingKnobs`), named after it (top_p's
+    holds `top_p_floor(top_p)`; temperature's is 0 where the mode samples no tokens)."""
 
     def __init__(
         self,
@@ -76,15 +78,10 @@ class SlotState:
         self.num_steps = zeros(num_slots)
         self.canvas_no = zeros(num_slots)
         self.seed = zeros(num_slots)
-        self.max_steps = zeros(num_slots)
-        self.stability = zeros(num_slots)
-        self.t_min = zeros(num_slots, dtype=torch.float32)
-        self.t_max = zeros(num_slots, dtype=torch.float32)
-        self.bound = zeros(num_slots, dtype=torch.float32)
-        self.confidence = zeros(num_slots, dtype=torch.float32)
-        self.temperature = zeros(num_slots, dtype=torch.float32)  # AR
-        self.top_k = zeros(num_slots)  # 0: off
-        self.top_p_floor = zeros(num_slots, dtype=torch.float32)  # 0: off (engine.filters)
+        self.knobs = {
+            name: zeros(num_slots, dtype=torch.float32 if name in FLOAT_KNOBS else torch.long)
+            for name in KNOB_NAMES
+        }
 
 
 @dataclass(slots=True)
@@ -132,21 +129,14 @@ class BatchedSampler:
     def bind(self, slot: int, seed: int, params: ResolvedParams) -> None:
         """Write a newly running request's parameters into its slot (idempotent)."""
         s = self.state
-        values = {
-            s.seed: seed,
-            s.max_steps: params.max_denoising_steps,
-            s.stability: params.stability_threshold,
-            s.t_min: params.t_min,
-            s.t_max: params.t_max,
-            s.bound: params.entropy_bound,
-            s.confidence: params.confidence_threshold,
-            s.temperature: params.temperature if policy(params.mode).samples_tokens else 0.0,
-            s.top_k: params.top_k,
-            s.top_p_floor: top_p_floor(params.top_p),
-            s.canvas_no: -1,
-        }
-        for tensor, value in values.items():
-            tensor[slot] = value
+        values = {name: getattr(params, name) for name in KNOB_NAMES}
+        values["top_p"] = top_p_floor(params.top_p)  # what `filter_logits` compares with
+        # The mode decides whether the slot's temperature draws AR tokens.
+        values["temperature"] = params.temperature if policy(params.mode).samples_tokens else 0.0
+        for name, value in values.items():
+            s.knobs[name][slot] = value
+        s.seed[slot] = seed
+        s.canvas_no[slot] = -1
 
     def write(self, rows: RowStates, keep: torch.Tensor | None = None) -> None:
         """Store the new state of the rows (those flagged in `keep` [R] bool) in their slots."""
@@ -170,8 +160,8 @@ class BatchedSampler:
         index = torch.tensor(rows, dtype=torch.long).to(logits.device)
         picked = slots[index]
         view = logits.view(-1, length, vocab)
-        top_k = s.top_k[picked].repeat_interleave(length)
-        floor = s.top_p_floor[picked].repeat_interleave(length)
+        top_k = s.knobs["top_k"][picked].repeat_interleave(length)
+        floor = s.knobs["top_p"][picked].repeat_interleave(length)  # the floors
         sub = filter_logits(view[index].reshape(-1, vocab), top_k, floor, max_k, any_p)
         out = view.clone()
         out[index] = sub.view(-1, length, vocab)
@@ -201,7 +191,9 @@ class BatchedSampler:
             draft=torch.where(start, -1, s.draft[slots]),
             soft=torch.where(start[:, :, None], 0.0, s.soft[slots]),  # [R, L, H]
             run=torch.where(starting, 0, s.run[slots]),
-            steps_left=torch.where(starting, s.max_steps[slots], s.steps_left[slots]),
+            steps_left=torch.where(
+                starting, s.knobs["max_denoising_steps"][slots], s.steps_left[slots]
+            ),
             num_steps=torch.where(starting, 0, s.num_steps[slots]),
         )
         if pinned is not None:
@@ -217,12 +209,12 @@ class BatchedSampler:
         the rows' new state (canvas, draft, stability run, steps, soft embeddings; not yet
         written) and device tensors for the host: finished [R], steps [R], drafts [R * L],
         failed [R] (non-finite logits: the row's request must fail alone)."""
-        s, ks = self.state, self.kernels
+        s, ks, knobs = self.state, self.kernels, self.state.knobs
         slots = rows.slots
         num_rows, length = slots.shape[0], self.canvas_length
         steps_left, num_steps = rows.steps_left, rows.num_steps
-        t_min = s.t_min[slots]
-        temperature = t_min + (s.t_max[slots] - t_min) * (steps_left / s.max_steps[slots])
+        t_min, max_steps = knobs["t_min"][slots], knobs["max_denoising_steps"][slots]
+        temperature = t_min + (knobs["t_max"][slots] - t_min) * (steps_left / max_steps)
         per_position = temperature.repeat_interleave(length)  # [R * L]
         seeds, canvas_no = s.seed[slots, None], rows.canvas_no
         u = ks.philox_uniform(seeds, counters(canvas_no, num_steps, SAMPLE_STREAM, length))
@@ -230,14 +222,15 @@ class BatchedSampler:
             logits, per_position, u.view(-1), self.embedding, self.embed_scale
         )
         entropy = result.entropy.view(num_rows, length)
-        accept = ks.entropy_accept(entropy, s.bound[slots])  # [R, L] bool
+        accept = ks.entropy_accept(entropy, knobs["entropy_bound"][slots])  # [R, L] bool
         u_noise = ks.philox_uniform(seeds, counters(canvas_no, num_steps + 1, NOISE_STREAM, length))
         noise = uniform_tokens(u_noise, self.vocab_size)
         draft = result.argmax.view(num_rows, length)
         stable_run = torch.where((draft == rows.draft).all(-1), rows.run + 1, 0)
         steps_left, num_steps = steps_left - 1, num_steps + 1
-        confident = entropy.mean(-1) < s.confidence[slots]
-        finished = ((stable_run >= s.stability[slots]) & confident) | (steps_left <= 0)
+        confident = entropy.mean(-1) < knobs["confidence_threshold"][slots]
+        stable = stable_run >= knobs["stability_threshold"][slots]
+        finished = (stable & confident) | (steps_left <= 0)
         new = RowStates(
             slots=slots,
             canvas_no=canvas_no,
@@ -266,7 +259,7 @@ class BatchedSampler:
             failed = ~torch.isfinite(torch.logsumexp(logits, dim=-1))
             return [logits.argmax(dim=-1), failed.long()]
         s = self.state
-        temperature = s.temperature[slots]
+        temperature = s.knobs["temperature"][slots]
         greedy = temperature <= 0
         u = self.kernels.philox_uniform(s.seed[slots], token_index | _AR_COUNTERS)
         result = self.kernels.fused_sample(logits, torch.where(greedy, 1.0, temperature), u)

@@ -2,16 +2,18 @@
 
 `SamplingParams` is what a caller asks for (None = "use the checkpoint default");
 `DecodingDefaults` comes from generation_config.json; `resolve` merges them into the
-fully specified `ResolvedParams` the engine runs with. Each field's bounds are checked here,
-when a `SamplingParams` is built, with messages that name the parameter; `engine.validation`
-adds what needs the engine (context, vocabulary, KV cache) and the temperature policy.
+fully specified `ResolvedParams` the engine runs with. The decoding knobs the three share are
+one record, `DecodingKnobs`, and the maps between them loop over its fields. Each field's
+bounds are checked here, when a `SamplingParams` is built, with messages that name the
+parameter; `engine.validation` adds what needs the engine (context, vocabulary, KV cache) and
+what `temperature` means in the request's mode (`engine.modes`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,6 @@ from engine.modes import DecodeMode, mode_names, policy
 
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat bound (completions: 5, checked by the server)
-
-
 MODE_NAMES = mode_names()  # the built-in modes (flag choices)
 
 
@@ -58,6 +58,43 @@ MAX_TOP_K = 2**31 - 1  # larger than any vocabulary; the sampler clamps it to th
 MAX_STABILITY_THRESHOLD = 64
 
 
+def _checkpoint_key(default: Any, *path: str) -> Any:
+    """A field `DecodingDefaults.from_checkpoint` reads from generation_config.json at `path`
+    (keys, outermost first)."""
+    return field(default=default, metadata={"generation_config": path})
+
+
+@dataclass(frozen=True, slots=True)
+class DecodingKnobs:
+    """The decoding knobs: the one list of what a request may tune about how its tokens are
+    chosen, with the reference's global defaults. `ResolvedParams` (a request's values) and
+    `DecodingDefaults` (a checkpoint's) are knobs; `SamplingParams` and the server's request
+    models carry each as an optional field of the same name (typed for their callers, with its
+    bound checked in `SamplingParams`); the batched sampler keeps one slot tensor per knob.
+    Every map between them loops over these fields, and tests/unit/test_knobs.py names any
+    place a new knob is missing from. Knobs with a generation_config key take the
+    checkpoint's value; the others default here."""
+
+    # diffusion (hybrid: `max_denoising_steps` is the draft's steps before verification)
+    max_denoising_steps: int = _checkpoint_key(48, "max_denoising_steps")
+    entropy_bound: float = _checkpoint_key(0.1, "sampler_config", "entropy_bound")
+    t_min: float = _checkpoint_key(0.4, "t_min")
+    t_max: float = _checkpoint_key(0.8, "t_max")
+    stability_threshold: int = _checkpoint_key(1, "stability_threshold")
+    confidence_threshold: float = _checkpoint_key(0.005, "confidence_threshold")  # 0: never early
+    # Resolved, the AR sampling temperature (0 = greedy), which diffusion ignores; a request's
+    # means what its mode says (engine.validation.apply_temperature).
+    temperature: float = 0.0
+    # Candidate filters on the raw logits (both modes, `engine.filters`): the top_k most likely
+    # tokens (0: all), then the smallest set holding top_p of the probability (1: all).
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+KNOB_NAMES = tuple(f.name for f in fields(DecodingKnobs))
+FLOAT_KNOBS = tuple(f.name for f in fields(DecodingKnobs) if isinstance(f.default, float))
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """What a request asks for. Fields left None take the checkpoint's defaults."""
@@ -67,7 +104,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     eos_token_ids: tuple[int, ...] | None = None  # overrides the checkpoint's EOS set
-    # diffusion (hybrid: `max_denoising_steps` is the draft's steps before verification)
+    # The decoding knobs (`DecodingKnobs`, which says what each means), typed here for callers.
     max_denoising_steps: int | None = None
     entropy_bound: float | None = None
     t_min: float | None = None
@@ -77,9 +114,7 @@ class SamplingParams:
     # What `temperature` means depends on the mode (`ModePolicy.apply_temperature`):
     # diffusion: scales the t_min..t_max schedule; AR: the sampling temperature, 0 is greedy.
     temperature: float | None = None
-    # Candidate filters on the raw logits (both modes, `engine.filters`): the top_k most likely
-    # tokens (None, 0 or -1: all), then the smallest set holding top_p of the probability.
-    top_k: int | None = None
+    top_k: int | None = None  # None, 0 or -1: all tokens
     top_p: float | None = None
     # Structured output: the text must be a JSON document valid under this JSON schema (a JSON
     # string; '{"type": "object"}' for OpenAI's json_object). Enforced by a grammar per request.
@@ -88,7 +123,7 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (*FLOAT_BOUNDS, "temperature", "top_p"):  # their ranges are checked below
+        for name in FLOAT_KNOBS:  # their ranges are checked below
             value = getattr(self, name)
             _check(value is None or math.isfinite(value), name, "must be a finite number")
             bound = FLOAT_BOUNDS.get(name, math.inf)
@@ -148,23 +183,14 @@ class SamplingParams:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class ResolvedParams:
-    """Fully specified decoding parameters of one request."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResolvedParams(DecodingKnobs):
+    """Fully specified decoding parameters of one request: its knobs and the rest."""
 
     max_tokens: int
     mode: str  # a registered mode (`engine.modes`)
     seed: int | None
     eos_token_ids: frozenset[int]
-    max_denoising_steps: int
-    entropy_bound: float
-    t_min: float
-    t_max: float
-    stability_threshold: int
-    confidence_threshold: float
-    temperature: float  # AR sampling temperature (0 = greedy); diffusion ignores it
-    top_k: int = 0  # 0: all tokens
-    top_p: float = 1.0  # 1: all tokens
     json_schema: str | None = None
     logprobs: int | None = None
 
@@ -178,23 +204,17 @@ class ResolvedParams:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodingDefaults:
-    """Defaults from generation_config.json; the reference's global defaults where it is silent."""
+class DecodingDefaults(DecodingKnobs):
+    """Defaults from generation_config.json (the keys its fields name); the reference's global
+    defaults where it is silent."""
 
-    max_new_tokens: int = 256
-    max_denoising_steps: int = 48
-    entropy_bound: float = 0.1
-    t_min: float = 0.4
-    t_max: float = 0.8
-    stability_threshold: int = 1
-    confidence_threshold: float = 0.005
-    eos_token_ids: tuple[int, ...] = ()
-    pad_token_id: int | None = None
-    mode: str = DecodeMode.DIFFUSION  # Canvas' `canvas_default_mode` key
-    # Hybrid mode: denoising steps a draft gets before the encoder verifies it (Canvas'
-    # `canvas_hybrid_draft_steps` key; chosen by measuring the default model, see
-    # docs/decoding-modes.md).
-    hybrid_draft_steps: int = 1
+    max_new_tokens: int = _checkpoint_key(256, "max_new_tokens")
+    eos_token_ids: tuple[int, ...] = ()  # `eos_token_id`: one id or a list
+    pad_token_id: int | None = _checkpoint_key(None, "pad_token_id")
+    mode: str = _checkpoint_key(DecodeMode.DIFFUSION, "canvas_default_mode")
+    # Hybrid mode: denoising steps a draft gets before the encoder verifies it (chosen by
+    # measuring the default model, see docs/decoding-modes.md).
+    hybrid_draft_steps: int = _checkpoint_key(1, "canvas_hybrid_draft_steps")
 
     @classmethod
     def from_checkpoint(
@@ -202,51 +222,44 @@ class DecodingDefaults:
     ) -> DecodingDefaults:
         path = Path(model_dir) / "generation_config.json"
         raw: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-        sampler = raw.get("sampler_config") or {}
-        values: dict[str, Any] = {
-            "max_new_tokens": raw.get("max_new_tokens"),
-            "max_denoising_steps": raw.get("max_denoising_steps"),
-            "entropy_bound": sampler.get("entropy_bound"),
-            "t_min": raw.get("t_min"),
-            "t_max": raw.get("t_max"),
-            "stability_threshold": raw.get("stability_threshold"),
-            "confidence_threshold": raw.get("confidence_threshold"),
-            "pad_token_id": raw.get("pad_token_id"),
-            "mode": DecodeMode(raw["canvas_default_mode"])
-            if raw.get("canvas_default_mode")
-            else None,
-            "hybrid_draft_steps": raw.get("canvas_hybrid_draft_steps"),
-        }
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if "generation_config" in f.metadata:
+                values[f.name] = _config_value(raw, f.metadata["generation_config"])
+        values["mode"] = DecodeMode(values["mode"]) if values["mode"] else None
         eos = raw.get("eos_token_id")
         values["eos_token_ids"] = (
             (eos,) if isinstance(eos, int) else tuple(eos) if eos else tuple(eos_fallback)
         )
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if v is not None and k in known})
+        return cls(**{k: v for k, v in values.items() if v is not None})
 
     def resolve(self, params: SamplingParams) -> ResolvedParams:
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
+        """Each knob `params` leaves None takes this checkpoint's value; float knobs become
+        floats, and top_k -1 (vLLM's "all") becomes 0."""
         eos = params.eos_token_ids if params.eos_token_ids is not None else self.eos_token_ids
-        mode = pick(params.mode, self.mode)
-        steps = policy(mode).denoising_steps(self)
+        mode = params.mode if params.mode is not None else self.mode
+        # The mode's default denoising steps (hybrid: the draft's, before verification).
+        defaults = replace(self, max_denoising_steps=policy(mode).denoising_steps(self))
+        knobs: dict[str, Any] = {}
+        for name in KNOB_NAMES:
+            value = getattr(params, name)
+            value = getattr(defaults, name) if value is None else value
+            knobs[name] = float(value) if name in FLOAT_KNOBS else value
+        knobs["top_k"] = max(0, knobs["top_k"])
         return ResolvedParams(
-            max_tokens=pick(params.max_tokens, self.max_new_tokens),
+            max_tokens=params.max_tokens if params.max_tokens is not None else self.max_new_tokens,
             mode=mode,
             seed=params.seed,
             eos_token_ids=frozenset() if params.ignore_eos else frozenset(eos),
-            max_denoising_steps=pick(params.max_denoising_steps, steps),
-            entropy_bound=float(pick(params.entropy_bound, self.entropy_bound)),
-            t_min=float(pick(params.t_min, self.t_min)),
-            t_max=float(pick(params.t_max, self.t_max)),
-            stability_threshold=pick(params.stability_threshold, self.stability_threshold),
-            confidence_threshold=float(
-                pick(params.confidence_threshold, self.confidence_threshold)
-            ),
-            temperature=float(pick(params.temperature, 0.0)),
-            top_k=max(0, params.top_k or 0),
-            top_p=float(pick(params.top_p, 1.0)),
             json_schema=params.json_schema,
             logprobs=params.logprobs,
+            **knobs,
         )
+
+
+def _config_value(raw: dict[str, Any], path: tuple[str, ...]) -> Any:
+    """The value at `path` in a generation_config (None where a key or section is absent)."""
+    *sections, key = path
+    for section in sections:
+        raw = raw.get(section) or {}
+    return raw.get(key)

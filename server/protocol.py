@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
-from engine.params import DecodeMode, ParamError, SamplingParams
+from engine.params import KNOB_NAMES, DecodeMode, ParamError, SamplingParams
 from engine.validation import check_n, check_stop, check_user
 
 # OpenAI parameters Canvas does not implement, with their neutral values (accepted as no-ops;
@@ -99,7 +99,8 @@ class ResponseFormat(BaseModel):
 
 
 class CommonParams(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions; each decoding knob
+    (`engine.params.DecodingKnobs`) is a field of the same name."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -170,17 +171,9 @@ class CommonParams(BaseModel):
             mode=DecodeMode(self.mode) if self.mode else None,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
-            max_denoising_steps=self.max_denoising_steps,
-            entropy_bound=self.entropy_bound,
-            t_min=self.t_min,
-            t_max=self.t_max,
-            stability_threshold=self.stability_threshold,
-            confidence_threshold=self.confidence_threshold,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
             json_schema=structured_schema(self),
             logprobs=self.logprob_count(),
+            **{name: getattr(self, name) for name in KNOB_NAMES},
         )
 
     def logprob_count(self) -> int | None:
