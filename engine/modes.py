@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from engine.types import FinishReason, Progress, RowEffect, RowKind, TokenLogprob
 
@@ -34,46 +34,6 @@ class DecodeMode(str, Enum):
     HYBRID = "hybrid"  # canvases drafted by diffusion, verified by the encoder (AR) path
 
 
-class ModePolicy(Protocol):
-    # The row kind a request runs once its prompt is in (`engine.rows.ROW_KINDS`).
-    after_prefill: str
-    # The encoder's next-token logits choose what is committed: the prompt's last chunk
-    # samples the first token, nothing rides along with it, and `temperature` is the sampling
-    # temperature of those tokens.
-    samples_tokens: bool
-
-    def context_needed(self, num_prompt: int, max_tokens: int, canvas_length: int) -> int:
-        """Positions a request occupies (its pages are reserved for all of them)."""
-
-    def apply_temperature(
-        self, params: SamplingParams, defaults: DecodingDefaults
-    ) -> SamplingParams:
-        """What the request's `temperature` means, folded into its other fields."""
-
-    def denoising_steps(self, defaults: DecodingDefaults) -> int:
-        """The checkpoint's default `max_denoising_steps` in this mode."""
-
-    def pinned_token(self, req: RequestState) -> int:
-        """The token a canvas holds fixed in slot 0, or -1."""
-
-    def starts_canvas(self, req: RequestState, drafts: Callable[[RequestState], bool]) -> bool:
-        """Between canvases: denoise a canvas now (True) or take one encoder token first.
-        `drafts` is the scheduler's draft policy."""
-
-    def finish_canvas(
-        self,
-        req: RequestState,
-        draft: list[int],
-        logprobs: list[TokenLogprob] | None,
-        progress: Progress,
-    ) -> RowEffect:
-        """What a converged canvas's `draft` becomes; `progress` is the denoising row's own."""
-
-    def commits_drafts(self) -> bool:
-        """A converged canvas is committed as it is (so its grammar and log-probabilities are
-        applied when it converges), not handed to another pass."""
-
-
 def first_cut(
     draft: list[int], budget: int, eos_token_ids: frozenset[int]
 ) -> tuple[list[int], FinishReason | None]:
@@ -86,21 +46,28 @@ def first_cut(
     return draft, None
 
 
-class Diffusion:
-    """Canvases denoised in parallel, each committed as it converges, then encoded."""
+class ModePolicy:
+    """A decode mode's answers; the base class's are diffusion's: canvases denoised in
+    parallel, each committed as it converges, then encoded."""
 
+    # The row kind a request runs once its prompt is in (`engine.rows.ROW_KINDS`).
     after_prefill: str = RowKind.DENOISE
+    # The encoder's next-token logits choose what is committed: the prompt's last chunk
+    # samples the first token, nothing rides along with it, and `temperature` is the sampling
+    # temperature of those tokens.
     samples_tokens = False
 
     def context_needed(self, num_prompt: int, max_tokens: int, canvas_length: int) -> int:
-        # Canvases are whole even when cut.
+        """Positions a request occupies (its pages are reserved for all of them); canvases
+        are whole even when cut."""
         return num_prompt + math.ceil(max_tokens / canvas_length) * canvas_length
 
     def apply_temperature(
         self, params: SamplingParams, defaults: DecodingDefaults
     ) -> SamplingParams:
-        """`temperature` scales the whole linear schedule (1 = the checkpoint's t_min..t_max,
-        0 is taken as 0.01: nearly greedy denoising); explicit `t_min`/`t_max` are scaled too."""
+        """What the request's `temperature` means, folded into its other fields: it scales
+        the whole linear schedule (1 = the checkpoint's t_min..t_max, 0 is taken as 0.01:
+        nearly greedy denoising); explicit `t_min`/`t_max` are scaled too."""
         if params.temperature is None:
             return params
         scale = max(params.temperature, MIN_SCHEDULE_SCALE)
@@ -109,12 +76,16 @@ class Diffusion:
         return replace(params, t_min=t_min * scale, t_max=t_max * scale, temperature=None)
 
     def denoising_steps(self, defaults: DecodingDefaults) -> int:
+        """The checkpoint's default `max_denoising_steps` in this mode."""
         return defaults.max_denoising_steps
 
     def pinned_token(self, req: RequestState) -> int:
+        """The token a canvas holds fixed in slot 0, or -1."""
         return -1
 
     def starts_canvas(self, req: RequestState, drafts: Callable[[RequestState], bool]) -> bool:
+        """Between canvases: denoise a canvas now (True) or take one encoder token first.
+        `drafts` is the scheduler's draft policy."""
         return True
 
     def finish_canvas(
@@ -124,17 +95,22 @@ class Diffusion:
         logprobs: list[TokenLogprob] | None,
         progress: Progress,
     ) -> RowEffect:
+        """What a converged canvas's `draft` becomes (`progress`: the denoising row's own):
+        cut at EOS and the budget and streamed; its commit pass follows if the request goes
+        on."""
         tokens, reason = first_cut(draft, req.remaining, req.params.eos_token_ids)
-        if reason is None:  # the request goes on: the canvas's commit pass writes its KV
+        if reason is None:
             progress = replace(progress, state=RowKind.COMMIT, draft_to_commit=draft)
         logprobs = logprobs[: len(tokens)] if logprobs is not None else None
         return RowEffect(tokens, logprobs, reason, progress=progress)
 
     def commits_drafts(self) -> bool:
+        """A converged canvas is committed as it is (so its grammar and log-probabilities are
+        applied when it converges), not handed to another pass."""
         return True
 
 
-class Autoregressive(Diffusion):
+class Autoregressive(ModePolicy):
     """One token per encoder pass (no canvas)."""
 
     after_prefill: str = RowKind.AR
@@ -186,7 +162,7 @@ class Hybrid(Autoregressive):
 
 
 MODES: dict[str, ModePolicy] = {
-    DecodeMode.DIFFUSION.value: Diffusion(),
+    DecodeMode.DIFFUSION.value: ModePolicy(),
     DecodeMode.AR.value: Autoregressive(),
     DecodeMode.HYBRID.value: Hybrid(),
 }

@@ -43,10 +43,14 @@ Install = Callable[[list[bool]], None]  # store the sampler state of the rows fl
 
 @dataclass(frozen=True, slots=True)
 class PlanContext:
-    """What a kind's planning may consult besides the request."""
+    """What a kind's planning may consult besides the request: the step's token budget left,
+    whether the request was just admitted, the prefill chunk and the hybrid draft policy
+    (`engine.draft_policy`)."""
 
+    budget: int
+    admitted: bool
     max_prefill_chunk: int
-    drafts: Callable[[RequestState], bool]  # the hybrid draft policy (`engine.draft_policy`)
+    drafts: Callable[[RequestState], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +71,8 @@ class KindBatch:
 class RowSpec(Protocol):
     decode: bool  # a DECODE row (canvas from the sampler) rather than an ENCODE row
 
-    def plan(
-        self, seq: RequestState, budget: int, ctx: PlanContext, admitted: bool
-    ) -> ScheduledRow | None:
-        """The row a request in this kind's state runs next (None: none fits `budget`)."""
+    def plan(self, seq: RequestState, ctx: PlanContext) -> ScheduledRow | None:
+        """The row a request in this kind's state runs next (None: none fits the budget)."""
 
     def encode_input(self, row: ScheduledRow) -> EncodeInput:
         """ENCODE kinds: the tokens this row feeds."""
@@ -101,9 +103,7 @@ class EncodeRow:
 
     decode = False
 
-    def plan(
-        self, seq: RequestState, budget: int, ctx: PlanContext, admitted: bool
-    ) -> ScheduledRow | None:
+    def plan(self, seq: RequestState, ctx: PlanContext) -> ScheduledRow | None:
         raise NotImplementedError
 
     def encode_input(self, row: ScheduledRow) -> EncodeInput:
@@ -164,13 +164,11 @@ class PrefillRow(EncodeRow):
     """Encoder over a prompt chunk; in a mode that samples tokens the last chunk samples the
     first token."""
 
-    def plan(
-        self, seq: RequestState, budget: int, ctx: PlanContext, admitted: bool
-    ) -> ScheduledRow | None:
+    def plan(self, seq: RequestState, ctx: PlanContext) -> ScheduledRow | None:
         start = seq.num_computed
-        num = min(seq.num_prompt - start, ctx.max_prefill_chunk, budget)
+        num = min(seq.num_prompt - start, ctx.max_prefill_chunk, ctx.budget)
         num = whole_images(seq.image_spans, start, num)
-        return ScheduledRow(seq, RowKind.PREFILL, start, num, admitted) if num > 0 else None
+        return ScheduledRow(seq, RowKind.PREFILL, start, num, ctx.admitted) if num > 0 else None
 
     def encode_input(self, row: ScheduledRow) -> EncodeInput:
         end = row.start + row.num_tokens
@@ -206,10 +204,8 @@ def _image_tokens(req: RequestState, start: int, end: int) -> ImageTokens | None
 class CommitRow(EncodeRow):
     """Encoder over a finished canvas: writes its KV; the next canvas follows."""
 
-    def plan(
-        self, seq: RequestState, budget: int, ctx: PlanContext, admitted: bool
-    ) -> ScheduledRow | None:
-        return ScheduledRow(seq, RowKind.COMMIT, seq.num_computed, seq.canvas_length, admitted)
+    def plan(self, seq: RequestState, ctx: PlanContext) -> ScheduledRow | None:
+        return ScheduledRow(seq, RowKind.COMMIT, seq.num_computed, seq.canvas_length, ctx.admitted)
 
     def encode_input(self, row: ScheduledRow) -> EncodeInput:
         assert row.req.draft_to_commit, "a commit pass without its canvas"
@@ -226,10 +222,8 @@ class CommitRow(EncodeRow):
 class ArRow(EncodeRow):
     """Encoder over the last sampled token; samples the next one."""
 
-    def plan(
-        self, seq: RequestState, budget: int, ctx: PlanContext, admitted: bool
-    ) -> ScheduledRow | None:
-        return ScheduledRow(seq, RowKind.AR, seq.num_computed, 1, admitted)
+    def plan(self, seq: RequestState, ctx: PlanContext) -> ScheduledRow | None:
+        return ScheduledRow(seq, RowKind.AR, seq.num_computed, 1, ctx.admitted)
 
     def encode_input(self, row: ScheduledRow) -> EncodeInput:
         return EncodeInput(row.start, row.req.output_ids[-1:], _pages(row), True)
@@ -248,10 +242,8 @@ class VerifyRow(EncodeRow):
     plus one token of the verifier's (`engine.verify`); the KV of what was rejected is rolled
     back (not kept: the next pass overwrites it)."""
 
-    def plan(
-        self, seq: RequestState, budget: int, ctx: PlanContext, admitted: bool
-    ) -> ScheduledRow | None:
-        return ScheduledRow(seq, RowKind.VERIFY, seq.num_computed, seq.canvas_length, admitted)
+    def plan(self, seq: RequestState, ctx: PlanContext) -> ScheduledRow | None:
+        return ScheduledRow(seq, RowKind.VERIFY, seq.num_computed, seq.canvas_length, ctx.admitted)
 
     def encode_input(self, row: ScheduledRow) -> EncodeInput:
         assert row.req.draft_to_commit, "a verify pass without its draft"
@@ -303,14 +295,12 @@ class DenoiseRow:
 
     decode = True
 
-    def plan(
-        self, seq: RequestState, budget: int, ctx: PlanContext, admitted: bool
-    ) -> ScheduledRow | None:
+    def plan(self, seq: RequestState, ctx: PlanContext) -> ScheduledRow | None:
         start = seq.num_computed
         if not seq.in_canvas and not seq.policy.starts_canvas(seq, ctx.drafts):
-            return ScheduledRow(seq, RowKind.AR, start, 1, admitted)
+            return ScheduledRow(seq, RowKind.AR, start, 1, ctx.admitted)
         return ScheduledRow(
-            seq, RowKind.DENOISE, start, seq.canvas_length, admitted, not seq.in_canvas
+            seq, RowKind.DENOISE, start, seq.canvas_length, ctx.admitted, not seq.in_canvas
         )
 
     def encode_input(self, row: ScheduledRow) -> EncodeInput:

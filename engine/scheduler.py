@@ -261,8 +261,8 @@ class Scheduler:
 
     def row_for(self, seq: RequestState, budget: int, admitted: bool) -> ScheduledRow | None:
         """The row `seq` runs next: its state's row kind plans it (`engine.rows`)."""
-        context = PlanContext(self.config.max_prefill_chunk, self._drafts)
-        return ROW_KINDS[seq.state].plan(seq, budget, context, admitted)
+        context = PlanContext(budget, admitted, self.config.max_prefill_chunk, self._drafts)
+        return ROW_KINDS[seq.state].plan(seq, context)
 
     def _drafts(self, seq: RequestState) -> bool:
         policy = self.config.draft_policy

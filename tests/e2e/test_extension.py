@@ -27,11 +27,9 @@ class CountingTokenRow(ArRow):
     def __init__(self) -> None:
         self.planned = 0
 
-    def plan(
-        self, seq: RequestState, budget: int, ctx: PlanContext, admitted: bool
-    ) -> ScheduledRow | None:
+    def plan(self, seq: RequestState, ctx: PlanContext) -> ScheduledRow | None:
         self.planned += 1
-        return ScheduledRow(seq, TOY_KIND, seq.num_computed, 1, admitted)
+        return ScheduledRow(seq, TOY_KIND, seq.num_computed, 1, ctx.admitted)
 
 
 class GreedyTokens(Autoregressive):
