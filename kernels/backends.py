@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Any
 
 import kernels.reference as reference
-from kernels import support
+import kernels.support as support
 from kernels.kernel_set import KERNELS, KernelSet
 
 # Each module exports KERNELS: its launchers, named exactly as their twins in `reference`.

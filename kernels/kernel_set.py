@@ -82,7 +82,9 @@ class KernelSet:
         through them. Fast numerics only: the ops' CPU implementations are the batched twins."""
         if self.exact:
             raise ValueError("custom ops carry fast numerics only (the batched twins)")
-        from kernels import ops, ops_layer, ops_step
+        import kernels.ops as ops
+        import kernels.ops_layer as ops_layer
+        import kernels.ops_step as ops_step
 
         return replace(
             self,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import Any
 
 from kernels.kernel_set import KernelSet
 from kernels.native import moe, step
@@ -48,7 +49,7 @@ def bind_packed(kernels: KernelSet) -> KernelSet:
         "fused_moe": moe.fused_moe,
         "route_experts": step.route_experts,
     }
-    bound = {
+    bound: dict[str, Any] = {
         name: functools.partial(fn, packs=packs)
         for name, fn in packing.items()
         if getattr(kernels, name) is fn

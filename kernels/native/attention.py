@@ -23,7 +23,7 @@ import torch
 import kernels.reference as reference
 from kernels.native.args import AttentionArgs
 from kernels.native.build import library, loaded, on_torch_team
-from kernels.native.threads import over_rows, scratch, takes
+from kernels.native.threads import addresses, over_rows, scratch, takes
 from kernels.reference_attention import PagedRows
 
 # Queries of a row per work item (with all query heads of a KV head: 64 score rows at
@@ -67,11 +67,11 @@ def canvas_attention(
     tensors = (q, k, v, k_pool, v_pool)
     q, k, v, k_pool, v_pool = (t if t.is_contiguous() else t.contiguous() for t in tensors)
     out = torch.empty_like(q)
-    paged = (rows.start, rows.offset, rows.num_tokens, rows.decode, rows.page_table)
-    names = ("q", "k", "v", "k_pool", "v_pool", "start", "offset", "count", "decode")
-    names += ("page_table", "items", "out")
-    operands = (q, k, v, k_pool, v_pool, *paged, items, out)
-    args = AttentionArgs(**{n: t.data_ptr() for n, t in zip(names, operands, strict=True)})
+    args = AttentionArgs(
+        **addresses(q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool, items=items, out=out),
+        **addresses(start=rows.start, offset=rows.offset, count=rows.num_tokens),
+        **addresses(decode=rows.decode, page_table=rows.page_table),
+    )
     args.max_pages, args.hq, args.hkv, args.d = rows.page_table.shape[1], heads, kv_heads, dim
     args.size, args.window, args.qblock = k_pool.shape[2], window, QUERY_BLOCK
     args.scale, args.lmax = scale, longest

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+import kernels.native.step as step
 import kernels.reference as reference
-from kernels.native import step
 from kernels.native.args import (
     GatedLinearArgs,
     LinearArgs,
@@ -34,7 +34,7 @@ from kernels.native.args import (
 )
 from kernels.native.build import library, loaded, on_torch_team
 from kernels.native.packing import PackedWeights, packed
-from kernels.native.threads import over_rows, scratch, split_rows, takes, threads
+from kernels.native.threads import addresses, over_rows, scratch, split_rows, takes, threads
 
 # Expert weight bytes per thread below which one thread runs all of a token's experts.
 MIN_EXPERT_BYTES_PER_THREAD = 4 << 20
@@ -68,10 +68,11 @@ def fused_moe(
     slots = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(num_slots, size, dtype=torch.float32)
     acts = torch.empty(num_slots, inter, dtype=torch.float32)
-    names = ("x", "gate_up", "down", "weights", "ids", "out", "scratch")
-    tensors = (x, gu, dn, w, slots, out, acts)
-    args = MoeTokenArgs(**{n: t.data_ptr() for n, t in zip(names, tensors, strict=True)})
-    args.h, args.inter = size, inter
+    args = MoeTokenArgs(
+        **addresses(x=x, gate_up=gu, down=dn, weights=w, ids=slots, out=out, scratch=acts),
+        h=size,
+        inter=inter,
+    )
     expert_bytes = 3 * inter * size * 4
     min_slots = max(1, MIN_EXPERT_BYTES_PER_THREAD // expert_bytes)
     over_rows(lambda begin, end: _token_slots(lib, args, begin, end), num_slots, min_slots)
@@ -293,10 +294,13 @@ def _experts_tiled(
         raise IndexError(f"expert ids must be in [0, {num_experts}), got {bad}")
     x, w = hidden.contiguous(), weights.reshape(-1).to(torch.float32).contiguous()
     ybuf = scratch(num_tokens * top_k * size).view(num_tokens * top_k, size)
-    names = ("x", "gup", "dnp", "weights", "pairs", "ends", "ybuf")
-    tensors = (x, gup, dnp, w, pairs, ends, ybuf)
-    args = MoeRowsArgs(**{n: t.data_ptr() for n, t in zip(names, tensors, strict=True)})
-    args.num_experts, args.top_k, args.h, args.inter = num_experts, top_k, size, inter
+    args = MoeRowsArgs(
+        **addresses(x=x, gup=gup, dnp=dnp, weights=w, pairs=pairs, ends=ends, ybuf=ybuf),
+        num_experts=num_experts,
+        top_k=top_k,
+        h=size,
+        inter=inter,
+    )
     if on_torch_team("moe"):
         team = threads(pairs.numel(), MIN_EXPERT_ROWS_PER_THREAD)
         act = torch.empty(team, 16, inter, dtype=torch.float32)  # each thread's GeGLU tile

@@ -11,7 +11,7 @@ import torch
 import kernels.reference as reference
 from kernels.native.args import CloseLayerArgs, NormArgs, NormPairArgs
 from kernels.native.build import loaded
-from kernels.native.threads import norm_min_rows, norm_rows, ptr, split_rows, takes
+from kernels.native.threads import addresses, norm_min_rows, norm_rows, ptr, split_rows, takes
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -87,12 +87,11 @@ def close_layer(
         return reference.close_layer(dense, moe, residual, dense_weight, moe_weight, weight,
                                      scale, eps)  # fmt: skip
     lib = loaded("norms")
-    tensors = [t.contiguous() for t in operands]
+    d, m, r, wd, wm, w, s = (t.contiguous() for t in operands)
     hidden = dense.shape[-1]
-    out = torch.empty_like(tensors[0])
-    names = ("dense", "moe", "residual", "wd", "wm", "w", "scale")
+    out = torch.empty_like(d)
     args = CloseLayerArgs(
-        **{n: t.data_ptr() for n, t in zip(names, tensors, strict=True)},
+        **addresses(dense=d, moe=m, residual=r, wd=wd, wm=wm, w=w, scale=s),
         scale_per_row=int(scale.numel() == rows and rows > 1),
         out=out.data_ptr(),
         h=hidden,

@@ -19,7 +19,7 @@ import kernels.reference_layer as reference_layer
 from kernels.native.args import GegluArgs, PhiloxArgs, QkvArgs, RouteArgs
 from kernels.native.build import loaded
 from kernels.native.packing import PackedWeights, packed
-from kernels.native.threads import norm_min_rows, split_rows, takes
+from kernels.native.threads import addresses, norm_min_rows, split_rows, takes
 
 # Head and hidden sizes up to which a token's rows go on the C stack (the twins beyond).
 MAX_ROW = 16384
@@ -55,14 +55,18 @@ def qkv_norm_rope(
     ):
         return reference.qkv_norm_rope(q, k, v, q_weight, k_weight, cos, sin, eps)
     lib = loaded("step")
-    ins = [t.contiguous() for t in (q, k, v, q_weight, k_weight, cos, sin)]
-    outs = [torch.empty_like(t) for t in ins[:3]]
-    names = ("q", "k", "v", "qw", "kw", "cos", "sin", "qo", "ko", "vo")
-    args = QkvArgs(**{n: t.data_ptr() for n, t in zip(names, (*ins, *outs), strict=True)})
-    args.hq, args.hkv, args.d, args.eps = q.shape[1], k.shape[1], dim, eps
+    q, k, v, qw, kw, cos, sin = (t.contiguous() for t in (q, k, v, q_weight, k_weight, cos, sin))
+    qo, ko, vo = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    args = QkvArgs(
+        **addresses(q=q, k=k, v=v, qw=qw, kw=kw, cos=cos, sin=sin, qo=qo, ko=ko, vo=vo),
+        hq=q.shape[1],
+        hkv=k.shape[1],
+        d=dim,
+        eps=eps,
+    )
     per_token = dim * (q.shape[1] + 2 * k.shape[1])
     split_rows("step", lib.canvas_qkv_norm_rope, args, q.shape[0], norm_min_rows(per_token))
-    return outs[0], outs[1], outs[2]
+    return qo, ko, vo
 
 
 def route_experts(
@@ -98,11 +102,15 @@ def route_experts(
     weights = torch.empty(rows, top_k, dtype=torch.float32)
     ids = torch.empty(rows, top_k, dtype=torch.int64)
     (projt,) = packed(packs, "router", (proj,), lambda: (_transposed(proj),))
-    tensors = (x, scale.contiguous(), projt, per_expert_scale.contiguous(), weights, ids)
-    names = ("x", "scale", "projt", "pes", "weights", "ids")
-    args = RouteArgs(**{n: t.data_ptr() for n, t in zip(names, tensors, strict=True)})
-    args.hidden, args.experts, args.ep = size, experts, projt.shape[1]
-    args.top_k, args.eps = top_k, eps
+    pes = per_expert_scale.contiguous()
+    args = RouteArgs(
+        **addresses(x=x, scale=scale.contiguous(), projt=projt, pes=pes, weights=weights, ids=ids),
+        hidden=size,
+        experts=experts,
+        ep=projt.shape[1],
+        top_k=top_k,
+        eps=eps,
+    )
     split_rows("step", lib.canvas_route, args, rows, norm_min_rows(size))
     return weights.view(*hidden.shape[:-1], top_k), ids.view(*hidden.shape[:-1], top_k)
 

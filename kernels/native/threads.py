@@ -38,6 +38,11 @@ def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def addresses(**tensors: torch.Tensor | None) -> dict[str, int | None]:
+    """Argument-struct fields by name: each tensor's data address (None: NULL)."""
+    return {name: ptr(t) for name, t in tensors.items()}
+
+
 def norm_rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
@@ -54,15 +59,15 @@ def split_rows(
     torch's team (`on_torch_team(name)`), else `over_rows`' ranges on Python threads, each
     with its own copy of `args` (its `begin`, `end` and `threads` = 1)."""
     if on_torch_team(name):
-        args.begin, args.end = 0, num_rows  # type: ignore[attr-defined]
+        args.begin, args.end = 0, num_rows
         team = threads(num_rows, min_rows) if num_rows >= 2 * min_rows else 1
-        args.threads = team  # type: ignore[attr-defined]
+        args.threads = team
         fn(ctypes.byref(args))
         return
 
     def run(begin: int, end: int) -> None:
         part = type(args).from_buffer_copy(args)
-        part.begin, part.end, part.threads = begin, end, 1  # type: ignore[attr-defined]
+        part.begin, part.end, part.threads = begin, end, 1
         fn(ctypes.byref(part))
 
     over_rows(run, num_rows, min_rows)
