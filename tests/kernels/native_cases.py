@@ -1,7 +1,7 @@
 """What the engine-level kernel tests share: the forwards they compare between kernel sets
-(`forwards`, within `TOL`), and the native kernels' module mark (`NATIVE`: skipped without a C
-compiler, each test on a fresh library cache: the `fresh_native_library` fixture of
-tests/kernels/conftest.py)."""
+(`forwards`, within `TOL`, run through the e2e tests' `Sequences`), and the native kernels'
+module mark (`NATIVE`: skipped without a C compiler, each test on a fresh library cache: the
+`fresh_native_library` fixture of tests/kernels/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch
 
 from engine.model import Mode
 from tests.e2e.test_forward_parity import Sequences
+
+__all__ = ["NATIVE", "TOL", "Sequences", "forwards"]
 
 TOL = 1e-4
 

@@ -149,7 +149,7 @@ def test_a_forward_on_the_fused_projections_has_the_unfused_bits(tiny_checkpoint
     from dataclasses import replace
 
     from engine.model import Mode, load_model
-    from tests.e2e.test_forward_parity import Sequences
+    from tests.kernels.native_cases import Sequences
 
     _lanes()
     path = tiny_checkpoint("c16")
