@@ -1,6 +1,7 @@
 """Kernel backends by name. A backend is a small class: where it runs, the module of kernels
 it starts from (named as their twins in `kernels.reference`) and what it changes per numerics.
-`TwinsBackend` is the base; `NativeBackend` and `TritonBackend` change only what differs. On
+`TwinsBackend` is the base (of the `Backend` protocol); `NativeBackend` and `TritonBackend`
+change only what differs. On
 top of every backend the same exact-numerics override applies (`EXACT`), and
 `KernelSet.with_custom_ops` wraps any fast set as custom ops. A new backend is one class and
 one `register` call."""
@@ -11,7 +12,7 @@ import functools
 import importlib
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import kernels.reference as reference
 import kernels.support as support
@@ -52,6 +53,18 @@ def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+class Backend(Protocol):
+    """What `resolve_kernels` asks of a registered backend."""
+
+    name: str
+
+    def refusal(self, device_type: str, exact: bool) -> str | None: ...
+
+    def auto(self, device_type: str, exact: bool) -> bool: ...
+
+    def kernels(self, exact: bool) -> KernelSet: ...
+
+
 class TwinsBackend:
     """The PyTorch twins (`kernels.reference`), on every device: the base of every backend."""
 
@@ -83,13 +96,15 @@ class TwinsBackend:
         return {"canvas_attention": reference.canvas_attention_rowwise}
 
     def prepare(self) -> Callable[[KernelSet], KernelSet] | None:
-        """Made once per model when a set is bound onto it (`KernelSet.for_model`)."""
+        """What turns a fast set into one model's (`KernelSet.for_model`, once per model at
+        bind: the backend's per-model state); None: the set as it is."""
         return None
 
     def kernels(self, exact: bool) -> KernelSet:
+        """The set: `ops`' kernels, then fast numerics' changes or the exact override."""
         ops = self.ops()
         chosen = {name: getattr(ops, name) for name in REQUIRED}
-        chosen |= EXACT | self.exact(ops) if exact else self.fast(ops)
+        chosen |= (EXACT | self.exact(ops)) if exact else self.fast(ops)
         prepare = None if exact else self.prepare()
         return KernelSet(backend=self.name, exact=exact, prepare=prepare, **chosen)
 
@@ -164,10 +179,11 @@ class TritonBackend(TwinsBackend):
         return {}  # Triton's router, experts and attention are batch invariant by construction
 
 
-REGISTRY: dict[str, TwinsBackend] = {}
+REGISTRY: dict[str, Backend] = {}
+B = TypeVar("B", bound=Backend)
 
 
-def register(backend: TwinsBackend) -> TwinsBackend:
+def register(backend: B) -> B:
     """Add `backend` under its name (`resolve_kernels(..., backend.name)` then binds it)."""
     REGISTRY[backend.name] = backend
     return backend

@@ -48,8 +48,8 @@ class KernelSet:
     # Several projections of one input (attention's q, k, v) in one call
     # (`kernels.native.moe.linear_many`); None: `linear` for each.
     linear_many: Callable[..., list[torch.Tensor]] | None = None
-    # The set one model binds, made once when it is bound (`for_model`): the native backend's
-    # kernels with that model's packed weights. None: this set as it is.
+    # What makes the set one model binds, once, when it is bound (`for_model`): the native
+    # backend's kernels given a store for that model's packed weights. None: this set as it is.
     prepare: Callable[[KernelSet], KernelSet] | None = None
 
     @property

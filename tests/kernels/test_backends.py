@@ -31,7 +31,7 @@ class CountingBackend(TwinsBackend):
 
 
 @pytest.fixture
-def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, TwinsBackend]:
+def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, backends.Backend]:
     """A copy of the registry for this test (what it registers goes with it)."""
     copy = dict(backends.REGISTRY)
     monkeypatch.setattr(backends, "REGISTRY", copy)
