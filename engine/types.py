@@ -257,7 +257,7 @@ class EngineLimits:
     max_inflight: int
     max_fit_positions: int
     numerics: str = "fast"  # "fast" | "exact"
-    kernels: str = "twins"  # "triton" | "twins"
+    kernels: str = "twins"  # the bound backend's name: "twins" | "native" | "triton" | ...
     prefix_caching: bool = False  # complete prefix pages are reused across requests
 
     def __post_init__(self) -> None:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import reference, triton_available
+import kernels.reference as reference
+from kernels.support import triton_available
 
 
 def cuda_impl(module: str, name: str) -> object:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kernels import reference
+import kernels.reference as reference
 from kernels.op_support import cuda_impl, fake
 from kernels.reference import PagedRows
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kernels import reference
+import kernels.reference as reference
 from kernels.op_support import cuda_impl, fake
 
 

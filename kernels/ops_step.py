@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kernels import reference
+import kernels.reference as reference
 from kernels.op_support import cuda_impl, fake, fake_sample
 from kernels.reference import SampleResult
 

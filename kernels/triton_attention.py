@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import dot_precision, expect, interpreting
 from kernels.reference import PagedRows
+from kernels.support import dot_precision, expect, interpreting
 
 _LOG2E = 1.4426950408889634
 

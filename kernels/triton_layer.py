@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import expect, interpreting
+from kernels.support import expect, interpreting
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _GATED = {"gelu_pytorch_tanh": 0, "silu": 1}

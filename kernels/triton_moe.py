@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import dot_precision, expect, interpreting
 from kernels.reference import ALIGN_CHUNK, align_capacity
+from kernels.support import dot_precision, expect, interpreting
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import expect, interpreting
 from kernels.reference import SampleResult
 from kernels.reference_sampler import PROBS_CHUNK_BYTES
+from kernels.support import expect, interpreting
 
 
 @triton.jit

@@ -65,7 +65,10 @@ class DiffusionLM(nn.Module):
 
     def bind_kernels(self, kernels: KernelSet) -> None:
         """Bind a kernel set (numerics and backend) onto every module that calls kernels: the
-        one choice, made at load (gpt-fast style); nothing is looked up per call."""
+        one choice, made at load (gpt-fast style); nothing is looked up per call. The modules
+        share one `kernels.for_model()`, made here: the backend's state for this model (the
+        native kernels' store of packed weights, each packed once), gone with the model."""
+        kernels = kernels.for_model()
         for module in self.modules():
             if isinstance(module, Attention):
                 module.bind(kernels)

@@ -157,7 +157,7 @@ def load_model(
     adapter: str | Path | bool = True,
 ) -> DiffusionLM:
     """Build the Canvas model from a checkpoint directory, with its kernel set bound: `exact`
-    numerics or fast ones, on the `kernels` backend ("auto" | "triton" | "twins"), on `device`
+    numerics or fast ones, on the `kernels` backend (`kernels.BACKENDS`), on `device`
     ("auto": cuda when available). `adapter`: a decoder adapter directory to attach
     (`engine.model.adapter`); True: the checkpoint's own `adapter/` when it has one; False:
     none."""

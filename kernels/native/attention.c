@@ -1,5 +1,6 @@
 /* Canvas attention on the CPU over the paged KV cache: the fast-numerics twin of
- * `kernels.reference.canvas_attention` (bound from `kernels.native_attention`).
+ * `kernels.reference.canvas_attention` (bound from `kernels.native.attention`; one argument
+ * struct, `AttentionArgs`, declared field for field in `kernels.native.args`).
  *
  * The twin gathers every row's prefix keys from their pages into a padded [R, Hkv, S, D]
  * tensor, concatenates the new keys, builds a boolean mask and calls SDPA; at small canvas
@@ -208,25 +209,32 @@ int64_t canvas_attention_lanes(void) { return MOE_V; }
 
 CANVAS_DEFINE_OPENMP(canvas_attention_openmp)
 
-/* Items [item_begin, item_end) of `items` ([num_items, 3]: row, KV head, first query), on
+/* Items [begin, end) of `items` ([num_items, 3]: row, KV head, first query), on
  * `threads` threads of the calling thread's OpenMP team (one item at a time each, the next
  * free thread taking the next: items differ in size), thread t with scratch
  * [t * per_thread, (t + 1) * per_thread); without OpenMP one by one on scratch 0. */
-void canvas_attention(const float *q, const float *k, const float *v, const float *k_pool,
-                      const float *v_pool, const int32_t *start, const int32_t *offset,
-                      const int32_t *count, const int32_t *decode, const int32_t *page_table,
-                      const int64_t *items, float *out, float *scratch, int64_t max_pages,
-                      int64_t hq, int64_t hkv, int64_t d, int64_t size, int64_t window,
-                      int64_t qblock, float scale, int64_t lmax, int64_t item_begin,
-                      int64_t item_end, int64_t threads) {
-    const Attn a = {q,      k,      v,          k_pool, v_pool, start, offset, count, decode,
-                    page_table, out, max_pages, hq,     hkv,    d,     size,   window, qblock,
-                    scale};
-    const int64_t per_thread = lmax * (2 * d + (hq / hkv) * qblock);
+typedef struct {
+    const float *q, *k, *v, *k_pool, *v_pool;
+    const int32_t *start, *offset, *count, *decode, *page_table;
+    const int64_t *items;
+    float *out, *scratch;
+    int64_t max_pages, hq, hkv, d, size, window, qblock;
+    float scale;
+    int64_t lmax, begin, end, threads; /* items [begin, end) */
+} AttentionArgs;
+
+void canvas_attention(const AttentionArgs *p) {
+    const Attn a = {p->q,        p->k,   p->v,         p->k_pool, p->v_pool, p->start,
+                    p->offset,   p->count, p->decode,  p->page_table, p->out, p->max_pages,
+                    p->hq,       p->hkv, p->d,         p->size,   p->window, p->qblock,
+                    p->scale};
+    const int64_t threads = p->threads, lmax = p->lmax, *items = p->items;
+    const int64_t per_thread = lmax * (2 * p->d + (p->hq / p->hkv) * p->qblock);
+    float *scratch = p->scratch;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
 #endif
-    for (int64_t i = item_begin; i < item_end; ++i)
+    for (int64_t i = p->begin; i < p->end; ++i)
         attend(&a, items[3 * i], items[3 * i + 1], items[3 * i + 2],
                scratch + (threads > 1 ? CANVAS_THREAD() : 0) * per_thread, lmax);
 }

@@ -8,7 +8,10 @@
  * for slot k. The caller sums the slots. Every dot product runs in a fixed order (vector lanes,
  * then the lanes in order, then the scalar tail), so the values never depend on the batch; they
  * differ from the twin's (BLAS's order, ATen's GELU) in the last bits. Memory-bound: each
- * expert's weights are read once. fp32, contiguous. GCC/Clang vector extensions, no OpenMP.
+ * expert's weights are read once. fp32, contiguous. GCC/Clang vector extensions.
+ *
+ * Every exported kernel takes one argument struct (`kernels.native.args` declares the same
+ * fields in the same order); those over rows take [begin, end) and `threads` (parallel.h).
  */
 #include <math.h>
 #include <stdint.h>
@@ -49,10 +52,18 @@ static inline float gelu_tanh(float x) {
 
 /* Slots [slot_begin, slot_end) of one token: out[k * h ..] = weights[k] * expert_{ids[k]}(x).
  * scratch: [num_slots, inter] floats (the GeGLU products). */
-void canvas_moe_token(const float *x, const float *gate_up, const float *down,
-                      const float *weights, const int64_t *ids, float *out, float *scratch,
-                      int64_t slot_begin, int64_t slot_end, int64_t h, int64_t inter) {
-    for (int64_t k = slot_begin; k < slot_end; ++k) {
+typedef struct {
+    const float *x, *gate_up, *down, *weights;
+    const int64_t *ids;
+    float *out, *scratch;
+    int64_t begin, end, h, inter; /* slots [begin, end) */
+} MoeTokenArgs;
+
+void canvas_moe_token(const MoeTokenArgs *a) {
+    const float *x = a->x, *gate_up = a->gate_up, *down = a->down, *weights = a->weights;
+    const int64_t *ids = a->ids, h = a->h, inter = a->inter;
+    float *out = a->out, *scratch = a->scratch;
+    for (int64_t k = a->begin; k < a->end; ++k) {
         const float *gu = gate_up + ids[k] * 2 * inter * h;
         const float *dn = down + ids[k] * h * inter;
         float *act = scratch + k * inter;
@@ -69,7 +80,7 @@ void canvas_moe_token(const float *x, const float *gate_up, const float *down,
 
 /* ---- Many tokens: the experts' FFNs as register-tiled matrix products -------------------------
  *
- * `canvas_moe_rows` runs rows [row_begin, row_end) of the token-expert pairs sorted by expert
+ * `canvas_moe_rows` runs rows [begin, end) of the token-expert pairs sorted by expert
  * (`pairs`: pair index token * top_k + slot of each sorted row; `ends`: each expert's end row).
  * A tile is up to MR rows of one expert: its tokens' hidden rows are read in place (no gather),
  * gate and up for V columns each come out of one pass over H (accumulators in registers), the
@@ -78,7 +89,7 @@ void canvas_moe_token(const float *x, const float *gate_up, const float *down,
  * rows write the same place, so threads split the rows freely; the caller sums each token's
  * top_k rows (a fixed order: the values never depend on the batch's other tokens).
  *
- * Weights come pre-packed (`kernels.native_cpu.pack_experts`), so every load is one vector:
+ * Weights come pre-packed (`kernels.native.moe.pack_experts`), so every load is one vector:
  *   gup [E, inter / V, H, 2V]: for column block j and input k, the V gate then the V up weights;
  *   dnp [E, H / 2V, inter, 2V]: for output block c and input k, 2V down weights.
  * Each tile re-reads its expert's packed weights, which the caller keeps to experts that fit
@@ -113,7 +124,7 @@ static void moe_down(const float *act, const float *dnp, int64_t h, int64_t inte
 
 int64_t canvas_moe_lanes(void) { return MOE_V; }
 
-void canvas_moe_rows(const float *x, const float *gup, const float *dnp, const float *weights,
+static void moe_rows(const float *x, const float *gup, const float *dnp, const float *weights,
                      const int64_t *pairs, const int64_t *ends, float *ybuf, float *act,
                      int64_t num_experts, int64_t top_k, int64_t h, int64_t inter,
                      int64_t row_begin, int64_t row_end) {
@@ -136,21 +147,39 @@ void canvas_moe_rows(const float *x, const float *gup, const float *dnp, const f
  * (act: [threads, MOE_MR, inter]). */
 CANVAS_DEFINE_OPENMP(canvas_moe_openmp)
 
-void canvas_moe_rows_parallel(const float *x, const float *gup, const float *dnp,
-                              const float *weights, const int64_t *pairs, const int64_t *ends,
-                              float *ybuf, float *act, int64_t num_experts, int64_t top_k,
-                              int64_t h, int64_t inter, int64_t num_rows, int64_t threads) {
-    PARALLEL_ROWS(threads, 0, num_rows,
-                  canvas_moe_rows(x, gup, dnp, weights, pairs, ends, ybuf,
-                                  act + t * MOE_MR * inter,
-                                  num_experts, top_k, h, inter, b, e));
+/* The sorted rows [begin, end): `canvas_moe_rows` on the calling thread (act: [MOE_MR, inter]),
+ * `canvas_moe_rows_parallel` on `threads` threads of its OpenMP team (act: one such tile per
+ * thread). */
+typedef struct {
+    const float *x, *gup, *dnp, *weights;
+    const int64_t *pairs, *ends;
+    float *ybuf, *act;
+    int64_t num_experts, top_k, h, inter, begin, end, threads;
+} MoeRowsArgs;
+
+void canvas_moe_rows(const MoeRowsArgs *a) {
+    moe_rows(a->x, a->gup, a->dnp, a->weights, a->pairs, a->ends, a->ybuf, a->act,
+             a->num_experts, a->top_k, a->h, a->inter, a->begin, a->end);
+}
+void canvas_moe_rows_parallel(const MoeRowsArgs *a) {
+    PARALLEL_ROWS(a->threads, a->begin, a->end,
+                  moe_rows(a->x, a->gup, a->dnp, a->weights, a->pairs, a->ends, a->ybuf,
+                           a->act + t * MOE_MR * a->inter,
+                           a->num_experts, a->top_k, a->h, a->inter, b, e));
 }
 
 /* The pairs (token * top_k + slot) of ids [num_pairs] sorted by expert, each expert's in pair
  * order (a counting sort), and each expert's end row. Returns 0, or -1 when an id is not an
  * expert (nothing written then). */
-int64_t canvas_moe_sort(const int64_t *ids, int64_t num_pairs, int64_t num_experts,
-                        int64_t *pairs, int64_t *ends) {
+typedef struct {
+    const int64_t *ids;
+    int64_t num_pairs, num_experts;
+    int64_t *pairs, *ends;
+} MoeSortArgs;
+
+int64_t canvas_moe_sort(const MoeSortArgs *a) {
+    const int64_t *ids = a->ids, num_pairs = a->num_pairs, num_experts = a->num_experts;
+    int64_t *pairs = a->pairs, *ends = a->ends;
     for (int64_t p = 0; p < num_pairs; ++p)
         if (ids[p] < 0 || ids[p] >= num_experts) return -1;
     memset(ends, 0, sizeof(int64_t) * num_experts);
@@ -173,12 +202,17 @@ static void moe_sum(const float *ybuf, float *out, int64_t top_k, int64_t h, int
         }
 }
 
-void canvas_moe_sum(const float *ybuf, float *out, int64_t top_k, int64_t h, int64_t begin,
-                    int64_t end, int64_t threads) {
-    PARALLEL_ROWS(threads, begin, end, moe_sum(ybuf, out, top_k, h, b, e));
+typedef struct {
+    const float *ybuf;
+    float *out;
+    int64_t top_k, h, begin, end, threads;
+} MoeSumArgs;
+
+void canvas_moe_sum(const MoeSumArgs *a) {
+    PARALLEL_ROWS(a->threads, a->begin, a->end, moe_sum(a->ybuf, a->out, a->top_k, a->h, b, e));
 }
 
-/* ---- Dense projections on packed weights (`kernels.native_moe.linear`, `linear_many`) --------
+/* ---- Dense projections on packed weights (`kernels.native.moe.linear`, `linear_many`) --------
  *
  * out[M, N] = x[M, K] @ w^T for rows [row_begin, row_end), w packed as [N / 2V, K, 2V] (for
  * output block c and input k, 2V weights): the same register tile as the experts' down
@@ -216,23 +250,34 @@ static void linear_rows(const float *x, const float *wp, float *const out[3], co
     }
 }
 
-void canvas_linear(const float *x, const float *wp, float *out, int64_t k_dim, int64_t n,
-                   int64_t row_begin, int64_t row_end, int64_t threads) {
-    float *const outs[3] = {out, NULL, NULL};
-    const int64_t n_of[3] = {n, 0, 0};
-    PARALLEL_ROWS(threads, row_begin, row_end, linear_rows(x, wp, outs, n_of, k_dim, n, b, e));
+typedef struct {
+    const float *x, *wp;
+    float *out;
+    int64_t k_dim, n, begin, end, threads;
+} LinearArgs;
+
+void canvas_linear(const LinearArgs *a) {
+    float *const outs[3] = {a->out, NULL, NULL};
+    const int64_t n_of[3] = {a->n, 0, 0};
+    PARALLEL_ROWS(a->threads, a->begin, a->end,
+                  linear_rows(a->x, a->wp, outs, n_of, a->k_dim, a->n, b, e));
 }
 
 /* n0 and n1 multiples of 2V; out2 gets n - n0 - n1 columns (NULL when none). */
-void canvas_linear_split(const float *x, const float *wp, float *out0, float *out1, float *out2,
-                         int64_t n0, int64_t n1, int64_t k_dim, int64_t n, int64_t row_begin,
-                         int64_t row_end, int64_t threads) {
-    float *const outs[3] = {out0, out1, out2};
-    const int64_t n_of[3] = {n0, n1, n - n0 - n1};
-    PARALLEL_ROWS(threads, row_begin, row_end, linear_rows(x, wp, outs, n_of, k_dim, n, b, e));
+typedef struct {
+    const float *x, *wp;
+    float *out0, *out1, *out2;
+    int64_t n0, n1, k_dim, n, begin, end, threads;
+} LinearSplitArgs;
+
+void canvas_linear_split(const LinearSplitArgs *a) {
+    float *const outs[3] = {a->out0, a->out1, a->out2};
+    const int64_t n_of[3] = {a->n0, a->n1, a->n - a->n0 - a->n1};
+    PARALLEL_ROWS(a->threads, a->begin, a->end,
+                  linear_rows(a->x, a->wp, outs, n_of, a->k_dim, a->n, b, e));
 }
 
-/* ---- A gated MLP's gate and up projections with its GeGLU (`kernels.native_moe.gated_linear`)
+/* ---- A gated MLP's gate and up projections with its GeGLU (`kernels.native.moe.gated_linear`)
  *
  * out[M, I] = gelu_tanh(x @ gate^T) * (x @ up^T) for rows [row_begin, row_end), the two weights
  * packed as one expert's gup ([I / V, K, 2V]: for column block j and input k, V gate then V up
@@ -252,7 +297,13 @@ static void gated_rows(const float *x, const float *gup, float *out, int64_t k_d
     }
 }
 
-void canvas_gated_linear(const float *x, const float *gup, float *out, int64_t k_dim,
-                         int64_t inter, int64_t row_begin, int64_t row_end, int64_t threads) {
-    PARALLEL_ROWS(threads, row_begin, row_end, gated_rows(x, gup, out, k_dim, inter, b, e));
+typedef struct {
+    const float *x, *gup;
+    float *out;
+    int64_t k_dim, inter, begin, end, threads;
+} GatedLinearArgs;
+
+void canvas_gated_linear(const GatedLinearArgs *a) {
+    PARALLEL_ROWS(a->threads, a->begin, a->end,
+                  gated_rows(a->x, a->gup, a->out, a->k_dim, a->inter, b, e));
 }

@@ -8,8 +8,9 @@
  * rounds it ((x * inv) * w). Every sum runs in a fixed order (vector lanes, then the lanes in
  * order, then the scalar tail), so a row's value never depends on its batch; the values differ
  * from the twins' in the last bits (their sums run in ATen's order). fp32, contiguous rows.
- * GCC/Clang vector extensions, no OpenMP: the Python side (kernels/native_cpu.py) splits the
- * rows among threads.
+ * GCC/Clang vector extensions; the rows split among threads as `parallel.h` says (on torch's
+ * OpenMP team where built with OpenMP, else in ranges the Python side hands to its threads:
+ * `kernels.native.threads.split_rows`).
  */
 #include <math.h>
 #include <stdint.h>
@@ -60,27 +61,45 @@ static void close_layer_rows(const float *dense, const float *moe, const float *
     }
 }
 
-/* The exported kernels: rows [row_begin, row_end) on `threads` threads (parallel.h). */
+/* The exported kernels: rows [begin, end) on `threads` threads (parallel.h). */
 CANVAS_DEFINE_OPENMP(canvas_norms_openmp)
 
-void canvas_rms_norm(const float *x, const float *w, const float *residual, float *out,
-                     int64_t row_begin, int64_t row_end, int64_t h, float eps,
-                     int64_t threads) {
-    PARALLEL_ROWS(threads, row_begin, row_end, rms_norm_rows(x, w, residual, out, b, e, h, eps));
-}
+/* Each call's arguments, one struct (`kernels.native.args`: the same fields in the same order). */
+typedef struct {
+    const float *x, *w, *residual; /* residual NULL: rms_norm, else add_rms_norm */
+    float *out;
+    int64_t begin, end, h;
+    float eps;
+    int64_t threads;
+} NormArgs;
 
-void canvas_rms_norm_pair(const float *x, const float *wa, const float *wb, float *out_a,
-                          float *out_b, int64_t row_begin, int64_t row_end, int64_t h,
-                          float eps, int64_t threads) {
-    PARALLEL_ROWS(threads, row_begin, row_end,
-                  rms_norm_pair_rows(x, wa, wb, out_a, out_b, b, e, h, eps));
-}
+typedef struct {
+    const float *x, *wa, *wb;
+    float *out_a, *out_b;
+    int64_t begin, end, h;
+    float eps;
+    int64_t threads;
+} NormPairArgs;
 
-void canvas_close_layer(const float *dense, const float *moe, const float *residual,
-                        const float *wd, const float *wm, const float *w, const float *scale,
-                        int64_t scale_per_row, float *out, int64_t row_begin, int64_t row_end,
-                        int64_t h, float eps, int64_t threads) {
-    PARALLEL_ROWS(threads, row_begin, row_end,
-                  close_layer_rows(dense, moe, residual, wd, wm, w, scale, scale_per_row, out,
-                                   b, e, h, eps));
+typedef struct {
+    const float *dense, *moe, *residual, *wd, *wm, *w, *scale;
+    int64_t scale_per_row;
+    float *out;
+    int64_t begin, end, h;
+    float eps;
+    int64_t threads;
+} CloseLayerArgs;
+
+void canvas_rms_norm(const NormArgs *a) {
+    PARALLEL_ROWS(a->threads, a->begin, a->end,
+                  rms_norm_rows(a->x, a->w, a->residual, a->out, b, e, a->h, a->eps));
+}
+void canvas_rms_norm_pair(const NormPairArgs *a) {
+    PARALLEL_ROWS(a->threads, a->begin, a->end,
+                  rms_norm_pair_rows(a->x, a->wa, a->wb, a->out_a, a->out_b, b, e, a->h, a->eps));
+}
+void canvas_close_layer(const CloseLayerArgs *a) {
+    PARALLEL_ROWS(a->threads, a->begin, a->end,
+                  close_layer_rows(a->dense, a->moe, a->residual, a->wd, a->wm, a->w, a->scale,
+                                   a->scale_per_row, a->out, b, e, a->h, a->eps));
 }

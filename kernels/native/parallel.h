@@ -4,8 +4,8 @@
  * and other tenants share these cores) no longer holds the other at the region's end with half
  * the rows (static halves were 1.04x slower with a third of a core taken by another process:
  * `bench-tiny`, 16 x 64 tokens, paired runs; even on an idle machine). Built with -fopenmp
- * (kernels/native_cpu.py builds every library so where the compiler can), the ranges run on the calling thread's OpenMP team, which is torch's: this library
- * shares torch's libgomp (the same soname, loaded first), so the work goes to torch's own
+ * (`kernels.native.build` builds every library so where the compiler can), the ranges run on
+ * the calling thread's OpenMP team, which is torch's: this library shares torch's libgomp (the same soname, loaded first), so the work goes to torch's own
  * workers, which spin briefly after each of torch's parallel regions and would otherwise hold
  * the other cores against any thread of ours. Without OpenMP the ranges run one by one. */
 #ifndef CANVAS_PARALLEL_H
@@ -14,7 +14,8 @@
 
 #ifdef _OPENMP
 #include <omp.h>
-#define CANVAS_OMP_FOR(threads) _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if(threads > 1)")
+#define CANVAS_PRAGMA(text) _Pragma(#text)
+#define CANVAS_OMP_FOR(n) CANVAS_PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(n) if(n > 1))
 #define CANVAS_THREAD() omp_get_thread_num()
 #else
 #define CANVAS_OMP_FOR(threads)

@@ -11,11 +11,13 @@
  * row's request), probabilities 0 and sample = argmax.
  *
  * C with GCC/Clang vector extensions (W = 8 lanes: AVX2 or AVX-512 under -march=native, two
- * SSE registers otherwise), no OpenMP (torch's own OpenMP runtime stays the only one in the
- * process): the Python side splits the rows among threads and calls this without the GIL.
+ * SSE registers otherwise). The rows split among threads as `parallel.h` says: built with
+ * -fopenmp (where the compiler has it), on torch's own OpenMP team, so torch's runtime stays
+ * the only one in the process; without OpenMP, in ranges the Python side hands to its own
+ * threads, which call this without the GIL (`kernels.native.threads.split_rows`).
  * Every sum runs in a fixed order (vector lanes, then lanes in order, then the scalar tail),
  * so a row's results never depend on where it sits in memory, i.e. on its batch. Built with
- * the system compiler at first use (kernels/native_cpu.py); `exp` is a Cephes-style
+ * the system compiler at first use (`kernels.native.build`); `exp` is a Cephes-style
  * polynomial (~1 ulp), so values differ from the twin's in the last bits.
  */
 #include <math.h>
@@ -213,14 +215,23 @@ static void sample_rows(const float *logits, int64_t vocab, const float *tempera
     }
 }
 
-/* Rows [row_begin, row_end) on `threads` threads (parallel.h). */
+/* Rows [begin, end) on `threads` threads (parallel.h). */
 CANVAS_DEFINE_OPENMP(canvas_sampler_openmp)
 
-void canvas_sample_rows(const float *logits, int64_t vocab, const float *temperature,
-                        const float *uniform, int64_t row_begin, int64_t row_end, float *probs,
-                        int64_t *sample, int64_t *argmax, float *entropy, float *lse,
-                        int64_t threads) {
-    PARALLEL_ROWS(threads, row_begin, row_end,
-                  sample_rows(logits, vocab, temperature, uniform, b, e, probs, sample, argmax,
-                              entropy, lse));
+/* The call's arguments, one struct (`kernels.native.args`: the same fields in the same
+ * order). */
+typedef struct {
+    const float *logits;
+    int64_t vocab;
+    const float *temperature, *uniform;
+    float *probs;
+    int64_t *sample, *argmax;
+    float *entropy, *lse;
+    int64_t begin, end, threads;
+} SampleArgs;
+
+void canvas_sample_rows(const SampleArgs *a) {
+    PARALLEL_ROWS(a->threads, a->begin, a->end,
+                  sample_rows(a->logits, a->vocab, a->temperature, a->uniform, b, e, a->probs,
+                              a->sample, a->argmax, a->entropy, a->lse));
 }

@@ -2,7 +2,7 @@
  * `kernels.reference.qkv_norm_rope` (attention's per-head RMS norms and RoPE),
  * `kernels.reference.route_experts` (the router: norm, scores, top-k, softmax over the chosen),
  * `kernels.reference_layer.gated_act` (GeGLU) and `kernels.reference.philox_uniform` (the
- * sampler's counter-based random numbers, bit for bit), bound from `kernels.native_step`.
+ * sampler's counter-based random numbers, bit for bit), bound from `kernels.native.step`.
  *
  * The twins are ATen sequences of 5 to 16 passes over [tokens, heads, dim] or [tokens, hidden]
  * (norm, two half-width products per RoPE half, topk, softmax, gathers); at a small model's
@@ -111,35 +111,61 @@ CANVAS_DEFINE_OPENMP(canvas_step_openmp)
 
 int64_t canvas_step_lanes(void) { return MOE_V; }
 
-void canvas_qkv_norm_rope(const float *q, const float *k, const float *v, const float *qw,
-                          const float *kw, const float *cos, const float *sin, float *qo,
-                          float *ko, float *vo, int64_t hq, int64_t hkv, int64_t d, float eps,
-                          int64_t row_begin, int64_t row_end, int64_t threads) {
-    PARALLEL_ROWS(threads, row_begin, row_end,
-                  qkv_rows(q, k, v, qw, kw, cos, sin, qo, ko, vo, hq, hkv, d, eps, b, e));
-}
+/* Each kernel's arguments, one struct (`kernels.native.args`: the same fields in the same
+ * order); tokens (GeGLU: elements) [begin, end) on `threads` threads (parallel.h). */
+typedef struct {
+    const float *q, *k, *v, *qw, *kw, *cos, *sin;
+    float *qo, *ko, *vo;
+    int64_t hq, hkv, d;
+    float eps;
+    int64_t begin, end, threads;
+} QkvArgs;
 
-void canvas_route(const float *x, const float *scale, const float *projt, const float *pes,
-                  float *weights, int64_t *ids, int64_t hidden, int64_t experts, int64_t ep,
-                  int64_t top_k, float eps, int64_t row_begin, int64_t row_end, int64_t threads) {
-    PARALLEL_ROWS(threads, row_begin, row_end,
-                  route_rows(x, scale, projt, pes, weights, ids, hidden, experts, ep, top_k, eps,
-                             b, e));
-}
+typedef struct {
+    const float *x, *scale, *projt, *pes;
+    float *weights;
+    int64_t *ids;
+    int64_t hidden, experts, ep, top_k;
+    float eps;
+    int64_t begin, end, threads;
+} RouteArgs;
 
+typedef struct {
+    const float *gate, *up;
+    float *out;
+    int64_t begin, end, threads;
+} GegluArgs;
+
+typedef struct {
+    const int64_t *seeds, *counters;
+    float *out;
+    int64_t n;
+} PhiloxArgs;
+
+void canvas_qkv_norm_rope(const QkvArgs *a) {
+    PARALLEL_ROWS(a->threads, a->begin, a->end,
+                  qkv_rows(a->q, a->k, a->v, a->qw, a->kw, a->cos, a->sin, a->qo, a->ko, a->vo,
+                           a->hq, a->hkv, a->d, a->eps, b, e));
+}
+void canvas_route(const RouteArgs *a) {
+    PARALLEL_ROWS(a->threads, a->begin, a->end,
+                  route_rows(a->x, a->scale, a->projt, a->pes, a->weights, a->ids, a->hidden,
+                             a->experts, a->ep, a->top_k, a->eps, b, e));
+}
 /* Elements [begin, end), split in whole vectors (the values do not depend on the split). */
-void canvas_geglu(const float *gate, const float *up, float *out, int64_t begin, int64_t end,
-                  int64_t threads) {
-    PARALLEL_ROWS(threads, begin / MOE_V, (end + MOE_V - 1) / MOE_V,
-                  geglu_range(gate, up, out, b * MOE_V > begin ? b * MOE_V : begin,
+void canvas_geglu(const GegluArgs *a) {
+    const int64_t begin = a->begin, end = a->end;
+    PARALLEL_ROWS(a->threads, begin / MOE_V, (end + MOE_V - 1) / MOE_V,
+                  geglu_range(a->gate, a->up, a->out, b * MOE_V > begin ? b * MOE_V : begin,
                               e * MOE_V < end ? e * MOE_V : end));
 }
-
 /* `kernels.reference.philox_uniform` bit for bit: Philox4x32-10 keyed by each 64-bit seed on
  * each 64-bit counter (low word, high word, 0, 0), the first output word folded as Triton reads
  * it (int32; negatives as ~x) and scaled to [0, 1) in fp32. seeds and counters: [n] each
  * (broadcast by the caller). The twin is ~140 NumPy passes. */
-void canvas_philox_uniform(const int64_t *seeds, const int64_t *counters, float *out, int64_t n) {
+void canvas_philox_uniform(const PhiloxArgs *a) {
+    const int64_t *seeds = a->seeds, *counters = a->counters, n = a->n;
+    float *out = a->out;
     for (int64_t i = 0; i < n; ++i) {
         const uint64_t seed = (uint64_t)seeds[i], counter = (uint64_t)counters[i];
         uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);

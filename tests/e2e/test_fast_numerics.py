@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import kernels
-import kernels.native_attention
-import kernels.native_cpu
-import kernels.native_moe
+import kernels.native.attention
+import kernels.native.build
+import kernels.native.moe
 from engine import LLM, SamplingParams
 from engine.batched_sampler import (
     NOISE_STREAM,
@@ -103,14 +103,15 @@ def test_default_numerics_are_fast_and_exact_is_opt_in(tiny_checkpoint):
     path = tiny_checkpoint("c16")
     fast, exact = load_model(path), load_model(path, exact=True)
     assert not fast.kernels.exact  # one GEMM over all rows (the native tiles, else BLAS)
-    native = kernels.native_cpu.available()
-    want = kernels.native_moe.linear if native else kernels.reference.linear
-    assert fast.kernels.linear is want
+    native = kernels.native.build.available()
+    want = kernels.native.moe.linear if native else kernels.reference.linear
+    bound = fast.kernels.linear  # the native one with the model's packed weights
+    assert getattr(bound, "func", bound) is want
     assert exact.kernels.exact and exact.kernels.linear is kernels.reference.segment_linear
     attention = exact.layers[0].self_attn.kernels.canvas_attention
     assert attention is kernels.reference.canvas_attention_rowwise
     fast_attention = fast.layers[0].self_attn.kernels.canvas_attention
-    native_attention = kernels.native_attention.canvas_attention
+    native_attention = kernels.native.attention.canvas_attention
     assert fast_attention is (native_attention if native else kernels.reference.canvas_attention)
 
 

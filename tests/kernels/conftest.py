@@ -19,3 +19,16 @@ def device() -> torch.device:
     from kernels import interpreting
 
     return torch.device("cpu" if interpreting() else "cuda")
+
+
+@pytest.fixture
+def fresh_native_library(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory):
+    """The native kernels' tests (`native_cases.NATIVE`): each builds (or finds) the libraries
+    under a cache of this session's own, loaded afresh."""
+    from kernels.native import build
+
+    monkeypatch.setenv("CANVAS_CACHE", str(tmp_path_factory.getbasetemp() / "canvas-cache"))
+    monkeypatch.delenv("CANVAS_NATIVE", raising=False)
+    build.library.cache_clear()
+    yield
+    build.library.cache_clear()

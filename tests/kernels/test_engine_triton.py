@@ -13,30 +13,10 @@ import pytest
 import torch
 
 import kernels
-from engine.model import Mode, load_model
-from tests.e2e.test_forward_parity import Sequences
+from engine.model import load_model
+from tests.kernels.native_cases import TOL, forwards
 
 pytest.importorskip("triton")
-
-TOL = 1e-4
-
-
-def forwards(model) -> list[torch.Tensor]:
-    """A batched prefill of two prompts (one past the sliding window), a mixed forward (one
-    canvas, one commit), then both canvases. Returns each forward's output and the pools."""
-    cfg, length = model.cfg, model.config.canvas_length
-    gen = torch.Generator().manual_seed(11)
-    lens = [5, cfg.sliding_window + 7]
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lens]
-    canvas = torch.randint(0, cfg.vocab_size, (2, length), generator=gen)
-    seqs = Sequences(model, 2, max(lens) + 2 * length)
-    outs = [seqs.run([seqs.row(i, Mode.ENCODE, 0, lens[i]) for i in range(2)], torch.cat(prompts))]
-    mixed = [seqs.row(0, Mode.DECODE, lens[0], length), seqs.row(1, Mode.ENCODE, lens[1], length)]
-    outs.append(seqs.run(mixed, canvas.flatten()))
-    starts = [lens[0], lens[1] + length]
-    dec = [seqs.row(i, Mode.DECODE, starts[i], length) for i in range(2)]
-    outs.append(model.logits(seqs.run(dec, canvas.flatten())))
-    return outs + seqs.cache.keys + seqs.cache.values
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])

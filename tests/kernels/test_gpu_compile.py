@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import TRITON_MODULES
+from kernels.backends import TRITON_MODULES
 
 pytest.importorskip("triton")
 from loadtest.gpu.compile import SHARED_LIMITS, Compiled, problems  # noqa: E402

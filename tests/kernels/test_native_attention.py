@@ -1,4 +1,4 @@
-"""Native CPU canvas attention (`kernels.native_attention`, `native/attention.c`) against the
+"""Native CPU canvas attention (`kernels.native.attention`, `native/attention.c`) against the
 batched twin: every scenario of `test_attention` at head dims the C kernel takes, a row's bits
 in any batch, the split on torch's OpenMP team against our own threads, and the cases that
 keep the twin."""
@@ -10,7 +10,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels import native_attention, native_cpu, reference
+from kernels import reference
+from kernels.native import attention as native_attention
+from kernels.native import build
 from tests.kernels.attention_cases import SCENARIOS, Inputs, Scenario, make_inputs, run
 
 pytestmark = pytest.mark.skipif(
@@ -92,7 +94,7 @@ def test_a_rows_values_do_not_depend_on_its_batch():
 
 @torch.inference_mode()
 def test_torchs_team_and_our_threads_give_the_same_bits(monkeypatch):
-    if not native_cpu.on_torch_team("attention"):
+    if not build.on_torch_team("attention"):
         pytest.skip("the library is not on torch's OpenMP team here")
     sc = _bench_like(5, 128, True)
     x = make_inputs(sc, CPU)

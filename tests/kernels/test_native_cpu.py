@@ -5,34 +5,21 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import shutil
 
 import pytest
 import torch
 
 import kernels
-from kernels import (
-    native_attention,
-    native_cpu,
-    native_moe,
-    native_step,
-    reference,
-    reference_layer,
-)
+from kernels import reference, reference_layer
+from kernels.native import attention as native_attention
+from kernels.native import build, norms, sampler
+from kernels.native import moe as native_moe
+from kernels.native import step as native_step
+from kernels.native import threads as native_threads
+from kernels.native.packing import PackedWeights
+from tests.kernels.native_cases import NATIVE, TOL, forwards
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("cc") is None, reason="no C compiler on this machine (the twins stay bound)"
-)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_library(monkeypatch, tmp_path_factory):
-    """Each test builds (or finds) the library under a cache of this session's own."""
-    monkeypatch.setenv("CANVAS_CACHE", str(tmp_path_factory.getbasetemp() / "canvas-cache"))
-    monkeypatch.delenv("CANVAS_NATIVE", raising=False)
-    native_cpu.library.cache_clear()
-    yield
-    native_cpu.library.cache_clear()
+pytestmark = NATIVE
 
 
 def _inputs(num_positions: int, vocab: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -57,7 +44,7 @@ def _cdf_gap(logits, temperature, uniform, tokens) -> torch.Tensor:
 def test_matches_the_twin(num_positions, vocab):
     logits, temperature, uniform = _inputs(num_positions, vocab, seed=vocab)
     want = reference.fused_sample(logits, temperature, uniform)
-    got = native_cpu.fused_sample(logits, temperature, uniform)
+    got = sampler.fused_sample(logits, temperature, uniform)
     assert torch.equal(got.argmax, want.argmax)
     torch.testing.assert_close(got.lse, want.lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.entropy, want.entropy, rtol=1e-4, atol=1e-5)
@@ -71,22 +58,20 @@ def test_soft_embedding_matches_the_twin():
     logits, temperature, uniform = _inputs(48, 1000, seed=1)
     weight = torch.randn(1000, 64, generator=torch.Generator().manual_seed(2)) * 0.05
     want, want_soft = reference.sample_and_embed(logits, temperature, uniform, weight, 8.0)
-    got, got_soft = native_cpu.sample_and_embed(logits, temperature, uniform, weight, 8.0)
+    got, got_soft = sampler.sample_and_embed(logits, temperature, uniform, weight, 8.0)
     assert torch.equal(got.argmax, want.argmax)
     torch.testing.assert_close(got_soft, want_soft, rtol=1e-5, atol=1e-6)
     bf16 = weight.to(torch.bfloat16)
-    _, soft16 = native_cpu.sample_and_embed(logits, temperature, uniform, bf16, 8.0)
+    _, soft16 = sampler.sample_and_embed(logits, temperature, uniform, bf16, 8.0)
     assert soft16.dtype == torch.bfloat16
     torch.testing.assert_close(soft16.float(), want_soft, rtol=2e-2, atol=2e-2)
 
 
 def test_rows_do_not_depend_on_their_batch():
     logits, temperature, uniform = _inputs(40, 300, seed=3)
-    whole = native_cpu.fused_sample(logits, temperature, uniform)
+    whole = sampler.fused_sample(logits, temperature, uniform)
     for i in (0, 17, 39):
-        alone = native_cpu.fused_sample(
-            logits[i : i + 1], temperature[i : i + 1], uniform[i : i + 1]
-        )
+        alone = sampler.fused_sample(logits[i : i + 1], temperature[i : i + 1], uniform[i : i + 1])
         for field in ("sample", "argmax", "entropy", "lse"):
             assert torch.equal(getattr(alone, field)[0], getattr(whole, field)[i]), (i, field)
 
@@ -102,7 +87,7 @@ def test_non_finite_and_masked_rows():
     logits[4, 11] = 0.0  # one token carries all the mass
     logits[5, 20] = 1e4  # peaked by value
     uniform = torch.tensor([0.5, 0.5, 0.5, 0.999, 0.999, 0.0])
-    got = native_cpu.fused_sample(logits, torch.ones(6), uniform)
+    got = sampler.fused_sample(logits, torch.ones(6), uniform)
     want = reference.fused_sample(logits, torch.ones(6), uniform)
     assert torch.isnan(got.lse[:3]).all() and torch.isnan(want.lse[:3]).all()
     assert torch.isfinite(got.lse[3:]).all()
@@ -120,7 +105,7 @@ def test_draws_follow_the_distribution():
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5])
     logits = row.expand(num, -1).contiguous()
     uniform = torch.rand(num, generator=torch.Generator().manual_seed(4))
-    got = native_cpu.fused_sample(logits, torch.full((num,), 0.8), uniform)
+    got = sampler.fused_sample(logits, torch.full((num,), 0.8), uniform)
     expected = torch.softmax(row.double() / 0.8, -1) * num
     counts = torch.bincount(got.sample, minlength=8).double()
     chi2 = float(((counts - expected) ** 2 / expected).sum())
@@ -129,13 +114,13 @@ def test_draws_follow_the_distribution():
 
 def test_fast_cpu_kernels_bind_them_and_others_do_not():
     fast = kernels.resolve_kernels("cpu")
-    assert fast.native and fast.sample_and_embed is native_cpu.sample_and_embed
-    assert fast.close_layer is native_cpu.close_layer and fast.rms_norm is native_cpu.rms_norm
+    assert fast.native and fast.sample_and_embed is sampler.sample_and_embed
+    assert fast.close_layer is norms.close_layer and fast.rms_norm is norms.rms_norm
     assert fast.route_experts is native_step.route_experts
     assert fast.qkv_norm_rope is native_step.qkv_norm_rope
     assert fast.gated_act is native_step.gated_act
     assert fast.canvas_attention is native_attention.canvas_attention
-    assert "native CPU sampler, norms and experts" in fast.describe()
+    assert fast.backend == "native" and fast.describe() == "fast numerics, native kernels"
     assert not kernels.resolve_kernels("cpu", "twins").native
     assert not kernels.resolve_kernels("cpu", exact=True).native
     assert not fast.with_custom_ops().native
@@ -144,11 +129,14 @@ def test_fast_cpu_kernels_bind_them_and_others_do_not():
 def test_without_a_compiler_the_twins_stay(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CANVAS_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "canvas-no-such-compiler")
-    with caplog.at_level(logging.WARNING, logger="kernels.native_cpu"):
+    with caplog.at_level(logging.WARNING, logger="kernels.native.build"):
         ks = kernels.resolve_kernels("cpu")
     assert not ks.native and ks.sample_and_embed is reference.sample_and_embed
+    assert ks.backend == "twins"  # auto names what it bound
     assert "no C compiler" in caplog.text
-    native_cpu.library.cache_clear()
+    with pytest.raises(ValueError, match="'native' needs the C kernels"):
+        kernels.resolve_kernels("cpu", "native")
+    build.library.cache_clear()
     monkeypatch.delenv("CC")
     monkeypatch.setenv("CANVAS_NATIVE", "0")
     assert not kernels.resolve_kernels("cpu").native
@@ -158,7 +146,7 @@ def test_a_failing_build_says_why(tmp_path):
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
     with pytest.raises(RuntimeError, match="failed"):
-        native_cpu.build(broken, tmp_path / "out")
+        build.build(broken, tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.so"))
 
 
@@ -179,25 +167,25 @@ def test_norms_match_their_twins(shape):
     x, r, d, wa, wb, w = _norm_inputs(shape, seed=len(shape) * 100 + shape[-1])
     close = dict(rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(
-        native_cpu.rms_norm(x, wa, 1e-6), reference.rms_norm(x, wa, 1e-6), **close
+        norms.rms_norm(x, wa, 1e-6), reference.rms_norm(x, wa, 1e-6), **close
     )
     torch.testing.assert_close(
-        native_cpu.rms_norm(x, None, 1e-6), reference.rms_norm(x, None, 1e-6), **close
+        norms.rms_norm(x, None, 1e-6), reference.rms_norm(x, None, 1e-6), **close
     )
     torch.testing.assert_close(
-        native_cpu.add_rms_norm(r, x, wa, 1e-6),
+        norms.add_rms_norm(r, x, wa, 1e-6),
         reference.add_rms_norm_exact(r, x, wa, 1e-6),
         **close,
     )
     for got, want in zip(
-        native_cpu.rms_norm_pair(x, wa, wb, 1e-6),
+        norms.rms_norm_pair(x, wa, wb, 1e-6),
         reference.rms_norm_pair_exact(x, wa, wb, 1e-6),
         strict=True,
     ):
         torch.testing.assert_close(got, want, **close)
     rows = x.numel() // shape[-1]
     for scale in (torch.tensor([0.7]), torch.rand(rows).view(*shape[:-1], 1) + 0.5):
-        got = native_cpu.close_layer(d, x, r, wa, wb, w, scale, 1e-6)
+        got = norms.close_layer(d, x, r, wa, wb, w, scale, 1e-6)
         want = reference.close_layer_exact(d, x, r, wa, wb, w, scale, 1e-6)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -206,24 +194,24 @@ def test_norms_match_their_twins(shape):
 def test_a_norm_row_does_not_depend_on_its_batch():
     x, r, d, wa, wb, w = _norm_inputs((64, 200), seed=9)
     scale = torch.rand(64, 1) + 0.5
-    whole = native_cpu.close_layer(d, x, r, wa, wb, w, scale, 1e-6)
-    whole_norm = native_cpu.rms_norm(x, wa, 1e-6)
+    whole = norms.close_layer(d, x, r, wa, wb, w, scale, 1e-6)
+    whole_norm = norms.rms_norm(x, wa, 1e-6)
     for i in (0, 31, 63):
         rows = slice(i, i + 1)
-        alone = native_cpu.close_layer(d[rows], x[rows], r[rows], wa, wb, w, scale[rows], 1e-6)
+        alone = norms.close_layer(d[rows], x[rows], r[rows], wa, wb, w, scale[rows], 1e-6)
         assert torch.equal(alone, whole[rows])
-        assert torch.equal(native_cpu.rms_norm(x[rows], wa, 1e-6), whole_norm[rows])
+        assert torch.equal(norms.rms_norm(x[rows], wa, 1e-6), whole_norm[rows])
 
 
 def test_norms_leave_autograd_and_other_dtypes_to_the_twins():
     x = torch.randn(4, 16, requires_grad=True)
     w = torch.randn(16)
-    out = native_cpu.rms_norm(x, w, 1e-6)  # grad mode: the twin, differentiable
+    out = norms.rms_norm(x, w, 1e-6)  # grad mode: the twin, differentiable
     out.sum().backward()
     assert x.grad is not None
     half = torch.randn(4, 16, dtype=torch.bfloat16)
     with torch.inference_mode():
-        got = native_cpu.rms_norm(half, w.bfloat16(), 1e-6)
+        got = norms.rms_norm(half, w.bfloat16(), 1e-6)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, reference.rms_norm(half, w.bfloat16(), 1e-6))
 
@@ -233,7 +221,6 @@ def test_a_fast_forward_on_native_kernels_stays_near_the_twins(tiny_checkpoint):
     """The engine's fast forward (prefill, a mixed canvas + commit forward, the decoder's
     logits, the KV pools) with the native norms against the twins'."""
     from engine.model import load_model
-    from tests.kernels.test_engine_triton import TOL, forwards
 
     path = tiny_checkpoint("c16")
     native = load_model(path, kernels="auto")
@@ -376,7 +363,7 @@ def test_tiled_experts_match_the_twin(num_tokens, hidden, inter, experts, top_k)
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
     # the tiled path ran (not the twin), and its rows never depend on their batch
-    assert native_moe._tiles(w["gate_up"], w["down"])
+    assert native_moe.tiles(w["gate_up"], w["down"])
     alone = native_moe.fused_moe(*(a[:3] if a.dim() == 2 else a for a in args))
     assert torch.equal(alone, got[:3])
 
@@ -399,10 +386,11 @@ def test_tiled_experts_follow_their_weights_and_keep_gelus_range():
     w = _moe_layer(24, 64, 4, 32, seed=3)
     weights, ids = torch.full((24, 2), 0.5), torch.tensor([[0, 1], [2, 3]] * 12)
     args = (w["hidden"], w["gate_up"], w["down"], weights, ids)
-    native_moe.fused_moe(*args)
+    packs = PackedWeights()  # a bound model's store
+    native_moe.fused_moe(*args, packs=packs)
     w["gate_up"].mul_(-40.0)  # pre-activations of +-hundreds: GELU's both tails
     w["down"].add_(0.25)
-    got = native_moe.fused_moe(*args)
+    got = native_moe.fused_moe(*args, packs=packs)
     want = reference.fused_moe_scattered(*args)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
@@ -414,10 +402,10 @@ def test_large_experts_take_the_twin():
     if lanes == 0:
         pytest.skip("no native library")
     big = torch.empty(1, 2 * 512, 1024), torch.empty(1, 1024, 512)
-    assert not native_moe._tiles(*big)
+    assert not native_moe.tiles(*big)
     odd = torch.empty(1, 2 * (lanes + 1), 64), torch.empty(1, 64, lanes + 1)
-    assert not native_moe._tiles(*odd)
-    assert native_moe._tiles(torch.empty(1, 2 * lanes, 4 * lanes), torch.empty(1, 4 * lanes, lanes))
+    assert not native_moe.tiles(*odd)
+    assert native_moe.tiles(torch.empty(1, 2 * lanes, 4 * lanes), torch.empty(1, 4 * lanes, lanes))
 
 
 @torch.inference_mode()
@@ -426,12 +414,12 @@ def test_tiled_experts_split_on_torchs_team_or_our_threads_alike(monkeypatch):
     fight torch's workers for the cores); its rows split on that team or, without it, on our
     Python threads give the same bits (each pair's row is computed alone, and summed in slot
     order either way)."""
-    lib = native_cpu.library("moe")
+    lib = build.library("moe")
     if lib is None:
         pytest.skip("no native library")
     if lib.canvas_moe_openmp():
-        assert native_cpu.one_openmp_runtime()
-        assert native_cpu.on_torch_team("moe")
+        assert build.one_openmp_runtime()
+        assert build.on_torch_team("moe")
     w = _moe_layer(300, 128, 8, 32, seed=5)
     g = torch.Generator().manual_seed(6)
     weights = torch.rand(300, 2, generator=g)
@@ -454,19 +442,19 @@ def test_rows_split_on_torchs_team_or_our_threads_alike(monkeypatch):
     temperature, uniform = torch.full((61,), 0.7), torch.rand(61, generator=g)
 
     def run():
-        sample = native_cpu.fused_sample(logits, temperature, uniform)
+        sample = sampler.fused_sample(logits, temperature, uniform)
         return [
-            native_cpu.rms_norm(x, w, 1e-6),
-            native_cpu.add_rms_norm(res, x, w, 1e-6),
-            *native_cpu.rms_norm_pair(x, w, w2, 1e-6),
-            native_cpu.close_layer(x, res, x, w, w2, w, torch.rand(1031, generator=g), 1e-6),
+            norms.rms_norm(x, w, 1e-6),
+            norms.add_rms_norm(res, x, w, 1e-6),
+            *norms.rms_norm_pair(x, w, w2, 1e-6),
+            norms.close_layer(x, res, x, w, w2, w, torch.rand(1031, generator=g), 1e-6),
             sample.sample, sample.argmax, sample.entropy, sample.lse,
         ]  # fmt: skip
 
     g.manual_seed(8)
     team = run()
     torch.testing.assert_close(team[0], reference.rms_norm_fused(x, w, 1e-6))
-    monkeypatch.setattr(native_cpu, "on_torch_team", lambda name: False)
+    monkeypatch.setattr(native_threads, "on_torch_team", lambda name: False)
     g.manual_seed(8)
     for got, want in zip(run(), team, strict=True):
         assert torch.equal(got, want)
@@ -477,14 +465,14 @@ def test_any_number_of_ranges_per_thread_gives_the_same_bits():
     """The team's threads take ranges of rows as they come free (`canvas_chunks` per thread,
     parallel.h): one range each (static halves) or many, every row is written once, with the
     same bits (a row's values never depend on the rows it is grouped with)."""
-    if not native_cpu.on_torch_team("moe"):
+    if not build.on_torch_team("moe"):
         pytest.skip("the libraries are not on torch's OpenMP team here")
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(517, 256, generator=g), torch.rand(256, generator=g) + 0.5
     weight, layer = torch.randn(192, 256, generator=g), _moe_layer(517, 256, 16, 64, seed=5)
     weights = torch.rand(517, 4, generator=g)
     ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(517)])
-    libs = [native_cpu.library(name) for name in native_cpu.SIGNATURES]
+    libs = [build.library(name) for name in build.SIGNATURES]
     chunks = [ctypes.c_int64.in_dll(lib, "canvas_chunks") for lib in libs]
     before = [c.value for c in chunks]
     threads = torch.get_num_threads()
@@ -495,7 +483,7 @@ def test_any_number_of_ranges_per_thread_gives_the_same_bits():
             for c in chunks:
                 c.value = n
             outs.append([
-                native_cpu.rms_norm(x, w, 1e-6),
+                norms.rms_norm(x, w, 1e-6),
                 native_moe.linear(x, weight, [517]),
                 native_moe.fused_moe(x, layer["gate_up"], layer["down"], weights, ids),
                 native_step.gated_act(x, x, "gelu_pytorch_tanh"),

@@ -1,7 +1,8 @@
 """Native CPU kernels that fuse what the twins run as separate calls, each against the calls it
 replaces, bit for bit: the dense MLP's gate and up projections with GeGLU
-(`native_moe.gated_linear`), attention's q/k/v projections in one pass
-(`native_moe.linear_many`) and the sampler's Philox numbers (`native_step.philox_uniform`)."""
+(`kernels.native.moe.gated_linear`), attention's q/k/v projections in one pass
+(`kernels.native.moe.linear_many`) and the sampler's Philox numbers
+(`kernels.native.step.philox_uniform`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ import pytest
 import torch
 
 import kernels
-from kernels import native_cpu, native_moe, native_step, reference, reference_layer
-from tests.kernels.test_native_cpu import _fresh_library, pytestmark  # noqa: F401 (autouse)
+from kernels import reference, reference_layer
+from kernels.native import moe as native_moe
+from kernels.native import step as native_step
+from kernels.native.packing import PackedWeights
+from tests.kernels.native_cases import NATIVE
+
+pytestmark = NATIVE
 
 
 def _lanes() -> int:
@@ -143,7 +149,7 @@ def test_a_forward_on_the_fused_projections_has_the_unfused_bits(tiny_checkpoint
     from dataclasses import replace
 
     from engine.model import Mode, load_model
-    from tests.e2e.test_forward_parity import Sequences
+    from tests.kernels.native_cases import Sequences
 
     _lanes()
     path = tiny_checkpoint("c16")
@@ -171,21 +177,26 @@ def test_a_forward_on_the_fused_projections_has_the_unfused_bits(tiny_checkpoint
 
 @torch.no_grad()
 def test_a_weight_packed_alone_and_in_a_group_keeps_both_copies():
-    """`linear` packs q alone and `linear_many` packs it with k: both packed copies stay cached
-    (neither call repacks after the other), and both go with the weight."""
+    """`linear` packs q alone and `linear_many` packs it with k: both packed copies stay in the
+    binding's store (neither call repacks after the other), and each model bound gets a store
+    of its own (`KernelSet.for_model`), so the copies go with the model's kernels."""
     lanes = _lanes()
     g = torch.Generator().manual_seed(2)
     x = torch.randn(200, 64, generator=g)
     q, k = torch.randn(2 * lanes, 64, generator=g), torch.randn(2 * lanes, 64, generator=g)
-    native_moe.linear(x, q, None)
-    native_moe.linear_many(x, [q, k], None)
-    alone, grouped = ("tiles", id(q)), ("tiles", id(q), id(k))
-    first = native_cpu._PACKED[alone][2], native_cpu._PACKED[grouped][2]
-    native_moe.linear(x, q, None)
-    native_moe.linear_many(x, [q, k], None)
-    assert native_cpu._PACKED[alone][2] is first[0] and native_cpu._PACKED[grouped][2] is first[1]
-    del q
-    assert alone not in native_cpu._PACKED and grouped not in native_cpu._PACKED
+    packs = PackedWeights()
+    native_moe.linear(x, q, None, packs)
+    native_moe.linear_many(x, [q, k], None, packs)
+    first = {key: held[2] for key, held in packs.copies.items()}
+    assert len(first) == 2
+    native_moe.linear(x, q, None, packs)
+    native_moe.linear_many(x, [q, k], None, packs)
+    assert packs.copies.keys() == first.keys()
+    assert all(packs.copies[key][2] is copy for key, copy in first.items())
+    fast = kernels.resolve_kernels("cpu")
+    one, two = fast.for_model(), fast.for_model()
+    assert one.linear.keywords["packs"] is not two.linear.keywords["packs"]
+    assert one.fused_moe.keywords["packs"] is one.route_experts.keywords["packs"]
 
 
 @torch.no_grad()
@@ -195,8 +206,10 @@ def test_the_router_follows_its_projection_when_it_changes():
     g = torch.Generator().manual_seed(4)
     x, scale = torch.randn(64, 48, generator=g), torch.rand(48, generator=g) + 0.5
     proj, pes = torch.randn(20, 48, generator=g), torch.rand(20, generator=g) + 0.5
+    packs = PackedWeights()
     for _ in range(2):
-        weights, ids = native_step.route_experts(x, scale, proj, pes, 3, 1e-6)
+        weights, ids = native_step.route_experts(x, scale, proj, pes, 3, 1e-6, packs=packs)
+        assert len(packs.copies) == 1  # one copy of the one projection, made again in place
         want_w, want_ids = reference.route_experts(x, scale, proj, pes, 3, 1e-6)
         assert torch.equal(ids, want_ids)
         torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)

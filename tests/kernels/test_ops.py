@@ -10,14 +10,18 @@ import pytest
 import torch
 
 import kernels
-from kernels import native_attention, native_cpu, native_moe, reference
+from kernels import reference
+from kernels.native import attention as native_attention
+from kernels.native import build
+from kernels.native import moe as native_moe
 
 
 def test_cpu_gets_the_twins_in_fast_numerics_by_default() -> None:
     ks = kernels.resolve_kernels("cpu")
-    assert ks.backend == "twins" and not ks.exact
-    # the native kernels where this machine builds them (they fall back to the twins per call)
-    native = native_cpu.available()
+    # the native kernels where this machine builds them (they fall back to the twins per call),
+    # and the set is named for them
+    native = build.available()
+    assert ks.backend == ("native" if native else "twins") and not ks.exact
     assert ks.linear is (native_moe.linear if native else reference.linear)
     attend = native_attention.canvas_attention if native else reference.canvas_attention
     assert ks.canvas_attention is attend
@@ -66,14 +70,15 @@ def test_fast_rms_norm_gives_a_row_the_same_bits_alone_and_in_a_big_batch(dim: i
 
 
 def test_cuda_without_triton_gets_the_twins(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    monkeypatch.setattr(kernels.support, "triton_available", lambda: False)
     assert kernels.resolve_kernels("cuda").backend == "twins"
     with pytest.raises(ValueError, match="needs the triton package"):
         kernels.resolve_kernels("cuda", "triton")
 
 
 def test_unknown_backend_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="kernel backend must be one of auto, triton, twins"):
+    names = "auto, twins, native, triton"
+    with pytest.raises(ValueError, match=f"kernel backend must be one of {names}"):
         kernels.resolve_kernels("cpu", "cuda-graphs")
 
 

@@ -9,22 +9,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "server", "kernels", "loadtest")
-# The one circle left: `kernels/__init__.py` assembles the kernel sets from its native and
-# custom-op modules, which import the package's helpers (`expect`, `reference`) back. It goes
-# when kernel backends become registry entries of their own modules.
-KNOWN_CIRCLES = [
-    {
-        "kernels",
-        "kernels.native_attention",
-        "kernels.native_cpu",
-        "kernels.native_moe",
-        "kernels.native_step",
-        "kernels.op_support",
-        "kernels.ops",
-        "kernels.ops_layer",
-        "kernels.ops_step",
-    }
-]
 
 
 def module_name(path: Path) -> str:
@@ -96,10 +80,10 @@ def circles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-def test_no_import_circles_besides_the_known_one():
+def test_no_import_circles():
     graph = import_graph()
     assert len(graph) > 100 and graph["engine.engine"], "the scan found the modules"
-    assert [c for c in circles(graph) if c not in KNOWN_CIRCLES] == []
+    assert circles(graph) == []
 
 
 def test_the_circle_finder_finds_a_circle():

@@ -1,5 +1,5 @@
-"""Native CPU canvas attention over the paged KV cache (`native/attention.c`), bound on CPU in
-fast numerics (`kernels._with_native`).
+"""Native CPU canvas attention over the paged KV cache (`attention.c`), bound by the native
+backend (`kernels.backends.NativeBackend`).
 
 The twin (`reference.canvas_attention`) gathers every row's prefix keys from their pages into
 a padded [R, Hkv, S, D] tensor, concatenates the rows' new keys, builds a boolean mask over the
@@ -20,9 +20,10 @@ import functools
 import numpy as np
 import torch
 
-from kernels import reference
-from kernels.native_cpu import _native_norm, _over_rows, library, on_torch_team
-from kernels.native_moe import _scratch
+import kernels.reference as reference
+from kernels.native.args import AttentionArgs
+from kernels.native.build import library, loaded, on_torch_team
+from kernels.native.threads import addresses, over_rows, scratch, takes
 from kernels.reference_attention import PagedRows
 
 # Queries of a row per work item (with all query heads of a KV head: 64 score rows at
@@ -55,39 +56,40 @@ def canvas_attention(
         or dim % (2 * lanes)
         or heads % kv_heads
         or keys > MAX_KEYS
-        or not _native_norm(q, k, v, k_pool, v_pool)
+        or not takes(q, k, v, k_pool, v_pool)
         or rows.start.device.type != "cpu"
     ):
         return reference.canvas_attention(q, k, v, k_pool, v_pool, rows, window, scale)
-    lib = library("attention")
-    assert lib is not None, "native kernels are bound only when their libraries load"
+    lib = loaded("attention")
     items = _items(rows, kv_heads)
     longest = -(-keys // (2 * lanes)) * 2 * lanes
     per_thread = longest * (2 * dim + heads // kv_heads * QUERY_BLOCK)
     tensors = (q, k, v, k_pool, v_pool)
     q, k, v, k_pool, v_pool = (t if t.is_contiguous() else t.contiguous() for t in tensors)
     out = torch.empty_like(q)
-    head = (
-        *(t.data_ptr() for t in (q, k, v, k_pool, v_pool)),
-        *(t.data_ptr() for t in (rows.start, rows.offset, rows.num_tokens, rows.decode)),
-        rows.page_table.data_ptr(),
-        items.data_ptr(),
-        out.data_ptr(),
+    args = AttentionArgs(
+        **addresses(q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool, items=items, out=out),
+        **addresses(start=rows.start, offset=rows.offset, count=rows.num_tokens),
+        **addresses(decode=rows.decode, page_table=rows.page_table),
     )
-    geometry = (rows.page_table.shape[1], heads, kv_heads, dim, k_pool.shape[2], window)
-    tail = (*geometry, QUERY_BLOCK, scale, longest)
+    args.max_pages, args.hq, args.hkv, args.d = rows.page_table.shape[1], heads, kv_heads, dim
+    args.size, args.window, args.qblock = k_pool.shape[2], window, QUERY_BLOCK
+    args.scale, args.lmax = scale, longest
     num_items = items.shape[0]
     if on_torch_team("attention"):
-        threads = min(torch.get_num_threads(), num_items)
-        scratch = _scratch(threads * per_thread)
-        lib.canvas_attention(*head, scratch.data_ptr(), *tail, 0, num_items, threads)
+        team = min(torch.get_num_threads(), num_items)
+        buffer = scratch(team * per_thread)
+        args.scratch, args.begin, args.end, args.threads = buffer.data_ptr(), 0, num_items, team
+        lib.canvas_attention(args)
     else:
 
         def run(begin: int, end: int) -> None:
-            scratch = torch.empty(per_thread, dtype=torch.float32)
-            lib.canvas_attention(*head, scratch.data_ptr(), *tail, begin, end, 1)
+            buffer = torch.empty(per_thread, dtype=torch.float32)
+            part = AttentionArgs.from_buffer_copy(args)
+            part.scratch, part.begin, part.end, part.threads = buffer.data_ptr(), begin, end, 1
+            lib.canvas_attention(part)
 
-        _over_rows(run, num_items, 1)
+        over_rows(run, num_items, 1)
     return out
 
 

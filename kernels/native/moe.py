@@ -1,5 +1,5 @@
-"""Native CPU experts and small dense projections (`native/moe.c`), bound on CPU in fast
-numerics (`kernels._with_native`).
+"""Native CPU experts and small dense projections (`moe.c`), bound by the native backend
+(`kernels.backends.NativeBackend`).
 
 One token (an AR step at one request): its experts' matrix-vector products and GeGLU in one
 call instead of ~10 dispatches per expert. Many tokens (canvas steps, AR batches): register-
@@ -10,27 +10,31 @@ more passes and dispatches than the tiles, which pay most where experts are smal
 experts come out even, and beyond the budget the twin runs. Dense projections of at least
 MIN_LINEAR_ROWS rows on weights of at most MAX_PACKED_LINEAR_BYTES (`linear`): the same
 register tile on the weight packed once, faster than MKL at many rows and slower at a few
-(docs/performance.md). Packed copies live beside the weights they come from (`_packed`).
+(docs/performance.md). Packed copies are kept by the kernel set bound onto the model
+(`kernels.native.packing`: the `packs` argument; None packs per call).
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Sequence
 
 import torch
 
-from kernels import native_step, reference
-from kernels.native_cpu import (
-    _native_norm,
-    _over_rows,
-    _packed,
-    _threads,
-    library,
-    on_torch_team,
-    split_rows,
+import kernels.native.step as step
+import kernels.reference as reference
+from kernels.native.args import (
+    GatedLinearArgs,
+    LinearArgs,
+    LinearSplitArgs,
+    MoeRowsArgs,
+    MoeSortArgs,
+    MoeSumArgs,
+    MoeTokenArgs,
 )
+from kernels.native.build import library, loaded, on_torch_team
+from kernels.native.packing import PackedWeights, packed
+from kernels.native.threads import addresses, over_rows, scratch, split_rows, takes, threads
 
 # Expert weight bytes per thread below which one thread runs all of a token's experts.
 MIN_EXPERT_BYTES_PER_THREAD = 4 << 20
@@ -43,35 +47,43 @@ def fused_moe(
     weights: torch.Tensor,
     ids: torch.Tensor,
     segments: list[int] | None = None,
+    packs: PackedWeights | None = None,
 ) -> torch.Tensor:
     """`reference.fused_moe_scattered`; one token (an AR step at one request) in one native
     call (`moe.c`: its experts' matrix-vector products and GeGLU, each slot weighted), the
     slots summed in slot order. More tokens: `moe.c`'s tiled expert products
     (`_experts_tiled`) where the experts fit a core's L2 cache. Larger experts, non-fp32
     operands and autograd take the twin."""
-    if not _native_norm(hidden, gate_up, down, weights):
+    if not takes(hidden, gate_up, down, weights):
         return reference.fused_moe_scattered(hidden, gate_up, down, weights, ids, segments)
     if ids.shape[0] != 1:
-        if not _tiles(gate_up, down):
+        if not tiles(gate_up, down):
             return reference.fused_moe_scattered(hidden, gate_up, down, weights, ids, segments)
-        return _experts_tiled(hidden, gate_up, down, weights, ids)
-    lib = library("moe")
-    assert lib is not None, "native kernels are bound only when their libraries load"
+        return _experts_tiled(hidden, gate_up, down, weights, ids, packs)
+    lib = loaded("moe")
     num_slots, size = ids.shape[1], hidden.shape[-1]
     inter = down.shape[-1]
     x, gu, dn = hidden.contiguous(), gate_up.contiguous(), down.contiguous()
     w = weights.reshape(-1).contiguous()
     slots = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(num_slots, size, dtype=torch.float32)
-    scratch = torch.empty(num_slots, inter, dtype=torch.float32)
-    args = [t.data_ptr() for t in (x, gu, dn, w, slots, out, scratch)]
-
-    def run(begin: int, end: int) -> None:
-        lib.canvas_moe_token(*args, begin, end, size, inter)
-
+    acts = torch.empty(num_slots, inter, dtype=torch.float32)
+    args = MoeTokenArgs(
+        **addresses(x=x, gate_up=gu, down=dn, weights=w, ids=slots, out=out, scratch=acts),
+        h=size,
+        inter=inter,
+    )
     expert_bytes = 3 * inter * size * 4
-    _over_rows(run, num_slots, max(1, MIN_EXPERT_BYTES_PER_THREAD // expert_bytes))
+    min_slots = max(1, MIN_EXPERT_BYTES_PER_THREAD // expert_bytes)
+    over_rows(lambda begin, end: _token_slots(lib, args, begin, end), num_slots, min_slots)
     return out.sum(0, keepdim=True)
+
+
+def _token_slots(lib: object, args: MoeTokenArgs, begin: int, end: int) -> None:
+    """`canvas_moe_token` over the slots [begin, end), on its own copy of `args`."""
+    part = MoeTokenArgs.from_buffer_copy(args)
+    part.begin, part.end = begin, end
+    lib.canvas_moe_token(part)  # type: ignore[attr-defined]
 
 
 # Expert weight bytes (gate, up and down) up to which `moe.c` tiles the experts: each tile of
@@ -81,7 +93,7 @@ MAX_TILED_EXPERT_BYTES = 1 << 20
 MIN_EXPERT_ROWS_PER_THREAD = 64
 
 
-def _tiles(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+def tiles(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether `moe.c`'s tiled products take experts of these shapes: whole vector blocks of
     the intermediate and hidden sizes, and each expert's weights within the L2 budget."""
     lanes = moe_lanes()
@@ -101,7 +113,9 @@ def moe_lanes() -> int:
     return int(lib.canvas_moe_lanes()) if lib is not None else 0
 
 
-def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_experts(
+    gate_up: torch.Tensor, down: torch.Tensor, packs: PackedWeights | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe.c`'s layouts of gate_up [E, 2I, H] and down [E, H, I] (see `canvas_moe_rows`):
     [E, I/V, H, 2V] (V gate then V up columns per input) and [E, H/2V, I, 2V]."""
 
@@ -113,7 +127,7 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tenso
         dnp = down.detach().view(experts, hidden // (2 * lanes), 2 * lanes, inter)
         return gup, dnp.transpose(-1, -2).contiguous()
 
-    gup, dnp = _packed(gate_up, (down,), make)
+    gup, dnp = packed(packs, "experts", (gate_up, down), make)
     return gup, dnp
 
 
@@ -125,7 +139,12 @@ MIN_LINEAR_ROWS = 128
 MIN_LINEAR_ROWS_PER_THREAD = 32
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, segments: list[int]) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    segments: list[int],
+    packs: PackedWeights | None = None,
+) -> torch.Tensor:
     """`reference.linear` (x [..., M, K] @ weight [N, K]^T, fast numerics) by `moe.c`'s
     register tiles on the weight packed once ([N/2V, K, 2V]), for fp32 CPU operands of at least
     MIN_LINEAR_ROWS rows, N a multiple of 2V and the weight within MAX_PACKED_LINEAR_BYTES
@@ -138,25 +157,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, segments: list[int]) -> torch.
         or lanes == 0
         or n % (2 * lanes)
         or n * k * 4 > MAX_PACKED_LINEAR_BYTES
-        or not _native_norm(x, weight)
+        or not takes(x, weight)
     ):
         return reference.linear(x, weight, segments)
-    lib = library("moe")
-    assert lib is not None, "native kernels are bound only when their libraries load"
+    lib = loaded("moe")
 
     def make() -> tuple[torch.Tensor]:
         return (weight.detach().view(n // (2 * lanes), 2 * lanes, k).transpose(1, 2).contiguous(),)
 
-    (packed,) = _packed(weight, (), make)
+    (tiled,) = packed(packs, "linear", (weight,), make)
     flat = x.reshape(rows, k).contiguous()
     out = torch.empty(rows, n, dtype=torch.float32)
-    head = (flat.data_ptr(), packed.data_ptr(), out.data_ptr(), k, n)
-    split_rows("moe", lib.canvas_linear, head, (), rows, MIN_LINEAR_ROWS_PER_THREAD)
+    args = LinearArgs(x=flat.data_ptr(), wp=tiled.data_ptr(), out=out.data_ptr(), k_dim=k, n=n)
+    split_rows("moe", lib.canvas_linear, args, rows, MIN_LINEAR_ROWS_PER_THREAD)
     return out.view(*x.shape[:-1], n)
 
 
 def linear_many(
-    x: torch.Tensor, weights: Sequence[torch.Tensor], segments: list[int]
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    segments: list[int],
+    packs: PackedWeights | None = None,
 ) -> list[torch.Tensor]:
     """[linear(x, w) for w in weights] (two or three projections of the same x: attention's q,
     k and v), the same values, in one pass of `moe.c`'s tiles over their weights packed once
@@ -171,31 +192,45 @@ def linear_many(
         or not 2 <= len(weights) <= 3
         or any(w.dim() != 2 or w.shape[1] != k for w in weights)
         or any(n % (2 * lanes) or n * k * 4 > MAX_PACKED_LINEAR_BYTES for n in widths)
-        or not _native_norm(x, *weights)
+        or not takes(x, *weights)
     ):
-        return [linear(x, w, segments) for w in weights]
-    lib = library("moe")
-    assert lib is not None, "native kernels are bound only when their libraries load"
+        return [linear(x, w, segments, packs) for w in weights]
+    lib = loaded("moe")
     total = sum(widths)
 
     def make() -> tuple[torch.Tensor]:
         joined = torch.cat([w.detach() for w in weights])
         return (joined.view(total // (2 * lanes), 2 * lanes, k).transpose(1, 2).contiguous(),)
 
-    (packed,) = _packed(weights[0], tuple(weights[1:]), make)
+    (tiled,) = packed(packs, "linear_many", tuple(weights), make)
     flat = x.reshape(rows, k).contiguous()
     outs = [torch.empty(rows, n, dtype=torch.float32) for n in widths]
-    pointers = [o.data_ptr() for o in outs] + [None] * (3 - len(outs))
-    head = (flat.data_ptr(), packed.data_ptr(), *pointers, widths[0], widths[1], k, total)
-    split_rows("moe", lib.canvas_linear_split, head, (), rows, MIN_LINEAR_ROWS_PER_THREAD)
+    out0, out1, *out2 = (o.data_ptr() for o in outs)
+    args = LinearSplitArgs(
+        x=flat.data_ptr(),
+        wp=tiled.data_ptr(),
+        out0=out0,
+        out1=out1,
+        out2=out2[0] if out2 else None,
+        n0=widths[0],
+        n1=widths[1],
+        k_dim=k,
+        n=total,
+    )
+    split_rows("moe", lib.canvas_linear_split, args, rows, MIN_LINEAR_ROWS_PER_THREAD)
     return [o.view(*x.shape[:-1], n) for o, n in zip(outs, widths, strict=True)]
 
 
 def gated_linear(
-    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, segments: list[int]
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    segments: list[int],
+    packs: PackedWeights | None = None,
 ) -> torch.Tensor:
     """`gated_act(linear(x, gate), linear(x, up), activation)` with this module's `linear` and
-    `native_step.gated_act`, the same values: GeGLU of at least MIN_LINEAR_ROWS fp32 rows on
+    `step.gated_act`, the same values: GeGLU of at least MIN_LINEAR_ROWS fp32 rows on
     weights packed once together ([I/V, K, 2V], the experts' gate/up layout) in one pass of
     `moe.c`'s tiles (no [M, 2I] intermediates, one call instead of three); the three calls
     otherwise (other activations, small batches, large or odd-sized weights)."""
@@ -208,37 +243,24 @@ def gated_linear(
         or inter % lanes
         or up.shape != gate.shape
         or inter * k * 4 > MAX_PACKED_LINEAR_BYTES
-        or not _native_norm(x, gate, up)
+        or not takes(x, gate, up)
     ):
-        gate_out, up_out = linear(x, gate, segments), linear(x, up, segments)
-        return native_step.gated_act(gate_out, up_out, activation)
-    lib = library("moe")
-    assert lib is not None, "native kernels are bound only when their libraries load"
+        gate_out, up_out = linear(x, gate, segments, packs), linear(x, up, segments, packs)
+        return step.gated_act(gate_out, up_out, activation)
+    lib = loaded("moe")
 
     def make() -> tuple[torch.Tensor]:
         g, u = (w.detach().view(inter // lanes, lanes, k).transpose(1, 2) for w in (gate, up))
         return (torch.cat([g, u], -1).contiguous(),)
 
-    (packed,) = _packed(gate, (up,), make)
+    (tiled,) = packed(packs, "gated", (gate, up), make)
     flat = x.reshape(rows, k).contiguous()
     out = torch.empty(rows, inter, dtype=torch.float32)
-    head = (flat.data_ptr(), packed.data_ptr(), out.data_ptr(), k, inter)
-    split_rows("moe", lib.canvas_gated_linear, head, (), rows, MIN_LINEAR_ROWS_PER_THREAD)
+    args = GatedLinearArgs(
+        x=flat.data_ptr(), gup=tiled.data_ptr(), out=out.data_ptr(), k_dim=k, inter=inter
+    )
+    split_rows("moe", lib.canvas_gated_linear, args, rows, MIN_LINEAR_ROWS_PER_THREAD)
     return out.view(*x.shape[:-1], inter)
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(numel: int) -> torch.Tensor:
-    """This thread's reusable fp32 buffer of at least `numel` elements. A fresh buffer of
-    megabytes costs a page fault per 4 KiB page on its first writes (~0.5 ms per call at
-    `bench-tiny`'s experts, half of their arithmetic); this one's pages stay mapped. Shared by
-    the experts and attention (`native_attention`): each is done with it before it returns."""
-    buffer = getattr(_SCRATCH, "buffer", None)
-    if buffer is None or buffer.numel() < numel:
-        buffer = _SCRATCH.buffer = torch.empty(numel, dtype=torch.float32)
-    return buffer[:numel]
 
 
 def _experts_tiled(
@@ -247,39 +269,53 @@ def _experts_tiled(
     down: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    packs: PackedWeights | None,
 ) -> torch.Tensor:
     """`reference.fused_moe_scattered` of many tokens by `moe.c`: the pairs sorted by expert
     (`canvas_moe_sort`, a counting sort), each thread a range of the sorted rows
     (`canvas_moe_rows`), every pair's weighted output at its own row, then each token's slots
     summed in slot order (`canvas_moe_sum`)."""
-    lib = library("moe")
-    assert lib is not None, "native kernels are bound only when their libraries load"
+    lib = loaded("moe")
     num_tokens, top_k = ids.shape
     num_experts, size, inter = down.shape
-    gup, dnp = pack_experts(gate_up, down)
+    gup, dnp = pack_experts(gate_up, down, packs)
     flat_ids = ids.reshape(-1).to(torch.int64).contiguous()
     pairs = torch.empty_like(flat_ids)
     ends = torch.empty(num_experts, dtype=torch.int64)
-    if lib.canvas_moe_sort(flat_ids.data_ptr(), pairs.numel(), num_experts, pairs.data_ptr(),
-                           ends.data_ptr()):  # fmt: skip
+    sort = MoeSortArgs(
+        ids=flat_ids.data_ptr(),
+        num_pairs=pairs.numel(),
+        num_experts=num_experts,
+        pairs=pairs.data_ptr(),
+        ends=ends.data_ptr(),
+    )
+    if lib.canvas_moe_sort(sort):
         bad = flat_ids[(flat_ids < 0) | (flat_ids >= num_experts)].unique()[:8].tolist()
         raise IndexError(f"expert ids must be in [0, {num_experts}), got {bad}")
     x, w = hidden.contiguous(), weights.reshape(-1).to(torch.float32).contiguous()
-    ybuf = _scratch(num_tokens * top_k * size).view(num_tokens * top_k, size)
-    args = [t.data_ptr() for t in (x, gup, dnp, w, pairs, ends, ybuf)]
-    shape = (num_experts, top_k, size, inter)
+    ybuf = scratch(num_tokens * top_k * size).view(num_tokens * top_k, size)
+    args = MoeRowsArgs(
+        **addresses(x=x, gup=gup, dnp=dnp, weights=w, pairs=pairs, ends=ends, ybuf=ybuf),
+        num_experts=num_experts,
+        top_k=top_k,
+        h=size,
+        inter=inter,
+    )
     if on_torch_team("moe"):
-        threads = _threads(pairs.numel(), MIN_EXPERT_ROWS_PER_THREAD)
-        act = torch.empty(threads, 16, inter, dtype=torch.float32)  # each thread's GeGLU tile
-        lib.canvas_moe_rows_parallel(*args, act.data_ptr(), *shape, pairs.numel(), threads)
+        team = threads(pairs.numel(), MIN_EXPERT_ROWS_PER_THREAD)
+        act = torch.empty(team, 16, inter, dtype=torch.float32)  # each thread's GeGLU tile
+        args.act, args.begin, args.end, args.threads = act.data_ptr(), 0, pairs.numel(), team
+        lib.canvas_moe_rows_parallel(args)
     else:
 
         def run(begin: int, end: int) -> None:
             act = torch.empty(16, inter, dtype=torch.float32)  # a tile's GeGLU rows (<= 16)
-            lib.canvas_moe_rows(*args, act.data_ptr(), *shape, begin, end)
+            part = MoeRowsArgs.from_buffer_copy(args)
+            part.act, part.begin, part.end, part.threads = act.data_ptr(), begin, end, 1
+            lib.canvas_moe_rows(part)
 
-        _over_rows(run, pairs.numel(), MIN_EXPERT_ROWS_PER_THREAD)
+        over_rows(run, pairs.numel(), MIN_EXPERT_ROWS_PER_THREAD)
     out = torch.empty(num_tokens, size, dtype=torch.float32)
-    head = (ybuf.data_ptr(), out.data_ptr(), top_k, size)
-    split_rows("moe", lib.canvas_moe_sum, head, (), num_tokens, MIN_EXPERT_ROWS_PER_THREAD)
+    total = MoeSumArgs(ybuf=ybuf.data_ptr(), out=out.data_ptr(), top_k=top_k, h=size)
+    split_rows("moe", lib.canvas_moe_sum, total, num_tokens, MIN_EXPERT_ROWS_PER_THREAD)
     return out.to(hidden.dtype)

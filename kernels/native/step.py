@@ -1,5 +1,5 @@
-"""Native CPU per-token kernels of a forward (`native/step.c`), bound on CPU in fast numerics
-(`kernels._with_native`): attention's q/k/v norms and RoPE, the router, the dense MLP's
+"""Native CPU per-token kernels of a forward (`step.c`), bound by the native backend
+(`kernels.backends.NativeBackend`): attention's q/k/v norms and RoPE, the router, the dense MLP's
 GeGLU product, and the sampler's counter-based random numbers (`philox_uniform`).
 
 Their twins are ATen sequences (`reference.qkv_norm_rope`: three norms and two half-width
@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference, reference_layer
-from kernels.native_cpu import _min_rows, _native_norm, _packed, library, split_rows
+import kernels.reference as reference
+import kernels.reference_layer as reference_layer
+from kernels.native.args import GegluArgs, PhiloxArgs, QkvArgs, RouteArgs
+from kernels.native.build import loaded
+from kernels.native.packing import PackedWeights, packed
+from kernels.native.threads import addresses, norm_min_rows, split_rows, takes
 
 # Head and hidden sizes up to which a token's rows go on the C stack (the twins beyond).
 MAX_ROW = 16384
@@ -35,7 +39,7 @@ def qkv_norm_rope(
     native pass per token."""
     dim = q.shape[-1]
     if (
-        not _native_norm(q, k, v, q_weight, k_weight, cos, sin)
+        not takes(q, k, v, q_weight, k_weight, cos, sin)
         or q.dim() != 3
         or k.shape != v.shape
         or k.dim() != 3
@@ -50,14 +54,19 @@ def qkv_norm_rope(
         or q.shape[0] == 0
     ):
         return reference.qkv_norm_rope(q, k, v, q_weight, k_weight, cos, sin, eps)
-    lib = library("step")
-    assert lib is not None, "native kernels are bound only when their libraries load"
-    ins = [t.contiguous() for t in (q, k, v, q_weight, k_weight, cos, sin)]
-    outs = [torch.empty_like(t) for t in ins[:3]]
-    head = (*(t.data_ptr() for t in (*ins, *outs)), q.shape[1], k.shape[1], dim, eps)
+    lib = loaded("step")
+    q, k, v, qw, kw, cos, sin = (t.contiguous() for t in (q, k, v, q_weight, k_weight, cos, sin))
+    qo, ko, vo = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    args = QkvArgs(
+        **addresses(q=q, k=k, v=v, qw=qw, kw=kw, cos=cos, sin=sin, qo=qo, ko=ko, vo=vo),
+        hq=q.shape[1],
+        hkv=k.shape[1],
+        d=dim,
+        eps=eps,
+    )
     per_token = dim * (q.shape[1] + 2 * k.shape[1])
-    split_rows("step", lib.canvas_qkv_norm_rope, head, (), q.shape[0], _min_rows(per_token))
-    return outs[0], outs[1], outs[2]
+    split_rows("step", lib.canvas_qkv_norm_rope, args, q.shape[0], norm_min_rows(per_token))
+    return qo, ko, vo
 
 
 def route_experts(
@@ -68,6 +77,7 @@ def route_experts(
     top_k: int,
     eps: float,
     segments: list[int] | None = None,
+    packs: PackedWeights | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.route_experts` in one native pass per token. The softmax is taken over the
     top-k scores only: softmax, top-k and renormalising to one give exp(s_i - m) / sum over the
@@ -77,7 +87,7 @@ def route_experts(
     del segments
     size, experts = hidden.shape[-1], proj.shape[0]
     if (
-        not _native_norm(hidden, scale, proj, per_expert_scale)
+        not takes(hidden, scale, proj, per_expert_scale)
         or size > MAX_ROW
         or experts > MAX_ROW
         or scale.numel() != size
@@ -86,17 +96,22 @@ def route_experts(
         or not 0 < top_k <= experts
     ):
         return reference.route_experts(hidden, scale, proj, per_expert_scale, top_k, eps)
-    lib = library("step")
-    assert lib is not None, "native kernels are bound only when their libraries load"
+    lib = loaded("step")
     x = hidden.reshape(-1, size).contiguous()
     rows = x.shape[0]
     weights = torch.empty(rows, top_k, dtype=torch.float32)
     ids = torch.empty(rows, top_k, dtype=torch.int64)
-    (projt,) = _packed(proj, (), lambda: (_transposed(proj),), kind="router")
-    tensors = (x, scale.contiguous(), projt, per_expert_scale.contiguous())
-    head = (*(t.data_ptr() for t in (*tensors, weights, ids)), size, experts, projt.shape[1])
-    head = (*head, top_k, eps)
-    split_rows("step", lib.canvas_route, head, (), rows, _min_rows(size))
+    (projt,) = packed(packs, "router", (proj,), lambda: (_transposed(proj),))
+    pes = per_expert_scale.contiguous()
+    args = RouteArgs(
+        **addresses(x=x, scale=scale.contiguous(), projt=projt, pes=pes, weights=weights, ids=ids),
+        hidden=size,
+        experts=experts,
+        ep=projt.shape[1],
+        top_k=top_k,
+        eps=eps,
+    )
+    split_rows("step", lib.canvas_route, args, rows, norm_min_rows(size))
     return weights.view(*hidden.shape[:-1], top_k), ids.view(*hidden.shape[:-1], top_k)
 
 
@@ -106,25 +121,22 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Te
     if (
         activation != "gelu_pytorch_tanh"
         or gate.shape != up.shape
-        or not _native_norm(gate, up)
+        or not takes(gate, up)
         or gate.numel() == 0
     ):
         return reference_layer.gated_act(gate, up, activation)
-    lib = library("step")
-    assert lib is not None, "native kernels are bound only when their libraries load"
+    lib = loaded("step")
     g, u = gate.contiguous(), up.contiguous()
     out = torch.empty_like(g)
-    head = (g.data_ptr(), u.data_ptr(), out.data_ptr())
-    split_rows("step", lib.canvas_geglu, head, (), g.numel(), _min_rows(1))
+    args = GegluArgs(gate=g.data_ptr(), up=u.data_ptr(), out=out.data_ptr())
+    split_rows("step", lib.canvas_geglu, args, g.numel(), norm_min_rows(1))
     return out
 
 
 def _transposed(proj: torch.Tensor) -> torch.Tensor:
     """The router's [E, H] projection as `step.c` reads it: [H, ep], zeros past the E experts
     (ep the next multiple of the library's vector width)."""
-    lib = library("step")
-    assert lib is not None, "native kernels are bound only when their libraries load"
-    lanes = int(lib.canvas_step_lanes())
+    lanes = int(loaded("step").canvas_step_lanes())
     experts, size = proj.shape
     out = torch.zeros(size, -(-experts // lanes) * lanes, dtype=torch.float32)
     out[:, :experts] = proj.detach().t()
@@ -136,10 +148,12 @@ def philox_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     one native pass instead of the twin's ~140 NumPy passes."""
     if seeds.device.type != "cpu" or counters.device.type != "cpu":
         return reference.philox_uniform(seeds, counters)
-    lib = library("step")
-    assert lib is not None, "native kernels are bound only when their libraries load"
+    lib = loaded("step")
     s, c = (t.to(torch.int64).contiguous() for t in torch.broadcast_tensors(seeds, counters))
     out = torch.empty(s.shape, dtype=torch.float32)
     if out.numel():
-        lib.canvas_philox_uniform(s.data_ptr(), c.data_ptr(), out.data_ptr(), out.numel())
+        args = PhiloxArgs(
+            seeds=s.data_ptr(), counters=c.data_ptr(), out=out.data_ptr(), n=out.numel()
+        )
+        lib.canvas_philox_uniform(args)
     return out
