@@ -156,7 +156,7 @@ def run_case(case: SweepCase, threads: Sequence[int], workdir: Path) -> CaseResu
                 max_tokens=max_tokens, seed=case.seed, max_denoising_steps=case.denoising_steps
             )
             (out,) = llm.generate(case.prompt, params)
-            problem = _compare(want, out.output_ids, ref_logits, our_logits)
+            problem = compare(want, out.output_ids, ref_logits, our_logits)
             if problem:
                 result.mismatches[count] = problem
     finally:
@@ -164,7 +164,7 @@ def run_case(case: SweepCase, threads: Sequence[int], workdir: Path) -> CaseResu
     return result
 
 
-def _compare(
+def compare(
     want: list[int], got: list[int], ref_logits: list[torch.Tensor], our_logits: list[torch.Tensor]
 ) -> str:
     """'' when tokens and every decoder pass's logits agree; else what differed first."""

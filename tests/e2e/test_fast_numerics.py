@@ -26,8 +26,9 @@ from engine.batched_sampler import (
 from engine.kv_pages import KVPages, PageGeometry
 from engine.model import DiffusionLM, ForwardBatch, Mode, PagedKVCache, Row, load_model
 from engine.model.config import LayerType
-from engine.params import DecodeMode, DecodingDefaults
+from engine.params import DecodeMode
 from kernels.reference import philox_uniform
+from tests.e2e.sampler_cases import make_sampler, resolved
 
 REL_TOL = 1e-4
 PAGE = 16
@@ -116,17 +117,6 @@ def test_default_numerics_are_fast_and_exact_is_opt_in(tiny_checkpoint):
 
 
 # -- the batched sampler ---------------------------------------------------------------------
-
-
-def make_sampler(num_slots: int, length: int, vocab: int, hidden: int) -> BatchedSampler:
-    embedding = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(5))
-    ks = kernels.resolve_kernels("cpu", "twins")
-    return BatchedSampler(ks, embedding, hidden**0.5, length, num_slots)
-
-
-def resolved(seed: int, **overrides: object):  # type: ignore[no-untyped-def]
-    params = SamplingParams(seed=seed, **overrides)  # type: ignore[arg-type]
-    return DecodingDefaults().resolve(params)
 
 
 def per_row_step(

@@ -6,11 +6,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
 from engine import LLM, SamplingParams
 from tests.conftest import ALL_PRESETS
+from tests.e2e.parity_cases import expected_prefix, prompts_for, reference_generate
 
 SEEDS = (0, 1, 2)
 # On the real canvas length a reference generate() takes minutes on 2 cores, so there each
@@ -22,20 +22,6 @@ ONE_SEED_PER_PROMPT = {"c256", "gqa8", "c32-window", "c16"}
 # Presets whose random weights are confident enough for canvases to stop before the step cap
 # (see engine.testing): on these the adaptive stop must be exercised.
 EARLY_STOP_PRESETS = {"c16", "c256"}
-
-
-def prompts_for(llm: LLM) -> list[list[int]]:
-    """Five prompts: one token, short ones, and one longer than the sliding window."""
-    vocab, window = llm.model.cfg.vocab_size, llm.model.cfg.sliding_window
-    gen = torch.Generator().manual_seed(11)
-    lengths = [1, 4, 9, 17, 2 * window + 1]
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
-def reference_generate(ref, prompt: list[int], seed: int, **kwargs) -> tuple[list[int], float]:
-    torch.manual_seed(seed)
-    out = ref.generate(torch.tensor([prompt]), **kwargs)
-    return out.sequences[0, len(prompt) :].tolist(), float(out.tokens_per_forward[0])
 
 
 # The free-running reference generations of one preset, shared by the tests below.
@@ -67,15 +53,6 @@ def cases(prompts: list[list[int]], preset: str) -> list[tuple[list[int], int]]:
     if preset in ONE_SEED_PER_PROMPT:
         return [(prompt, SEEDS[i % len(SEEDS)]) for i, prompt in enumerate(prompts)]
     return [(prompt, seed) for prompt in prompts for seed in SEEDS]
-
-
-def expected_prefix(ref_ids: list[int], eos: set[int], max_tokens: int) -> list[int]:
-    """What Canvas must emit: the reference's tokens up to and including the first EOS, and
-    never more than max_tokens (the reference always emits whole canvases)."""
-    for i, token in enumerate(ref_ids[:max_tokens]):
-        if token in eos:
-            return ref_ids[: i + 1]
-    return ref_ids[:max_tokens]
 
 
 @pytest.mark.parametrize("preset", ALL_PRESETS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parity_sweep import _compare, random_case, sweep
+from tests.parity_sweep import compare, random_case, sweep
 
 # Cases chosen for spread: MHA and GQA, windows shorter and longer than the prompt, top-1 to
 # top-3 routing, canvases of 8 to 32 tokens, one to three EOS ids.
@@ -45,6 +45,6 @@ def test_sweep_comparison_catches_one_bit_and_one_token(where):
         ours[1][3, 4] = torch.nextafter(ours[1][3, 4], torch.tensor(float("inf")))
     else:
         got[2] = 8
-    assert _compare(tokens, tokens, logits, [t.clone() for t in logits]) == ""
-    problem = _compare(tokens, got, logits, ours)
+    assert compare(tokens, tokens, logits, [t.clone() for t in logits]) == ""
+    problem = compare(tokens, got, logits, ours)
     assert ("decoder pass 1" if where == "logits" else "position 2") in problem

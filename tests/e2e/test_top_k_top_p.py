@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (
 
 from engine import LLM, DecodeMode, ParamError, SamplingParams
 from engine.filters import filter_logits, top_p_floor
-from tests.e2e.test_generate_parity import expected_prefix, prompts_for, reference_generate
+from tests.e2e.parity_cases import expected_prefix, prompts_for, reference_generate
 
 
 @pytest.mark.parametrize("k,p", [(5, 1.0), (0, 0.9), (7, 0.8), (50, 0.3), (1, 0.5)])
@@ -87,7 +87,7 @@ def test_filters_reproduce_by_seed_and_neutral_values_change_nothing(
 def test_fast_top_k_1_draws_the_argmax_at_every_position() -> None:
     """One candidate per position: zero entropy, so every position is accepted, and what it
     takes is the argmax (the draft); an unfiltered row of the same batch keeps noise."""
-    from tests.e2e.test_fast_numerics import make_sampler, resolved
+    from tests.e2e.sampler_cases import make_sampler, resolved
 
     length, vocab = 16, 300
     sampler = make_sampler(2, length, vocab, hidden=8)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.model import Mode
-from tests.e2e.test_forward_parity import Sequences
+from tests.e2e.forward_cases import Sequences
 
 __all__ = ["NATIVE", "TOL", "Sequences", "forwards"]
 

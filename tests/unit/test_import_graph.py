@@ -101,3 +101,20 @@ def test_imports_point_from_server_to_engine_to_kernels():
         or (src.startswith("kernels") and dst.startswith(("engine", "server", "loadtest")))
     }
     assert upward == set()
+
+
+def test_tests_import_shared_helpers_not_other_test_modules():
+    """A test module is run, not imported: what tests share lives in helper modules."""
+    found = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(
+                n.startswith("tests.") and n.rpartition(".")[2].startswith("test_") for n in names
+            ):
+                found.append(path.relative_to(ROOT).as_posix())
+    assert found == []
