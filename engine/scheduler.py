@@ -159,7 +159,7 @@ class Scheduler:
         not cached yet: `seq` waits, then reuses them."""
         names = seq.page_names
         return any(
-            r.state == RowKind.PREFILL
+            r.num_computed < r.num_prompt  # still computing its prompt
             and r.num_registered < len(os.path.commonprefix([names, r.page_names]))
             for r in self.running.values()
         )
