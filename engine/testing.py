@@ -172,7 +172,7 @@ PRESETS: dict[str, TinyPreset] = {
         },
         description="12 layers (2 full), GQA 8:1 sliding / 8:4 full",
     ),
-    # The 26B-A4B text stack scaled to a 2-core CPU: 5 sliding + 1 full layer, GQA 2:1 on
+    # The 26B-A4B text stack scaled to a small CPU: 5 sliding + 1 full layer, GQA 2:1 on
     # sliding layers and 8:1 with a double head_dim and no v_proj on the full layer, a dense
     # GeGLU of 0.75 x hidden plus 16 experts (top-2) of 0.25 x hidden, the window 4x the canvas.
     "bench-small": TinyPreset(

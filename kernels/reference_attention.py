@@ -81,7 +81,7 @@ class PagedRows:
         table = [p for t in page_tables for p in (*t, *[-1] * (width - len(t)))]
         # One host tensor of every column, moved in one copy that does not wait (five blocking
         # `torch.tensor(..., device=)` copies were five host syncs per pool kind on a GPU); made
-        # by numpy, ~3x faster than `torch.tensor` from a list.
+        # by numpy, faster than `torch.tensor` from a list.
         columns = [*starts, *offsets, *num_tokens, *map(int, decode), *table]
         host = torch.from_numpy(np.array(columns, dtype=np.int32))
         packed = host.to(device, non_blocking=True)

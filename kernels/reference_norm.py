@@ -17,9 +17,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return h.type_as(x)
 
 
-# Up to this many elements a CPU norm is one `F.rms_norm` call (one dispatch: ~25% less time
-# for the few rows of an AR step); beyond it `F.rms_norm`'s CPU loop is up to 4x slower than
-# `rms_norm_fused`'s three vectorised passes. Both give the same bits (tested), so the switch
+# Up to this many elements a CPU norm is one `F.rms_norm` call (one dispatch, for the few rows
+# of an AR step); beyond it `F.rms_norm`'s CPU loop is slower than `rms_norm_fused`'s three
+# vectorised passes. Both give the same bits (tested), so the switch
 # keeps a row's value independent of its batch.
 SMALL_NORM = 1 << 15
 
@@ -27,7 +27,7 @@ SMALL_NORM = 1 << 15
 def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """`rms_norm` in fast numerics, for fp32 operands (other dtypes take the twin): on the CPU
     the mean square as one dot product per row, then two in-place scalings (3 passes over x
-    instead of the twin's 6, ~40% less time at a small model's shapes), or for a few rows one
+    instead of the twin's 6), or for a few rows one
     `F.rms_norm` call; elsewhere `F.rms_norm`. Either may differ from the twin in the last
     bit."""
     if x.dtype != torch.float32 or (weight is not None and weight.dtype != torch.float32):

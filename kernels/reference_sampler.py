@@ -102,8 +102,8 @@ def _softmax_rows(scaled: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor
     """From s = logits / T [C, V] and its row maxima (s is overwritten with s - max):
     (probs [C, V], log of the normaliser [C]). Entries below e^-70 of the largest get
     probability exactly 0: exp of a very negative number, and arithmetic on the subnormal
-    floats it yields, run ~10x slower on x86 CPUs (the soft-embedding GEMM over such
-    probabilities took 6x as long)."""
+    floats it yields, run far slower on x86 CPUs (so would the soft-embedding GEMM over such
+    probabilities)."""
     scaled -= top[:, None]
     probs = torch.exp(scaled.clamp_(min=_NEGLIGIBLE_LOG_PROB))
     F.threshold(probs, _NEGLIGIBLE_PROB, 0.0, inplace=True)

@@ -148,7 +148,7 @@ def linear(
     """`reference.linear` (x [..., M, K] @ weight [N, K]^T, fast numerics) by `moe.c`'s
     register tiles on the weight packed once ([N/2V, K, 2V]), for fp32 CPU operands of at least
     MIN_LINEAR_ROWS rows, N a multiple of 2V and the weight within MAX_PACKED_LINEAR_BYTES
-    (`bench-tiny`'s and `bench-small`'s projections); the twin otherwise. Every output's sum
+    (a small model's projections); the twin otherwise. Every output's sum
     runs over K in order, so a row's value never depends on its batch."""
     lanes, (n, k) = moe_lanes(), weight.shape
     rows = x.numel() // max(1, k)

@@ -2,10 +2,10 @@
  * own `b` and `e` (and `t`, the running thread's index, for per-thread scratch), handed to the
  * threads as they come free: a thread that the OS preempts (the clients, the HTTP front end
  * and other tenants share these cores) no longer holds the other at the region's end with half
- * the rows (static halves were 1.04x slower with a third of a core taken by another process:
- * `bench-tiny`, 16 x 64 tokens, paired runs; even on an idle machine). Built with -fopenmp
+ * the rows (static halves lose when another process takes part of a core). Built with -fopenmp
  * (`kernels.native.build` builds every library so where the compiler can), the ranges run on
- * the calling thread's OpenMP team, which is torch's: this library shares torch's libgomp (the same soname, loaded first), so the work goes to torch's own
+ * the calling thread's OpenMP team, which is torch's: this library shares torch's libgomp
+ * (the same soname, loaded first), so the work goes to torch's own
  * workers, which spin briefly after each of torch's parallel regions and would otherwise hold
  * the other cores against any thread of ours. Without OpenMP the ranges run one by one. */
 #ifndef CANVAS_PARALLEL_H
