@@ -422,10 +422,10 @@ def first_step_along(row: ScheduledRow) -> ScheduledRow | None:
     token from the ENCODE pass (a hybrid draft starts with it), so they wait for it.
 
     The prompt's last chunk takes the first canvas along too: a request's first canvas
-    starts in the forward that ends its prompt (one step fewer per request). Its fast-numerics rounding then depends on the
-    other rows of that forward, as every fast row's does (a GEMM's last bits depend on its row
-    count); exact numerics, whose rows' arithmetic is their own, give the reference's tokens
-    as before (the parity and batch-invariance tests)."""
+    starts in the forward that ends its prompt (one step fewer per request). Its fast-numerics
+    rounding then depends on the other rows of that forward, as every fast row's does (a GEMM's
+    last bits depend on its row count); exact numerics, whose rows' arithmetic is their own,
+    give the reference's tokens as before (the parity and batch-invariance tests)."""
     seq = row.req
     if seq.policy.samples_tokens or not ROW_KINDS[row.kind].ends_prefix(row):
         return None
