@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
-from engine.params import KNOB_NAMES, DecodeMode, ParamError, SamplingParams
+from engine.params import KNOB_NAMES, ParamError, SamplingParams
 from engine.validation import check_n, check_stop, check_user
 
 # OpenAI parameters Canvas does not implement, with their neutral values (accepted as no-ops;
@@ -123,7 +123,9 @@ class CommonParams(BaseModel):
     t_max: Float | None = None
     stability_threshold: Int | None = None
     confidence_threshold: Float | None = None
-    mode: Literal["diffusion", "ar", "hybrid"] | None = None  # None: the checkpoint's default
+    # A registered decode mode (`engine.modes`; SamplingParams names the choices); None: the
+    # checkpoint's default.
+    mode: Annotated[str, Strict()] | None = None
     stream_drafts: Bool = False
     response_format: ResponseFormat | None = None
     # Unsupported OpenAI parameters are accepted by the schema and rejected by name in
@@ -168,7 +170,7 @@ class CommonParams(BaseModel):
         check_user(self.user)
         return SamplingParams(
             max_tokens=max_tokens,
-            mode=DecodeMode(self.mode) if self.mode else None,
+            mode=self.mode,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             json_schema=structured_schema(self),
