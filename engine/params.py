@@ -134,6 +134,8 @@ class SamplingParams:
             "mode",
             f"must be one of {', '.join(repr(m) for m in mode_names())}",
         )
+        if self.mode in MODE_NAMES and not isinstance(self.mode, DecodeMode):
+            object.__setattr__(self, "mode", DecodeMode(self.mode))  # one spelling of a built-in
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
         _check(
             self.max_denoising_steps is None

@@ -14,7 +14,7 @@ import torch
 
 from engine.logprobs import token_logprobs
 from engine.request import RequestState
-from engine.sampling import Sampled
+from engine.sampling import CanvasSample, TokenSample
 from engine.types import TokenLogprob
 
 NON_FINITE = "the model produced non-finite logits"
@@ -64,16 +64,16 @@ def before_sampling(ar: list[RequestState], logits: torch.Tensor | None) -> dict
 
 @torch.inference_mode()
 def ar_results(
-    ar: list[RequestState], sampled: Sampled, raw: dict[int, torch.Tensor]
+    ar: list[RequestState], sampled: TokenSample, raw: dict[int, torch.Tensor]
 ) -> list[TokenResult]:
     """Per AR-sampled row: the token to commit (the grammar's choice for constrained
     requests), its log-probability when asked, or the row's error."""
     results = []
     for k, req in enumerate(ar):
-        if sampled.ar_failed[k]:
+        if sampled.failed[k]:
             results.append(TokenResult(error=NON_FINITE))
             continue
-        token, constraint = sampled.ar_tokens[k], None
+        token, constraint = sampled.tokens[k], None
         if req.constraint is not None:
             constraint = req.constraint.fork()
             token = constraint.commit_ar(token, req.remaining)
@@ -87,7 +87,7 @@ def ar_results(
 
 @torch.inference_mode()
 def denoise_results(
-    denoise: list[RequestState], sampled: Sampled, logits: torch.Tensor | None
+    denoise: list[RequestState], sampled: CanvasSample, logits: torch.Tensor | None
 ) -> list[CanvasResult]:
     """Per DENOISE row: the canvas's progress; a converged draft repaired by the grammar of a
     constrained request, and its log-probabilities (one per position up to the budget) when

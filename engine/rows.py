@@ -128,7 +128,8 @@ class EncodeRow:
         begin = time.perf_counter()
         raw = before_sampling(reqs, batch.logits)  # a grammar masks the logits in place
         masked = time.perf_counter()
-        sampled = sampling.sample(None, None, [], batch.logits, reqs)
+        assert batch.logits is not None
+        sampled = sampling.sample_tokens(batch.logits, reqs)
         drawn = time.perf_counter()
         results = iter(ar_results(reqs, sampled, raw))
         stats.grammar_seconds += (masked - begin) + (time.perf_counter() - drawn)
@@ -138,7 +139,7 @@ class EncodeRow:
         ]
 
         def install(ok: list[bool]) -> None:
-            sampling.install(sampled, [], [k for k, w in zip(ok, want, strict=True) if w])
+            sampling.install(sampled, [k for k, w in zip(ok, want, strict=True) if w])
 
         return effects, install
 
@@ -315,12 +316,13 @@ class DenoiseRow:
     def sample(self, batch: KindBatch) -> tuple[list[RowEffect], Install]:
         reqs = [row.req for row in batch.rows]
         sampling, logits = batch.sampling, batch.logits
-        sampled = sampling.sample(batch.canvas, logits, reqs, None, [])
+        assert batch.canvas is not None and logits is not None
+        sampled = sampling.sample_canvases(batch.canvas, logits, reqs)
         begin = time.perf_counter()
         results = denoise_results(reqs, sampled, logits)
         batch.stats.grammar_seconds += time.perf_counter() - begin
         effects = [self.effect(row, r) for row, r in zip(batch.rows, results, strict=True)]
-        return effects, lambda ok: sampling.install(sampled, ok, [])
+        return effects, lambda ok: sampling.install(sampled, ok)
 
     def effect(self, row: ScheduledRow, result: CanvasResult) -> RowEffect:
         """A row's effect from its denoising step."""

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -22,28 +22,32 @@ from engine.sampler import CanvasState, denoise_update, start_canvas
 from engine.verify import Draws, filter_one
 
 
-@dataclass(slots=True)
-class Sampled:
-    """Host-side results of one step's sampling, in the order of the rows given, and the rows'
+@dataclass(frozen=True, slots=True)
+class CanvasSample:
+    """Host-side results of one denoising update, per row in the order given, and the rows'
     new sampler state (`staged`, for `Sampling.install`; nothing is written before that)."""
 
-    finished: list[bool]  # per DENOISE row: the canvas converged or hit the step cap
-    num_steps: list[int]  # per DENOISE row: steps taken by its canvas so far
-    drafts: list[list[int] | None]  # per DENOISE row: the argmax canvas (when finished or asked)
-    ar_tokens: list[int]  # per AR-sampled row: the next token
-    failed: list[bool] = field(default_factory=list)  # per DENOISE row: non-finite logits
-    ar_failed: list[bool] = field(default_factory=list)  # per AR-sampled row
+    finished: list[bool]  # the canvas converged or hit the step cap
+    num_steps: list[int]  # steps taken by its canvas so far
+    drafts: list[list[int] | None]  # the argmax canvas (when finished or asked for)
+    failed: list[bool]  # non-finite logits
     staged: object = None
 
-    def __post_init__(self) -> None:
-        self.failed = self.failed or [False] * len(self.finished)
-        self.ar_failed = self.ar_failed or [False] * len(self.ar_tokens)
+
+@dataclass(frozen=True, slots=True)
+class TokenSample:
+    """Host-side next tokens, per row in the order given (-1 where `failed`: non-finite
+    logits), and the rows' new sampler state (`staged`, for `Sampling.install`)."""
+
+    tokens: list[int]
+    failed: list[bool]
+    staged: object = None
 
 
 @dataclass(frozen=True, slots=True)
 class CanvasBatch:
     """The DENOISE rows' inputs: canvas ids [R * L], self-conditioning inputs, and their
-    sampler state at this step (for `Sampling.sample`)."""
+    sampler state at this step (for `Sampling.sample_canvases`)."""
 
     ids: torch.Tensor
     soft: SoftEmbeds
@@ -51,9 +55,9 @@ class CanvasBatch:
 
 
 class Sampling(Protocol):
-    """A step's sampling is pure: `bind`, `canvas_inputs` and `sample` write nothing a re-run
-    could see twice; only `install` stores the new state, once the step has succeeded. Slots
-    are the scheduler's (`RequestState.slot`)."""
+    """A step's sampling is pure: `bind`, `canvas_inputs` and the `sample_*` calls write
+    nothing a re-run could see twice; only `install` stores the new state, once the step has
+    succeeded. Slots are the scheduler's (`RequestState.slot`)."""
 
     def bind(self, reqs: list[RequestState]) -> None:
         """Set up the slots of newly running requests from their parameters (idempotent)."""
@@ -62,20 +66,16 @@ class Sampling(Protocol):
         """The inputs of DENOISE rows; rows flagged in `starting` begin a new canvas. A hybrid
         request's canvas holds its pending token in slot 0 (`RequestState.pinned_token`)."""
 
-    def sample(
-        self,
-        canvas: CanvasBatch | None,
-        denoise_logits: torch.Tensor | None,
-        denoise: list[RequestState],
-        ar_logits: torch.Tensor | None,
-        ar: list[RequestState],
-    ) -> Sampled:
-        """One denoising update of `denoise` (logits [R * L, V] fp32) and the next token of
-        `ar` (logits [R_ar, V] fp32)."""
+    def sample_canvases(
+        self, canvas: CanvasBatch, logits: torch.Tensor, reqs: list[RequestState]
+    ) -> CanvasSample:
+        """One denoising update of `reqs`' canvases (logits [R * L, V] fp32)."""
 
-    def install(self, sampled: Sampled, keep: list[bool], keep_ar: list[bool]) -> None:
-        """Store the new state of the DENOISE (`keep`) and AR (`keep_ar`) rows whose step
-        succeeded."""
+    def sample_tokens(self, logits: torch.Tensor, reqs: list[RequestState]) -> TokenSample:
+        """The next token of each of `reqs` (logits [R, V] fp32)."""
+
+    def install(self, sampled: CanvasSample | TokenSample, keep: list[bool]) -> None:
+        """Store the new state of the rows whose step succeeded (`keep`)."""
 
     def verify_draws(self, reqs: list[RequestState]) -> list[Draws]:
         """The random numbers of hybrid verify passes (drawing from them writes nothing)."""
@@ -124,49 +124,30 @@ class BatchedSampling:
     def install_draws(self, reqs: list[RequestState], draws: list[Draws], keep: list[bool]) -> None:
         pass  # counter-based: nothing to store
 
-    def sample(
-        self,
-        canvas: CanvasBatch | None,
-        denoise_logits: torch.Tensor | None,
-        denoise: list[RequestState],
-        ar_logits: torch.Tensor | None,
-        ar: list[RequestState],
-    ) -> Sampled:
-        parts: list[torch.Tensor] = []
-        staged: RowStates | None = None
-        if denoise:
-            assert denoise_logits is not None and canvas is not None
-            assert isinstance(canvas.state, RowStates)
-            logits = self._filtered(denoise_logits, canvas.state.slots, denoise, self.canvas_length)
-            staged, host_parts = self.sampler.denoise(logits, canvas.state)
-            parts += host_parts
-        if ar:
-            assert ar_logits is not None
-            slots = self._slots(ar)
-            index = torch.tensor([len(r.output_ids) for r in ar])
-            index = index.to(self.device, non_blocking=True)
-            # The slots' temperatures as `BatchedSampler.admit` sets them, read on the host.
-            greedy = all(r.params.temperature <= 0 or not r.policy.samples_tokens for r in ar)
-            logits = self._filtered(ar_logits, slots, ar, 1)
-            parts += self.sampler.sample_ar(logits, slots, index, all_greedy=greedy)
-        host = to_host(parts)
-        ar_tokens, ar_failed = (host[-2], [bool(f) for f in host[-1]]) if ar else ([], [])
-        if not denoise:
-            return Sampled([], [], [], ar_tokens, [], ar_failed)
-        finished, steps, flat, failed = host[0], host[1], host[2], host[3]
+    def sample_canvases(
+        self, canvas: CanvasBatch, logits: torch.Tensor, reqs: list[RequestState]
+    ) -> CanvasSample:
+        assert isinstance(canvas.state, RowStates)
+        logits = self._filtered(logits, canvas.state.slots, reqs, self.canvas_length)
+        staged, parts = self.sampler.denoise(logits, canvas.state)
+        finished, steps, flat, failed = to_host(parts)
         length = self.canvas_length
         drafts: list[list[int] | None] = [
-            flat[i * length : (i + 1) * length] for i in range(len(denoise))
+            flat[i * length : (i + 1) * length] for i in range(len(reqs))
         ]
-        return Sampled(
-            [bool(f) for f in finished],
-            steps,
-            drafts,
-            ar_tokens,
-            [bool(f) for f in failed],
-            ar_failed,
-            staged,
+        return CanvasSample(
+            [bool(f) for f in finished], steps, drafts, [bool(f) for f in failed], staged
         )
+
+    def sample_tokens(self, logits: torch.Tensor, reqs: list[RequestState]) -> TokenSample:
+        slots = self._slots(reqs)
+        index = torch.tensor([len(r.output_ids) for r in reqs])
+        index = index.to(self.device, non_blocking=True)
+        # The slots' temperatures as `BatchedSampler.bind` sets them, read on the host.
+        greedy = all(r.params.temperature <= 0 or not r.policy.samples_tokens for r in reqs)
+        logits = self._filtered(logits, slots, reqs, 1)
+        tokens, failed = to_host(self.sampler.sample_ar(logits, slots, index, all_greedy=greedy))
+        return TokenSample(tokens, [bool(f) for f in failed])  # stateless: counter = position
 
     def _filtered(
         self, logits: torch.Tensor, slots: torch.Tensor, reqs: list[RequestState], length: int
@@ -176,9 +157,9 @@ class BatchedSampling:
         any_p = any(reqs[j].params.top_p < 1 for j in rows)
         return self.sampler.filtered(logits, slots, rows, length, max_k, any_p)
 
-    def install(self, sampled: Sampled, keep: list[bool], keep_ar: list[bool]) -> None:
+    def install(self, sampled: CanvasSample | TokenSample, keep: list[bool]) -> None:
         if not isinstance(sampled.staged, RowStates) or not any(keep):
-            return  # AR draws are stateless (counter = output position)
+            return  # token draws are stateless (counter = output position)
         mask = None
         if not all(keep):
             mask = torch.tensor(keep, dtype=torch.bool).to(self.device, non_blocking=True)
@@ -205,12 +186,10 @@ class _ReferenceState:
 
 @dataclass(frozen=True, slots=True)
 class _Staged:
-    """The forks a step drew from, per DENOISE and AR row, for `install`."""
+    """The forks a step's rows drew from, for `install`."""
 
-    denoise: list[RequestState]
+    reqs: list[RequestState]
     forks: list[_ReferenceState]
-    ar: list[RequestState]
-    ar_forks: list[_ReferenceState]
 
 
 class ReferenceSampling:
@@ -251,28 +230,22 @@ class ReferenceSampling:
         ids = torch.cat([c.canvas for c in canvases if c is not None])
         return CanvasBatch(ids, [c.soft_embeds for c in canvases if c is not None], forks)
 
-    def sample(
-        self,
-        canvas: CanvasBatch | None,
-        denoise_logits: torch.Tensor | None,
-        denoise: list[RequestState],
-        ar_logits: torch.Tensor | None,
-        ar: list[RequestState],
-    ) -> Sampled:
-        forks: list[_ReferenceState] = list(canvas.state) if canvas is not None else []  # type: ignore[call-overload]
-        finished, steps, drafts, failed = [], [], [], []  # type: ignore[var-annotated]
-        if denoise:
-            assert denoise_logits is not None
-            logits = denoise_logits.view(len(denoise), self.canvas_length, -1)
-            finished, steps, drafts, failed = self._denoise(logits, denoise, forks)
-        ar_forks = [self._fork(req) for req in ar]
-        ar_failed = (~_finite_rows(ar_logits)).tolist() if ar else []  # type: ignore[arg-type]
+    def sample_canvases(
+        self, canvas: CanvasBatch, logits: torch.Tensor, reqs: list[RequestState]
+    ) -> CanvasSample:
+        forks: list[_ReferenceState] = list(canvas.state)  # type: ignore[call-overload]
+        rows = logits.view(len(reqs), self.canvas_length, -1)
+        finished, steps, drafts, failed = self._denoise(rows, reqs, forks)
+        return CanvasSample(finished, steps, drafts, failed, _Staged(reqs, forks))
+
+    def sample_tokens(self, logits: torch.Tensor, reqs: list[RequestState]) -> TokenSample:
+        forks = [self._fork(req) for req in reqs]
+        failed: list[bool] = (~_finite_rows(logits)).tolist()
         tokens = [
-            -1 if bad else self._ar_token(req, ar_logits[k], fork.generator)  # type: ignore[index]
-            for k, (req, fork, bad) in enumerate(zip(ar, ar_forks, ar_failed, strict=True))
+            -1 if bad else self._ar_token(req, logits[k], fork.generator)
+            for k, (req, fork, bad) in enumerate(zip(reqs, forks, failed, strict=True))
         ]
-        staged = _Staged(denoise, forks, ar, ar_forks)
-        return Sampled(finished, steps, drafts, tokens, failed, ar_failed, staged)
+        return TokenSample(tokens, failed, _Staged(reqs, forks))
 
     def _denoise(
         self, logits: torch.Tensor, denoise: list[RequestState], forks: list[_ReferenceState]
@@ -306,16 +279,12 @@ class ReferenceSampling:
                 forks[j].canvas = None
         return finished, steps, drafts, failed
 
-    def install(self, sampled: Sampled, keep: list[bool], keep_ar: list[bool]) -> None:
+    def install(self, sampled: CanvasSample | TokenSample, keep: list[bool]) -> None:
         staged = sampled.staged
         assert isinstance(staged, _Staged)
-        for reqs, states, kept in (
-            (staged.denoise, staged.forks, keep),
-            (staged.ar, staged.ar_forks, keep_ar),
-        ):
-            for req, state, ok in zip(reqs, states, kept, strict=True):
-                if ok:
-                    self.states[_slot(req)] = state
+        for req, state, ok in zip(staged.reqs, staged.forks, keep, strict=True):
+            if ok:
+                self.states[_slot(req)] = state
 
     def verify_draws(self, reqs: list[RequestState]) -> list[Draws]:
         return [GeneratorDraws(self._fork(req)) for req in reqs]

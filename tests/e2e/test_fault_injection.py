@@ -148,8 +148,8 @@ def inject(llm: LLM, stage: str, victim: str, monkeypatch: pytest.MonkeyPatch) -
 
         monkeypatch.setattr(eng.runner, "execute", nan_logits)
     elif stage == "sampler":
-        fire = lambda _c, _d, denoise, _a, ar: _victim_reqs([*denoise, *ar], victim)  # noqa: E731
-        wrap(eng.sampling, "sample", fire)
+        wrap(eng.sampling, "sample_canvases", lambda _c, _l, reqs: _victim_reqs(reqs, victim))
+        wrap(eng.sampling, "sample_tokens", lambda _l, reqs: _victim_reqs(reqs, victim))
     elif stage == "grammar":
 
         def fork_raises() -> None:
