@@ -50,7 +50,8 @@ def ops_router(state: ServerState) -> APIRouter:
         status = "ready" if ok else ("draining" if state.draining else "loading")
         return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
-    @router.api_route("/ping", methods=["GET", "POST"])
+    @router.get("/ping")
+    @router.post("/ping")
     async def ping() -> Response:
         """SageMaker's health check, as vLLM serves it: an empty 200 while the server takes
         requests (as /ready), else an empty 503, so a draining server leaves the rotation."""
