@@ -1,12 +1,14 @@
 """The HTTP server: OpenAI-compatible routes over an engine client (`engine.types.EngineClient`).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
-POST /detokenize, POST /reset_prefix_cache, GET /health, GET /ready, GET /metrics,
-GET /version, OpenAPI docs at /docs, and the playground page at / and /playground
-(`server.playground`). With an API key, every request needs `Authorization: Bearer <key>`
-except those routed to the public routes: /health, /ready, /metrics, /version, the OpenAPI
-docs and the page (a path that matches no route needs the key too). The edge of every
-request (ids, limits, auth, body, last-resort errors) is `server.edge`.
+POST /detokenize, POST /reset_prefix_cache, GET /health, GET /ready, GET and POST /ping,
+GET /load, GET /metrics, GET /version, OpenAPI docs at /docs, and the playground page at / and
+/playground (`server.playground`). With an API key, every request needs
+`Authorization: Bearer <key>` except those routed to the public routes: /health, /ready, /ping,
+/load, /metrics, /version, the OpenAPI docs and the page (a path that matches no route needs
+the key too). The edge of every request (ids, limits, auth, body, last-resort errors) is
+`server.edge`; with a CORS policy (`ServerState.cors`) Starlette's CORS middleware runs before
+it, so a browser's preflight (which carries no key) is answered there.
 
 Importing this module loads no torch: the engine is reached only through its torch-free
 contract (`engine.types`, `engine.params`, `engine.validation`).
@@ -20,6 +22,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.edge import EdgeMiddleware, RouteAccess
@@ -70,4 +73,13 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(tokenize_router(state))
     app.include_router(admin_router(state))
     app.add_middleware(EdgeMiddleware, state=state, access=RouteAccess(app.routes, public))
+    if (cors := state.cors) is not None:  # added last: the outermost
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cors.origins,
+            allow_methods=cors.methods,
+            allow_headers=cors.headers,
+            allow_credentials=cors.credentials,
+            expose_headers=["x-request-id"],
+        )
     return app

@@ -1,5 +1,5 @@
 """The routes: completions and chat (POST /v1/...), models, and the operational ones (health,
-readiness, metrics, version)."""
+readiness, vLLM's /ping and /load, metrics, version)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,28 @@ def ops_router(state: ServerState) -> APIRouter:
         ok = state.engine.stats.healthy
         return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
 
+    def is_ready() -> bool:
+        return state.ready and not state.draining and state.engine.stats.alive
+
     @router.get("/ready")
     async def ready() -> Response:
-        ok = state.ready and not state.draining and state.engine.stats.alive
+        ok = is_ready()
         status = "ready" if ok else ("draining" if state.draining else "loading")
         return JSONResponse({"status": status}, status_code=200 if ok else 503)
+
+    @router.get("/ping")
+    @router.post("/ping")
+    async def ping() -> Response:
+        """SageMaker's health check, as vLLM serves it: an empty 200 while the server takes
+        requests (as /ready), else an empty 503, so a draining server leaves the rotation."""
+        return Response(status_code=200 if is_ready() else 503)
+
+    @router.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's server load: the engine requests in flight, those admitted whose engine
+        generator has not started yet included (a request with n choices counts n)."""
+        num = max(state.admission.num_admitted, state.engine.stats.num_inflight)
+        return {"server_load": num}
 
     @router.get("/metrics")
     async def metrics() -> Response:

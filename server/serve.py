@@ -13,14 +13,15 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import uvicorn
 
     from engine.engine import Engine
+    from engine.images import ImageLimits
     from engine.types import EngineClient
-    from server.state import ServerState
+    from server.state import CorsPolicy, HttpLimits, ServerState
 
 logger = logging.getLogger("canvas")
 
@@ -99,7 +100,42 @@ def build_state(
         AsyncEngine(engine), checkpoint.tokenizer, checkpoint.defaults, name, api_key=api_key
     )
     state.media = build_media(args, model_dir, checkpoint.model.vision is not None)
+    images = state.media.policy.limits if state.media is not None else None
+    state.http = http_limits(args.max_request_bytes, images)
+    state.cors = cors_policy(args)
     return state, banner(args, state, model_dir, engine)
+
+
+def http_limits(max_request_bytes: int | None, images: ImageLimits | None) -> HttpLimits:
+    """The HTTP limits of `--max-request-bytes` (None: derived from the image limits of a
+    server that takes images, `images`; `server.state.request_body_limit`)."""
+    from server.state import HttpLimits, request_body_limit
+
+    if max_request_bytes is None:
+        return HttpLimits(max_body_bytes=request_body_limit(images))
+    if max_request_bytes < 1:
+        raise StartupError("--max-request-bytes must be >= 1")
+    return HttpLimits(max_body_bytes=max_request_bytes)
+
+
+def cors_policy(args: argparse.Namespace) -> CorsPolicy | None:
+    """The CORS policy of the --allowed-* flags; None (no CORS) without --allowed-origins."""
+    from server.state import CorsPolicy
+
+    if not args.allowed_origins:
+        return None
+    return CorsPolicy(
+        tuple(args.allowed_origins),
+        tuple(args.allowed_methods),
+        tuple(args.allowed_headers),
+        args.allowed_credentials,
+    )
+
+
+def uvicorn_logging(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's logging options as `--uvicorn-log-level` and `--disable-uvicorn-access-log`
+    set them."""
+    return {"log_level": args.uvicorn_log_level, "access_log": not args.disable_uvicorn_access_log}
 
 
 def banner(
@@ -120,7 +156,9 @@ def banner(
         f"prefix caching {'on' if state.engine.limits.prefix_caching else 'off'}, "
         f"image input {'on' if state.media is not None else 'off'}",
         f"  max-num-seqs {args.max_num_seqs}, max-queue {args.max_queue}, "
-        f"auth {'on' if state.api_key else 'off'}",
+        f"auth {'on' if state.api_key else 'off'}, "
+        f"CORS {', '.join(state.cors.origins) if state.cors else 'off'}, "
+        f"request bodies up to {state.http.max_body_bytes} bytes",
         f"  cpu threads {threads}",
         f"  http://{args.host}:{args.port}/v1  (docs: /docs, metrics: /metrics)",
     ]
@@ -256,7 +294,8 @@ def serve(args: argparse.Namespace) -> int:
     for line in banner:
         logger.info(line)
     app = create_app(state)
-    config = uvicorn_config(app, state.http, host=args.host, port=args.port, log_level="info")
+    options = uvicorn_logging(args)
+    config = uvicorn_config(app, state.http, host=args.host, port=args.port, **options)
     logger.info("  %d objects of the loaded server left out of garbage collection", freeze_heap())
     try:
         confined = own_threads is not None

@@ -1,5 +1,5 @@
 """What the server holds for its lifetime: the engine client, the tokenizer, the validator,
-the HTTP limits and the admission count."""
+the HTTP limits, the CORS policy and the admission count."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from engine.validation import RequestValidator
 from server.metrics import Metrics
 
 if TYPE_CHECKING:  # the tokenizer module loads transformers; the server only calls it
+    from engine.images import ImageLimits
     from engine.tokenizer import Tokenizer
     from server.media import Media
 
@@ -36,6 +37,41 @@ class HttpLimits:
             raise ValueError("HTTP size limits must be >= 1")
         if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_timeout_s) <= 0:
             raise ValueError("HTTP timeouts must be > 0")
+
+
+# What a request's text may take (messages, tools, schema), beside its inline images.
+TEXT_BODY_BYTES = HttpLimits().max_body_bytes
+
+
+def request_body_limit(images: ImageLimits | None) -> int:
+    """The default body limit: `TEXT_BODY_BYTES`, plus, when the server takes images, the
+    base64 data URLs of as many images as a request may carry, each of the largest size
+    allowed (base64 is 4 bytes per 3, rounded up), so no image the image limits allow is
+    refused as a 413 before it is checked by name."""
+    if images is None:
+        return TEXT_BODY_BYTES
+    data_url_bytes = -(-images.max_image_bytes // 3) * 4
+    return TEXT_BODY_BYTES + images.max_images * data_url_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CorsPolicy:
+    """Which browser origins may call the server (CORS): `origins` ("*": any), the methods
+    and headers a preflight may ask for, and whether credentials (cookies, HTTP auth) are
+    allowed. Credentials with any origin are refused: the middleware would echo every
+    origin back, so any web page could send the browser's credentials."""
+
+    origins: tuple[str, ...]
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+    def __post_init__(self) -> None:
+        if self.credentials and "*" in self.origins:
+            raise ValueError(
+                "--allowed-credentials with '*' in --allowed-origins would let every web page "
+                "send a browser's credentials: list the origins"
+            )
 
 
 class Ticket:
@@ -81,6 +117,7 @@ class ServerState:
     ready: bool = False
     draining: bool = False
     media: Media | None = None  # image input (a vision checkpoint), else image parts are 400s
+    cors: CorsPolicy | None = None  # None: no CORS headers (browsers keep other origins out)
     metrics: Metrics = field(init=False)
     validator: RequestValidator = field(init=False)
     admission: Admission = field(init=False)

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
+
+from uvicorn.config import LOG_LEVELS
 
 from engine.default_model import placeholder_model_dir
 from server.cli.config import CHECKPOINT_FLAGS, ENGINE_FLAGS, add_flags, add_threads_flag
@@ -67,6 +70,62 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--debug", action="store_true", help="traceback of a start-up error")
     add_media_arguments(parser)
+    add_http_arguments(parser)
+
+
+def json_strings(text: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's spelling: '["https://a.example"]')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'{text!r} is not a JSON list of strings, e.g. ["*"]')
+    return value
+
+
+def add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    """The HTTP front end's flags, spelt as vLLM's: the body limit, CORS, uvicorn's logging."""
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="request body limit in bytes, past which a request is a 413 (default: 4 MiB for "
+        "the text, plus, when the model takes images, --max-images-per-request base64 data "
+        "URLs of --max-image-bytes each)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        type=json_strings,
+        default=None,
+        metavar="JSON",
+        help='browser origins allowed by CORS, a JSON list (["*"]: any; default: CORS off, '
+        "no origin but the server's own)",
+    )
+    for name, what in (("methods", "HTTP methods"), ("headers", "request headers")):
+        parser.add_argument(
+            f"--allowed-{name}",
+            type=json_strings,
+            default=["*"],
+            metavar="JSON",
+            help=f"{what} a CORS preflight may ask for, a JSON list (with --allowed-origins)",
+        )
+    parser.add_argument(
+        "--allowed-credentials",
+        action="store_true",
+        help="CORS: allow credentials (cookies, HTTP auth); needs listed --allowed-origins",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=tuple(LOG_LEVELS),
+        help="uvicorn's log level (its startup, error and access lines)",
+    )
+    parser.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no access line per request",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
