@@ -31,6 +31,7 @@ from server.errors import (
     http_error_handler,
     validation_error_handler,
 )
+from server.metrics import HttpMetricsMiddleware
 from server.playground import playground_router
 from server.routes import VERSION, admin_router, ops_router, v1_router
 from server.state import ServerState
@@ -70,4 +71,6 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(tokenize_router(state))
     app.include_router(admin_router(state))
     app.add_middleware(EdgeMiddleware, state=state, access=RouteAccess(app.routes, public))
+    # Outermost: it counts the edge's refusals too.
+    app.add_middleware(HttpMetricsMiddleware, metrics=state.metrics.http)
     return app
