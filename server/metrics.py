@@ -64,6 +64,56 @@ class PrefixCacheMetrics:
         self.usage.set(engine.prefix_cache_usage)
 
 
+class EngineLoopMetrics:
+    """The step loop: whether it is healthy (what /health answers), the steps it has run (fed
+    from the engine's running total), each step's times, and vLLM's token positions per step."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(
+                model_name
+            )
+
+        self.healthy = Gauge(
+            "canvas:engine_healthy",
+            "1 while the step loop is alive and stepping whenever there is work, else 0",
+            labels,
+            registry=registry,
+        ).labels(model_name)
+        self.steps = Counter(
+            "canvas:engine_steps", "Engine steps run", labels, registry=registry
+        ).labels(model_name)
+        self._seen_steps = 0  # the engine's step count at the last update
+        self.step_seconds = hist("canvas:step_seconds", "Engine step wall time", LATENCY_BUCKETS)
+        self.sample_seconds = hist(
+            "canvas:sample_seconds",
+            "Sampler time per step (the sampling arithmetic, then its one host transfer)",
+            LATENCY_BUCKETS,
+        )
+        self.forward_seconds = hist(
+            "canvas:forward_seconds", "Model forward time per step", LATENCY_BUCKETS
+        )
+        self.iteration_tokens = hist(
+            "vllm:iteration_tokens_total",
+            "Token positions per engine step that ran the model",
+            TOKEN_BUCKETS,
+        )
+
+    def on_step(self, step: StepStats) -> None:
+        self.step_seconds.observe(step.step_seconds)
+        self.forward_seconds.observe(step.forward_seconds)
+        self.sample_seconds.observe(step.sample_seconds)
+        if step.num_tokens:  # a step that ran the model
+            self.iteration_tokens.observe(step.num_tokens)
+
+    def update(self, engine: EngineStats) -> None:
+        self.healthy.set(1 if engine.healthy else 0)
+        self.steps.inc(max(0, engine.num_steps - self._seen_steps))
+        self._seen_steps = max(engine.num_steps, self._seen_steps)
+
+
 class RequestSizes:
     """vLLM's request-size histograms: prompt and generated tokens per finished request."""
 
@@ -237,15 +287,6 @@ class Metrics:
         self.committed_per_step = hist(
             "canvas:committed_tokens_per_step", "Tokens committed by one engine step", TOKEN_BUCKETS
         )
-        self.step_seconds = hist("canvas:step_seconds", "Engine step wall time", LATENCY_BUCKETS)
-        self.sample_seconds = hist(
-            "canvas:sample_seconds",
-            "Sampler time per step (the sampling arithmetic, then its one host transfer)",
-            LATENCY_BUCKETS,
-        )
-        self.forward_seconds = hist(
-            "canvas:forward_seconds", "Model forward time per step", LATENCY_BUCKETS
-        )
         self.positions = counter(
             "canvas:positions_evaluated", "Token positions run through the model"
         )
@@ -259,20 +300,10 @@ class Metrics:
             "canvas:hybrid_drafted_tokens", "Draft tokens offered to hybrid verify passes"
         )
         self._thread_steps = thread_steps_counter(r)
-        self.iteration_tokens = hist(
-            "vllm:iteration_tokens_total",
-            "Token positions per engine step that ran the model",
-            TOKEN_BUCKETS,
-        )
+        self.engine = EngineLoopMetrics(r, model_name)
         self.request_sizes = RequestSizes(r, model_name)
         self.diffusion = DiffusionCounters(r, model_name, canvas_length)
         self.http = HttpMetrics(r, model_name)
-        self.engine_healthy = gauge(
-            "canvas:engine_healthy",
-            "1 while the step loop is alive and stepping whenever there is work, else 0",
-        )
-        self.engine_steps = counter("canvas:engine_steps", "Engine steps run")
-        self._seen_steps = 0  # the engine's step count at the last update
 
     def success(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -280,12 +311,8 @@ class Metrics:
     def on_step(self, step: StepStats, outputs: list[StepOutput]) -> None:
         """Step-level metrics, called on the engine thread after each step."""
         self.committed_per_step.observe(step.num_committed)
-        self.step_seconds.observe(step.step_seconds)
-        self.forward_seconds.observe(step.forward_seconds)
-        self.sample_seconds.observe(step.sample_seconds)
+        self.engine.on_step(step)
         self.positions.inc(step.num_tokens)
-        if step.num_tokens:
-            self.iteration_tokens.observe(step.num_tokens)
         for latency in step.canvas_latencies:
             self.canvas_latency.observe(latency)
         for accepted in step.accepted_lengths:
@@ -323,7 +350,5 @@ class Metrics:
         self.kv_usage.set(engine.kv_usage)
         self.slots_used.set(engine.num_slots_used)
         self.prefix_cache.update(engine)
-        self.engine_healthy.set(1 if engine.healthy else 0)
-        self.engine_steps.inc(max(0, engine.num_steps - self._seen_steps))
-        self._seen_steps = max(engine.num_steps, self._seen_steps)
+        self.engine.update(engine)
         return generate_latest(self.registry)
