@@ -185,12 +185,12 @@ class HttpMetrics:
 
 class HttpMetricsMiddleware:
     """Records every HTTP request in `HttpMetrics`, labelled by the path template of the route
-    the router dispatched it to (`scope["route"]`, which the router sets: `/v1/models/{id}`
-    style, a method mismatch included), never the raw path, so no client can grow the label
+    the router dispatched it to (`scope["route"]`, which the router sets: `/playground/{name}`,
+    a method mismatch included), never the raw path, so no client can grow the label
     set; a request no route took (a path no route matches, or one the edge refused before
     routing: 401, 413, ...) is `UNROUTED`. Outermost, it also counts the edge's refusals and
     last-resort 500s; a request that ended before any response (the client left) counts as
-    `NO_RESPONSE`."""
+    `NO_RESPONSE`, one that raised before any response as 500 (the exception goes on)."""
 
     def __init__(self, app: ASGIApp, metrics: HttpMetrics) -> None:
         self.app = app

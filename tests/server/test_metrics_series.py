@@ -3,10 +3,12 @@ counters) and the HTTP series move as they should, over the fake engine."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine.types import EngineStats, StepStats
-from server.metrics import Metrics
+from server.metrics import NO_RESPONSE, UNROUTED, HttpMetricsMiddleware, Metrics
 from tests.server.conftest import make_fake_server
 from tests.server.fake_engine import LIMITS, STEPS_PER_CANVAS
 
@@ -114,3 +116,31 @@ def test_engine_steps_follow_the_engines_step_count():
         return float(line.rsplit(" ", 1)[1])
 
     assert [steps(5), steps(5), steps(12)] == [5, 5, 12]
+
+
+async def _no_response(scope, receive, send) -> None:
+    return None  # the client left before the route answered
+
+
+async def _fault(scope, receive, send) -> None:
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize(("app", "status"), [(_no_response, NO_RESPONSE), (_fault, "500")])
+def test_a_request_that_ended_without_a_response_is_counted(app, status):
+    metrics = Metrics("m", canvas_length=4)
+    middleware = HttpMetricsMiddleware(app, metrics.http)
+
+    async def send(message) -> None:
+        raise AssertionError("nothing is sent")
+
+    scope = {"type": "http", "path": "/v1/models", "method": "GET"}
+    if app is _fault:
+        with pytest.raises(RuntimeError, match="boom"):
+            asyncio.run(middleware(scope, None, send))
+    else:
+        asyncio.run(middleware(scope, None, send))
+    sample = metrics.registry.get_sample_value(
+        "canvas:http_requests_total", {"model_name": "m", "route": UNROUTED, "status": status}
+    )
+    assert sample == 1
