@@ -34,6 +34,7 @@ from server.errors import (
     http_error_handler,
     validation_error_handler,
 )
+from server.metrics import HttpMetricsMiddleware
 from server.playground import playground_router
 from server.routes import VERSION, admin_router, ops_router, v1_router
 from server.state import ServerState
@@ -73,7 +74,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(tokenize_router(state))
     app.include_router(admin_router(state))
     app.add_middleware(EdgeMiddleware, state=state, access=RouteAccess(app.routes, public))
-    if (cors := state.cors) is not None:  # added last: the outermost
+    if (cors := state.cors) is not None:  # outside the edge: a preflight carries no key
         app.add_middleware(
             CORSMiddleware,
             allow_origins=cors.origins,
@@ -82,4 +83,6 @@ def create_app(state: ServerState) -> FastAPI:
             allow_credentials=cors.credentials,
             expose_headers=["x-request-id"],
         )
+    # Outermost: it counts CORS preflights and the edge's refusals too.
+    app.add_middleware(HttpMetricsMiddleware, metrics=state.metrics.http)
     return app

@@ -2,14 +2,18 @@
 
 Standard serving metrics use vLLM's names (`vllm:` prefix, label `model_name`) because routers
 and autoscalers (Gateway API Inference Extension, llm-d, KEDA) are configured for them; the
-diffusion-specific ones use the `canvas:` prefix.
+diffusion-specific ones use the `canvas:` prefix, as do the HTTP series
+(`HttpMetricsMiddleware`). The dashboard and alert rules in deploy/ query only these series
+(tests/server/test_metrics_dashboard.py checks that).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.types import EngineStats, RequestStats, StepOutput, StepStats
 
@@ -19,6 +23,10 @@ STEP_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 TPF_BUCKETS = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 255)
 TOKEN_BUCKETS = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Request sizes in tokens, vLLM's 1-2-5 series (it stops at the context length; these at 10^6).
+REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))[:-2]
+UNROUTED = "unrouted"  # the route label of a request no route took
+NO_RESPONSE = "499"  # the status label of a request that ended before its response began
 
 
 class PrefixCacheMetrics:
@@ -56,6 +64,161 @@ class PrefixCacheMetrics:
         self.usage.set(engine.prefix_cache_usage)
 
 
+class EngineLoopMetrics:
+    """The step loop: whether it is healthy (what /health answers), the steps it has run (fed
+    from the engine's running total), each step's times, and vLLM's token positions per step."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(
+                model_name
+            )
+
+        self.healthy = Gauge(
+            "canvas:engine_healthy",
+            "1 while the step loop is alive and stepping whenever there is work, else 0",
+            labels,
+            registry=registry,
+        ).labels(model_name)
+        self.steps = Counter(
+            "canvas:engine_steps", "Engine steps run", labels, registry=registry
+        ).labels(model_name)
+        self._seen_steps = 0  # the engine's step count at the last update
+        self.step_seconds = hist("canvas:step_seconds", "Engine step wall time", LATENCY_BUCKETS)
+        self.sample_seconds = hist(
+            "canvas:sample_seconds",
+            "Sampler time per step (the sampling arithmetic, then its one host transfer)",
+            LATENCY_BUCKETS,
+        )
+        self.forward_seconds = hist(
+            "canvas:forward_seconds", "Model forward time per step", LATENCY_BUCKETS
+        )
+        self.iteration_tokens = hist(
+            "vllm:iteration_tokens_total",
+            "Token positions per engine step that ran the model",
+            TOKEN_BUCKETS,
+        )
+
+    def on_step(self, step: StepStats) -> None:
+        self.step_seconds.observe(step.step_seconds)
+        self.forward_seconds.observe(step.forward_seconds)
+        self.sample_seconds.observe(step.sample_seconds)
+        if step.num_tokens:  # a step that ran the model
+            self.iteration_tokens.observe(step.num_tokens)
+
+    def update(self, engine: EngineStats) -> None:
+        self.healthy.set(1 if engine.healthy else 0)
+        self.steps.inc(max(0, engine.num_steps - self._seen_steps))
+        self._seen_steps = max(engine.num_steps, self._seen_steps)
+
+
+class RequestSizes:
+    """vLLM's request-size histograms: prompt and generated tokens per finished request."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def hist(name: str, doc: str) -> Any:
+            return Histogram(
+                name, doc, ["model_name"], buckets=REQUEST_TOKEN_BUCKETS, registry=registry
+            ).labels(model_name)
+
+        self.prompt = hist("vllm:request_prompt_tokens", "Prompt tokens per finished request")
+        self.generation = hist(
+            "vllm:request_generation_tokens", "Generated tokens per finished request"
+        )
+
+    def observe(self, num_prompt_tokens: int, num_generated: int) -> None:
+        self.prompt.observe(num_prompt_tokens)
+        self.generation.observe(num_generated)
+
+
+class DiffusionCounters:
+    """vLLM's diffusion counters: denoising steps run (decoder passes over a canvas), the canvas
+    positions those steps evaluated (canvas length each), and the tokens committed. Fed per
+    finished request: only its stats tell denoising passes from encoder passes. Committed
+    tokens / denoising steps is the tokens per denoising step (AR mode runs none)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, canvas_length: int) -> None:
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, ["model_name"], registry=registry).labels(model_name)
+
+        self.canvas_length = canvas_length
+        self.steps = counter("vllm:diffusion_num_denoising_steps", "Denoising steps run")
+        self.positions = counter(
+            "vllm:diffusion_num_canvas_positions", "Canvas positions the denoising steps evaluated"
+        )
+        self.committed = counter(
+            "vllm:diffusion_num_committed_tokens", "Tokens committed (finalized) by the engine"
+        )
+
+    def on_finish(self, stats: RequestStats) -> None:
+        self.steps.inc(stats.decoder_passes)
+        self.positions.inc(stats.decoder_passes * self.canvas_length)
+        self.committed.inc(stats.num_output_tokens)
+
+
+class HttpMetrics:
+    """Responses by route template and status code, and their latency by route (from the
+    request's arrival to the response's last byte: a stream's whole length)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        self.requests = Counter(
+            "canvas:http_requests",
+            "HTTP responses by route template and status code",
+            ["model_name", "route", "status"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "canvas:http_request_duration_seconds",
+            "HTTP request latency by route template, to the response's last byte",
+            ["model_name", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+    def record(self, route: str, status: str, seconds: float) -> None:
+        self.requests.labels(self.model_name, route, status).inc()
+        self.duration.labels(self.model_name, route).observe(seconds)
+
+
+class HttpMetricsMiddleware:
+    """Records every HTTP request in `HttpMetrics`, labelled by the path template of the route
+    the router dispatched it to (`scope["route"]`, which the router sets: `/playground/{name}`,
+    a method mismatch included), never the raw path, so no client can grow the label
+    set; a request no route took (a path no route matches, or one the edge refused before
+    routing: 401, 413, ...) is `UNROUTED`. Outermost, it also counts the edge's refusals and
+    last-resort 500s; a request that ended before any response (the client left) counts as
+    `NO_RESPONSE`, one that raised before any response as 500 (the exception goes on)."""
+
+    def __init__(self, app: ASGIApp, metrics: HttpMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        status = NO_RESPONSE
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        except Exception:
+            status = "500" if status == NO_RESPONSE else status
+            raise
+        finally:
+            route = str(getattr(scope.get("route"), "path", UNROUTED))
+            self.metrics.record(route, status, time.monotonic() - start)
+
+
 def thread_steps_counter(registry: CollectorRegistry) -> Counter:
     return Counter(
         "canvas:cpu_thread_steps",
@@ -66,7 +229,7 @@ def thread_steps_counter(registry: CollectorRegistry) -> Counter:
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, canvas_length: int) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
         self.model_name = model_name
@@ -124,15 +287,6 @@ class Metrics:
         self.committed_per_step = hist(
             "canvas:committed_tokens_per_step", "Tokens committed by one engine step", TOKEN_BUCKETS
         )
-        self.step_seconds = hist("canvas:step_seconds", "Engine step wall time", LATENCY_BUCKETS)
-        self.sample_seconds = hist(
-            "canvas:sample_seconds",
-            "Sampler time per step (the sampling arithmetic, then its one host transfer)",
-            LATENCY_BUCKETS,
-        )
-        self.forward_seconds = hist(
-            "canvas:forward_seconds", "Model forward time per step", LATENCY_BUCKETS
-        )
         self.positions = counter(
             "canvas:positions_evaluated", "Token positions run through the model"
         )
@@ -146,6 +300,10 @@ class Metrics:
             "canvas:hybrid_drafted_tokens", "Draft tokens offered to hybrid verify passes"
         )
         self._thread_steps = thread_steps_counter(r)
+        self.engine = EngineLoopMetrics(r, model_name)
+        self.request_sizes = RequestSizes(r, model_name)
+        self.diffusion = DiffusionCounters(r, model_name, canvas_length)
+        self.http = HttpMetrics(r, model_name)
 
     def success(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -153,9 +311,7 @@ class Metrics:
     def on_step(self, step: StepStats, outputs: list[StepOutput]) -> None:
         """Step-level metrics, called on the engine thread after each step."""
         self.committed_per_step.observe(step.num_committed)
-        self.step_seconds.observe(step.step_seconds)
-        self.forward_seconds.observe(step.forward_seconds)
-        self.sample_seconds.observe(step.sample_seconds)
+        self.engine.on_step(step)
         self.positions.inc(step.num_tokens)
         for latency in step.canvas_latencies:
             self.canvas_latency.observe(latency)
@@ -169,6 +325,8 @@ class Metrics:
         self.success(reason)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(num_tokens)
+        self.request_sizes.observe(stats.num_prompt_tokens, num_tokens)
+        self.diffusion.on_finish(stats)
         self.e2e.observe(stats.finish_time - stats.arrival_time)
         if stats.first_scheduled_time is not None:
             self.queue_time.observe(stats.first_scheduled_time - stats.arrival_time)
@@ -177,6 +335,14 @@ class Metrics:
         if stats.decoder_passes:
             self.tokens_per_forward.observe(stats.tokens_per_forward)
 
+    def on_stop_string(self, num_prompt_tokens: int, num_tokens: int) -> None:
+        """A request that a stop string ended: its engine request was aborted, so it has no
+        engine stats, only its token counts."""
+        self.success("stop")
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_tokens)
+        self.request_sizes.observe(num_prompt_tokens, num_tokens)
+
     def render(self, engine: EngineStats) -> bytes:
         """The exposition text, with the gauges set from an engine snapshot."""
         self.running.set(engine.num_running)
@@ -184,4 +350,5 @@ class Metrics:
         self.kv_usage.set(engine.kv_usage)
         self.slots_used.set(engine.num_slots_used)
         self.prefix_cache.update(engine)
+        self.engine.update(engine)
         return generate_latest(self.registry)

@@ -262,9 +262,7 @@ class RequestRun:
             if choice.stats.first_token_time is not None:
                 metrics.ttft.observe(choice.stats.first_token_time - choice.stats.arrival_time)
         elif finish is not None and reason is FinishReason.STOP:  # a stop string ended it
-            metrics.success(FinishReason.STOP.value)
-            metrics.prompt_tokens.inc(len(choice.prompt.ids))
-            metrics.generation_tokens.inc(choice.text.num_tokens)
+            metrics.on_stop_string(len(choice.prompt.ids), choice.text.num_tokens)
 
     async def _watch(self, request: Request, tasks: list[asyncio.Task[None]]) -> bool:
         """Cancel the choices when the client goes away (frees their pages); returns whether

@@ -124,5 +124,5 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.engine.limits.max_inflight)
-        self.metrics = Metrics(self.model_name)
+        self.metrics = Metrics(self.model_name, self.engine.limits.canvas_length)
         self.validator = RequestValidator(self.defaults, self.engine.limits)

@@ -1,5 +1,6 @@
 """JSON Schemas for the custom resources the chart renders, which the Kubernetes schemas
-(`kubernetes-validate`) do not cover: ServiceMonitor (Prometheus Operator), InferencePool
+(`kubernetes-validate`) do not cover: ServiceMonitor and PrometheusRule (Prometheus Operator),
+InferencePool
 (Gateway API Inference Extension v1), HTTPRoute and Gateway (Gateway API v1), and the endpoint
 picker's EndpointPickerConfig. Written by hand from the fields, required fields, enums and
 bounds of those APIs, for the fields the chart uses: unknown fields are errors, as in a
@@ -71,6 +72,39 @@ SERVICE_MONITOR = resource(
             },
         },
         ["selector", "endpoints"],
+    ),
+)
+
+PROMETHEUS_RULE = resource(
+    "monitoring.coreos.com/v1",
+    "PrometheusRule",
+    closed(
+        {
+            "groups": {
+                "type": "array",
+                "items": closed(
+                    {
+                        "name": {"type": "string", "minLength": 1},
+                        "interval": DURATION,
+                        "rules": {
+                            "type": "array",
+                            "items": closed(
+                                {
+                                    "alert": {"type": "string", "minLength": 1},
+                                    "record": {"type": "string", "minLength": 1},
+                                    "expr": {"type": "string", "minLength": 1},
+                                    "for": DURATION,
+                                    "labels": LABELS,
+                                    "annotations": LABELS,
+                                },
+                                ["expr"],
+                            ),
+                        },
+                    },
+                    ["name", "rules"],
+                ),
+            }
+        }
     ),
 )
 
@@ -188,6 +222,7 @@ GATEWAY = resource(
 
 CUSTOM_RESOURCES = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUS_RULE,
     ("inference.networking.k8s.io/v1", "InferencePool"): INFERENCE_POOL,
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTP_ROUTE,
     ("gateway.networking.k8s.io/v1", "Gateway"): GATEWAY,

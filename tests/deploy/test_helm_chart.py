@@ -7,6 +7,7 @@ autoscaling and gateway routing on metric names that Canvas' /metrics exports.""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ CHART = DEPLOY / "helm" / "canvas"
 OLDEST_KUBERNETES = "1.29"  # Chart.yaml's kubeVersion
 EVERYTHING = {
     "serviceMonitor": {"enabled": True},
+    "prometheusRule": {"enabled": True},
+    "grafanaDashboard": {"enabled": True},
     "autoscaling": {"enabled": True},
     "inferenceGateway": {"enabled": True, "gateway": {"className": "example-gateway-class"}},
     "apiKey": {"value": "sekrit-key"},
@@ -224,11 +227,14 @@ def test_the_inference_pool_routes_to_canvas_pods_by_metrics_canvas_exports():
     used = {args[args.index(flag) + 1] for flag in args if flag.endswith("-metric")} - {""}
     assert used == {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
     assert used <= exported_metrics()
-    config = yaml.safe_load(one(docs, "ConfigMap")["data"]["canvas-plugins.yaml"])
+    config = yaml.safe_load(one(docs, "ConfigMap", picker["name"])["data"]["canvas-plugins.yaml"])
     jsonschema.validate(config, ENDPOINT_PICKER_CONFIG)
     defined = {p.get("name", p["type"]) for p in config["plugins"]}
     for profile in config["schedulingProfiles"]:
         assert {p["pluginRef"] for p in profile["plugins"]} <= defined
+    (profile,) = config["schedulingProfiles"]
+    scorers = {p["pluginRef"] for p in profile["plugins"] if "weight" in p}
+    assert scorers == {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"}
     granted = {r for rule in one(docs, "Role")["rules"] for r in rule["resources"]}
     assert {"inferencepools", "pods"} <= granted
     route = one(docs, "HTTPRoute")
@@ -237,3 +243,21 @@ def test_the_inference_pool_routes_to_canvas_pods_by_metrics_canvas_exports():
         {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "demo-canvas"}
     ]
     assert route["spec"]["parentRefs"][0]["name"] == one(docs, "Gateway")["metadata"]["name"]
+
+
+def test_the_alert_rules_and_the_dashboard_ship_as_the_files_in_deploy():
+    docs = render({"prometheusRule": {"enabled": True}, "grafanaDashboard": {"enabled": True}})
+    rule = one(docs, "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((CHART / "files" / "canvas-alerts.yaml").read_text())
+    assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} >= {
+        "CanvasHighErrorRate",
+        "CanvasStepLoopUnhealthy",
+        "CanvasQueueBuildingUp",
+        "CanvasKVCacheNearFull",
+        "CanvasHighTimeToFirstToken",
+    }
+    dashboard = one(docs, "ConfigMap", "demo-canvas-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (text,) = dashboard["data"].values()
+    assert json.loads(text) == json.loads((CHART / "files" / "canvas-dashboard.json").read_text())
+    assert {d["kind"] for d in render()}.isdisjoint({"PrometheusRule", "ConfigMap"})
