@@ -98,6 +98,7 @@ def build_state(
     state = ServerState(
         AsyncEngine(engine), checkpoint.tokenizer, checkpoint.defaults, name, api_key=api_key
     )
+    state.reasoning_field = args.reasoning_field
     state.media = build_media(args, model_dir, checkpoint.model.vision is not None)
     return state, banner(args, state, model_dir, engine)
 
