@@ -143,9 +143,13 @@ def test_reasoning_reaches_the_template_exactly_as_reasoning_content(served):
 
 def test_reasoning_under_both_names_must_agree(served):
     said = {"role": "assistant", "content": None, "tool_calls": [CALL]}
-    status, body = served.chat([ASK, {**said, "reasoning": "A", "reasoning_content": "A"}, ANSWERED])
+    status, body = served.chat(
+        [ASK, {**said, "reasoning": "A", "reasoning_content": "A"}, ANSWERED]
+    )
     assert status == 200, body
-    status, body = served.chat([ASK, {**said, "reasoning": "A", "reasoning_content": "B"}, ANSWERED])
+    status, body = served.chat(
+        [ASK, {**said, "reasoning": "A", "reasoning_content": "B"}, ANSWERED]
+    )
     assert status == 400 and body["error"]["param"] == "messages.1.reasoning"
     status, body = served.chat([{**ASK, "reasoning": "A"}])
     assert status == 400 and body["error"]["param"] == "messages.0.reasoning"
@@ -193,3 +197,13 @@ def test_the_reasoning_field_flag_takes_only_its_choices():
     assert parser.parse_args(["--reasoning-field", "reasoning"]).reasoning_field == "reasoning"
     with pytest.raises(SystemExit):
         parser.parse_args(["--reasoning-field", "thoughts"])
+
+
+def test_canvas_serve_keeps_the_reasoning_field_it_is_given(tiny_checkpoint):
+    from tests.server.conftest import start_server
+
+    server, stop = start_server(str(tiny_checkpoint("c16")), "--reasoning-field", "reasoning")
+    try:
+        assert server.state.reasoning_field == "reasoning"
+    finally:
+        stop()
