@@ -9,6 +9,9 @@ and writes one image placeholder per image (expanded to the image's soft tokens 
 are refused.
 Assistant tool calls in the history reach the template with their arguments parsed (templates
 write them out in the model's own syntax); a tool message gets the name of the call it answers.
+An assistant's thoughts (`reasoning`, or its older name `reasoning_content`) reach the template
+as `reasoning_content`. The openai SDK's `message.model_dump()` is a valid history message: its
+null `refusal`, `annotations`, `audio` and `function_call` are accepted, values are refused.
 A template that cannot render tools still serves a forced tool choice (a named function or
 "required"): the tool's schema constrains the output, and the tools are described to the model
 in a system-message preamble instead.
@@ -42,6 +45,16 @@ from server.protocol import (
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 TOOL_FIELDS = ("name", "description", "parameters")  # what the preamble shows of a function
+# Fields of the openai SDK's `message.model_dump()` that Canvas has nothing to render for: each
+# is accepted null (or an empty list), and any other value is refused, saying why.
+SDK_FIELDS = {
+    "refusal": "a refusal cannot be shown to the model (send its text as content)",
+    "annotations": "annotations (URL citations) cannot be shown to the model",
+    "audio": "audio output is not supported",
+    # The legacy half of function calling: `functions` is refused, and so is a `function`
+    # message answering a call, so a history call is refused too rather than half-mapped.
+    "function_call": "the legacy function call is not supported (send tool_calls)",
+}
 MEDIA_PARTS = {
     "image": "image",
     "input_image": "image",
@@ -240,8 +253,11 @@ def _message(
 ) -> dict[str, Any]:
     role = "system" if m.role == "developer" else m.role
     text = content_text(f"{param}.content", m.content, images if role == "user" else None)
+    for name, why in SDK_FIELDS.items():
+        if getattr(m, name) not in (None, []):
+            raise ParamError(f"{param}.{name}", why)
     if role != "assistant":
-        for name in ("tool_calls", "reasoning_content"):
+        for name in ("tool_calls", "reasoning", "reasoning_content"):
             if getattr(m, name) is not None:
                 raise ParamError(f"{param}.{name}", "only assistant messages carry it")
     if role != "tool" and m.tool_call_id is not None:
@@ -255,8 +271,9 @@ def _message(
                 _history_call(f"{param}.tool_calls.{j}", call, call_names)
                 for j, call in enumerate(m.tool_calls)
             ]
-        if m.reasoning_content is not None:
-            message["reasoning_content"] = m.reasoning_content
+        thought = history_reasoning(param, m)
+        if thought is not None:
+            message["reasoning_content"] = thought
     if role == "tool":
         if m.tool_call_id is None:
             raise ParamError(f"{param}.tool_call_id", "is required in a tool message")
@@ -266,6 +283,21 @@ def _message(
             )
         message.update(tool_call_id=m.tool_call_id, name=call_names[m.tool_call_id])
     return message
+
+
+def history_reasoning(param: str, m: ChatMessage) -> str | None:
+    """An assistant message's thoughts, under vLLM's newer name (`reasoning`) or its older one
+    (`reasoning_content`); given under both, they must be the same text."""
+    for name in ("reasoning", "reasoning_content"):
+        if getattr(m, name) is not None:
+            check_text(f"{param}.{name}", getattr(m, name))
+    if None not in (m.reasoning, m.reasoning_content) and m.reasoning != m.reasoning_content:
+        raise ParamError(
+            f"{param}.reasoning",
+            "differs from reasoning_content: both name the message's thoughts (send one, or "
+            "the same text under both)",
+        )
+    return m.reasoning if m.reasoning is not None else m.reasoning_content
 
 
 def _history_call(param: str, call: ToolCallItem, call_names: dict[str, str]) -> dict[str, Any]:

@@ -252,7 +252,15 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None  # assistant
     tool_call_id: str | None = None  # tool
-    reasoning_content: str | None = None  # assistant: its thoughts, for templates that show them
+    # assistant: its thoughts, for templates that show them (vLLM's newer name, its older one)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    # The openai SDK's `message.model_dump()` carries these, null when unused; `server.chat`
+    # accepts them null (or empty) and refuses by name a value Canvas cannot honour.
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
 
 
 class FunctionDef(BaseModel):

@@ -154,14 +154,30 @@ class CompletionRenderer(Renderer):
         return {"text": delta.content}
 
 
+# `--reasoning-field`: the message and delta fields a chat's thoughts are sent under (vLLM's
+# newer name, its older one, or both for clients of either).
+REASONING_FIELDS: dict[str, tuple[str, ...]] = {
+    "both": ("reasoning", "reasoning_content"),
+    "reasoning": ("reasoning",),
+    "reasoning_content": ("reasoning_content",),
+}
+
+
 class ChatRenderer(Renderer):
-    """Chat bodies: the content apart from the reasoning (`reasoning_content`) and the tool
-    calls (`tool_calls`; content is null when a choice only called tools)."""
+    """Chat bodies: the content apart from the reasoning (under the fields
+    `REASONING_FIELDS[reasoning_field]` names) and the tool calls (`tool_calls`; content is
+    null when a choice only called tools)."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
     prompt_param = "messages"
+
+    def __init__(
+        self, request_id: str, model: str, include_usage: bool, reasoning_field: str = "both"
+    ) -> None:
+        super().__init__(request_id, model, include_usage)
+        self.reasoning_fields = REASONING_FIELDS[reasoning_field]
 
     def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         """The role arrives first, as OpenAI sends it."""
@@ -178,7 +194,7 @@ class ChatRenderer(Renderer):
         content = None if choice.tool_calls and not choice.text else choice.text
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if choice.reasoning is not None:
-            message["reasoning_content"] = choice.reasoning
+            message.update(dict.fromkeys(self.reasoning_fields, choice.reasoning))
         if choice.tool_calls:
             message["tool_calls"] = choice.tool_calls
         return {"message": message}
@@ -186,7 +202,7 @@ class ChatRenderer(Renderer):
     def _delta(self, delta: Parsed) -> dict[str, Any]:
         body: dict[str, Any] = {}
         if delta.reasoning:
-            body["reasoning_content"] = delta.reasoning
+            body.update(dict.fromkeys(self.reasoning_fields, delta.reasoning))
         if delta.content:
             body["content"] = delta.content
         if delta.tool_calls:

@@ -99,6 +99,7 @@ def build_state(
     state = ServerState(
         AsyncEngine(engine), checkpoint.tokenizer, checkpoint.defaults, name, api_key=api_key
     )
+    state.reasoning_field = args.reasoning_field
     state.media = build_media(args, model_dir, checkpoint.model.vision is not None)
     images = state.media.policy.limits if state.media is not None else None
     state.http = http_limits(args.max_request_bytes, images)

@@ -113,6 +113,7 @@ class ServerState:
     defaults: DecodingDefaults
     model_name: str
     api_key: str | None = None
+    reasoning_field: str = "both"  # `--reasoning-field`: a key of server.render.REASONING_FIELDS
     http: HttpLimits = field(default_factory=HttpLimits)
     ready: bool = False
     draining: bool = False

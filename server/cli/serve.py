@@ -34,6 +34,7 @@ class _PlaceholderModel(argparse.Action):
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """`canvas serve`'s flags."""
     from server.media import add_media_arguments
+    from server.render import REASONING_FIELDS
 
     model = parser.add_mutually_exclusive_group()
     model.add_argument(
@@ -67,6 +68,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("CANVAS_API_KEY"),
         help="require this bearer key on /v1 (default: $CANVAS_API_KEY, which keeps it out of "
         "the process list; unset: no auth; empty: an error)",
+    )
+    parser.add_argument(
+        "--reasoning-field",
+        default="both",
+        choices=tuple(REASONING_FIELDS),
+        help="the field a chat's thoughts are sent under: 'reasoning' (vLLM's), "
+        "'reasoning_content' (its older name) or both (default)",
     )
     parser.add_argument("--debug", action="store_true", help="traceback of a start-up error")
     add_media_arguments(parser)

@@ -98,6 +98,7 @@ def test_without_tools_call_markup_stays_content_but_thoughts_are_still_split(fa
     assert choice["message"] == {
         "role": "assistant",
         "content": "2 + 2 = 4.",
+        "reasoning": "Simple arithmetic.",
         "reasoning_content": "Simple arithmetic.",
     }
     assert choice["finish_reason"] == "stop"
