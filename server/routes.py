@@ -128,7 +128,9 @@ def v1_router(state: ServerState) -> APIRouter:
 
     @router.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        renderer = ChatRenderer(request.state.response_key, state.model_name, body.include_usage)
+        renderer = ChatRenderer(
+            request.state.response_key, state.model_name, body.include_usage, state.reasoning_field
+        )
         tokenizer = state.tokenizer
         if tokenizer is None:
             raise APIError(
