@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 
+import httpx
 import pytest
 
 from server.cli.config import ENGINE_FLAGS, build_config
 from server.cli.serve import add_serve_arguments
 from server.serve import StartupError, check_api_keys
-from tests.server.conftest import make_fake_server
+from tests.server.conftest import make_fake_server, start_server
 
 
 def serve_args(*flags: str) -> argparse.Namespace:
@@ -91,3 +92,33 @@ def test_api_key_takes_several_keys_and_replaces_the_environments(monkeypatch):
         with pytest.raises(StartupError, match="--api-key / CANVAS_API_KEY") as error:
             check_api_keys(keys)
         assert "b c" not in str(error.value)
+
+
+def test_serve_builds_the_names_and_keys_from_vllms_flags(tiny_checkpoint):
+    server, stop = start_server(
+        str(tiny_checkpoint("c16")),
+        "--served-model-name",
+        "tiny",
+        "second",
+        "--api-key",
+        "k1",
+        "k2",
+        "--no-enable-prefix-caching",
+        "--shutdown-timeout",
+        "1",
+    )
+    try:
+        assert server.state.served_names == ("tiny", "second")
+        assert server.state.api_keys == ("k1", "k2")
+        assert not server.state.engine.limits.prefix_caching
+        for key in ("k1", "k2"):
+            headers = {"Authorization": f"Bearer {key}"}
+            r = httpx.get(f"{server.v1}/models", headers=headers)
+            assert [card["id"] for card in r.json()["data"]] == ["tiny", "second"]
+            body = {"model": "second", "prompt": "hi", "max_tokens": 2}
+            r = httpx.post(f"{server.v1}/completions", json=body, headers=headers, timeout=60)
+            assert r.status_code == 200 and r.json()["model"] == "second"
+        wrong = {"Authorization": "Bearer k3"}
+        assert httpx.get(f"{server.v1}/models", headers=wrong).status_code == 401
+    finally:
+        stop()
