@@ -128,8 +128,8 @@ class EdgeMiddleware:
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > limits.max_body_bytes:
             return _too_large(limits.max_body_bytes)
-        key = self.state.api_key
-        if key and self.access.needs_key(scope) and not _authorized(headers, key):
+        keys = self.state.api_keys
+        if keys and self.access.needs_key(scope) and not _authorized(headers, keys):
             return APIError(401, "Invalid or missing API key (send Authorization: Bearer <key>)")
         return None
 
@@ -176,7 +176,10 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def _authorized(headers: dict[str, str], key: str) -> bool:
+def _authorized(headers: dict[str, str], keys: tuple[str, ...]) -> bool:
+    """Whether the bearer token is one of `keys`. Every key is compared, each in constant
+    time, so the time taken tells nothing about which key (or how much of one) matched."""
     header = headers.get("authorization", "")
-    token = header[7:] if header.lower().startswith("bearer ") else ""
-    return hmac.compare_digest(token.encode(), key.encode())
+    token = (header[7:] if header.lower().startswith("bearer ") else "").encode()
+    matches = [hmac.compare_digest(token, key.encode()) for key in keys]
+    return any(matches)

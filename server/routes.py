@@ -103,13 +103,16 @@ def v1_router(state: ServerState) -> APIRouter:
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
-        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "canvas"}
-        return {"object": "list", "data": [card]}
+        cards = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "canvas"}
+            for name in state.served_names
+        ]
+        return {"object": "list", "data": cards}
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         renderer = CompletionRenderer(
-            request.state.response_key, state.model_name, body.include_usage
+            request.state.response_key, state.response_name(body.model), body.include_usage
         )
         with param_errors(renderer):
             prompts = body.prompts()
@@ -129,7 +132,10 @@ def v1_router(state: ServerState) -> APIRouter:
     @router.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         renderer = ChatRenderer(
-            request.state.response_key, state.model_name, body.include_usage, state.reasoning_field
+            request.state.response_key,
+            state.response_name(body.model),
+            body.include_usage,
+            state.reasoning_field,
         )
         tokenizer = state.tokenizer
         if tokenizer is None:
@@ -204,11 +210,12 @@ def _check_served(state: ServerState, body: CommonParams) -> None:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    """404 unless `model` (None: not given) is the served model."""
-    if model is not None and model != state.model_name:
+    """404 unless `model` (None: not given) is one of the served names."""
+    if model is not None and model not in state.served_names:
+        served = ", ".join(f"'{name}'" for name in state.served_names)
         raise APIError(
             404,
-            f"The model {_shown(model)} does not exist; this server serves '{state.model_name}'",
+            f"The model {_shown(model)} does not exist; this server serves {served}",
             "model",
             "model_not_found",
         )

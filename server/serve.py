@@ -38,23 +38,23 @@ class StartupError(Exception):
     fault."""
 
 
-def check_api_key(key: str | None) -> str | None:
-    """The bearer key /v1 requires; None (auth off) only when no key is given at all. An empty
-    key, or one no client can send, is refused rather than turning auth off or locking every
-    client out. The message never quotes the key."""
-    if key is None:
-        return None
-    if not key:
-        raise StartupError(
-            "--api-key / CANVAS_API_KEY is set but empty: give a key, or unset it to serve "
-            "without auth"
-        )
-    if API_KEY.fullmatch(key) is None:
-        raise StartupError(
-            "--api-key / CANVAS_API_KEY must be printable ASCII without spaces or line breaks "
-            "(clients send it in an HTTP header; check for a trailing newline in the Secret)"
-        )
-    return key
+def check_api_keys(keys: list[str] | None) -> tuple[str, ...]:
+    """The bearer keys /v1 accepts; () (auth off) only when no key is given at all. An empty
+    key, or one no client can send, is refused rather than turning auth off or locking
+    clients out. The message never quotes a key."""
+    for key in keys or ():
+        if not key:
+            raise StartupError(
+                "--api-key / CANVAS_API_KEY is set but empty: give a key, or unset it to serve "
+                "without auth"
+            )
+        if API_KEY.fullmatch(key) is None:
+            raise StartupError(
+                "--api-key / CANVAS_API_KEY must be printable ASCII without spaces or line "
+                "breaks (clients send it in an HTTP header; check for a trailing newline in "
+                "the Secret)"
+            )
+    return tuple(keys or ())
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -88,17 +88,18 @@ def build_state(
     from server.media import build_media
     from server.state import ServerState
 
-    api_key = check_api_key(args.api_key)
+    api_keys = check_api_keys(args.api_key)
     model = Path(args.model) if args.model else None
     config = build_config(args, model, (*CHECKPOINT_FLAGS, *ENGINE_FLAGS))
     config = with_threads(config, args.threads, own_threads)  # before the weights load
     checkpoint, engine = build(config)
     model_dir = checkpoint.model_dir
     assert model_dir is not None, "opened from a directory"
-    name = args.served_model_name or model_dir.name
+    name, *other_names = args.served_model_name or [model_dir.name]
     state = ServerState(
-        AsyncEngine(engine), checkpoint.tokenizer, checkpoint.defaults, name, api_key=api_key
+        AsyncEngine(engine), checkpoint.tokenizer, checkpoint.defaults, name, tuple(other_names)
     )
+    state.api_keys = api_keys
     state.reasoning_field = args.reasoning_field
     state.media = build_media(args, model_dir, checkpoint.model.vision is not None)
     images = state.media.policy.limits if state.media is not None else None
@@ -149,7 +150,7 @@ def banner(
     model = engine.model
     threads = describe_threads(engine.config.cpu_threads, model.kernels.exact)
     return [
-        f"Canvas serving {state.model_name!r} from {model_dir}",
+        f"Canvas serving {', '.join(map(repr, state.served_names))} from {model_dir}",
         f"  canvas length {model.config.canvas_length}, {model.cfg.num_layers} layers, "
         f"dtype {next(model.parameters()).dtype}, device {args.device}, "
         f"{model.kernels.describe()}",
@@ -157,7 +158,7 @@ def banner(
         f"prefix caching {'on' if state.engine.limits.prefix_caching else 'off'}, "
         f"image input {'on' if state.media is not None else 'off'}",
         f"  max-num-seqs {args.max_num_seqs}, max-queue {args.max_queue}, "
-        f"auth {'on' if state.api_key else 'off'}, "
+        f"auth {'on' if state.api_keys else 'off'}, "
         f"CORS {', '.join(state.cors.origins) if state.cors else 'off'}, "
         f"request bodies up to {state.http.max_body_bytes} bytes",
         f"  cpu threads {threads}",

@@ -111,8 +111,9 @@ class ServerState:
     engine: EngineClient
     tokenizer: Tokenizer | None
     defaults: DecodingDefaults
-    model_name: str
-    api_key: str | None = None
+    model_name: str  # the first served name: metrics are labelled with it
+    other_names: tuple[str, ...] = ()  # `--served-model-name`'s further names, served as well
+    api_keys: tuple[str, ...] = ()  # a request needs one of them on the guarded paths; (): none
     reasoning_field: str = "both"  # `--reasoning-field`: a key of server.render.REASONING_FIELDS
     http: HttpLimits = field(default_factory=HttpLimits)
     ready: bool = False
@@ -127,3 +128,15 @@ class ServerState:
         self.admission = Admission(self.engine.limits.max_inflight)
         self.metrics = Metrics(self.model_name, self.engine.limits.canvas_length)
         self.validator = RequestValidator(self.defaults, self.engine.limits)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request may pass as `model`, the first one first."""
+        return (self.model_name, *self.other_names)
+
+    def response_name(self, requested: str | None) -> str:
+        """The `model` a response carries: the served name the request used (as vLLM
+        answers), else (none given, or a name not served, which is refused) the first."""
+        if requested is not None and requested in self.other_names:
+            return requested
+        return self.model_name

@@ -29,6 +29,8 @@ class Flag:
     choices: tuple[str, ...] | None = None
     switch: bool | None = None
     metavar: str | None = None
+    aliases: tuple[str, ...] = ()
+    negations: tuple[str, ...] = ()
 
     @property
     def dest(self) -> str:
@@ -73,6 +75,8 @@ ENGINE_FLAGS = (
         "recompute every prompt (default: complete prefix pages are cached and reused; exact "
         "numerics never cache)",
         switch=False,
+        aliases=("--no-enable-prefix-caching",),
+        negations=("--enable-prefix-caching",),
     ),
     Flag(
         "--check-invariants",
@@ -81,6 +85,26 @@ ENGINE_FLAGS = (
         switch=True,
     ),
 )
+
+
+class _Switch(argparse.Action):
+    """A switch's spellings: each sets it (True), those in `negations` unset it (False), so
+    the last one given wins."""
+
+    def __init__(
+        self, option_strings: list[str], dest: str, negations: tuple[str, ...], **kwargs: Any
+    ) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+        self.negations = negations
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, option_string not in self.negations)
 
 
 def field_value(record: Any, path: str) -> Any:
@@ -104,12 +128,20 @@ def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag], **defaults
     `defaults[flag.dest]` (a command whose own config record defaults otherwise)."""
     base = BuildConfig()
     for flag in flags:
+        names = (flag.name, *flag.aliases)
         if flag.switch is not None:
-            parser.add_argument(flag.name, action="store_true", help=flag.help)
+            parser.add_argument(
+                *names,
+                *flag.negations,
+                dest=flag.dest,
+                action=_Switch,
+                negations=flag.negations,
+                help=flag.help,
+            )
             continue
         default = defaults.get(flag.dest, field_value(base, flag.path))
         parser.add_argument(
-            flag.name,
+            *names,
             type=flag.kind or type(default),
             default=default,
             choices=flag.choices,

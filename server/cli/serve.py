@@ -31,6 +31,22 @@ class _PlaceholderModel(argparse.Action):
         namespace.model = str(placeholder_model_dir())
 
 
+class _ApiKeys(argparse.Action):
+    """--api-key KEY...: the keys of every --api-key given; given at all, they replace the
+    default (the environment's key) rather than extend it."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = getattr(namespace, self.dest)
+        keys = [] if given is self.default or given is None else list(given)
+        setattr(namespace, self.dest, [*keys, *values])
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """`canvas serve`'s flags."""
     from server.media import add_media_arguments
@@ -50,23 +66,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     parser.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="name clients pass as `model` (default: the checkpoint directory's name)",
+        metavar="NAME",
+        help="names clients may pass as `model`; the first is the one /v1/models lists first "
+        "and metrics are labelled with (default: the checkpoint directory's name)",
     )
     add_flags(parser, CHECKPOINT_FLAGS)
     add_flags(parser, ENGINE_FLAGS)
     add_threads_flag(parser)
     parser.add_argument(
         "--drain-seconds",
+        "--shutdown-timeout",
         type=float,
         default=5.0,
         help="on SIGTERM/SIGINT, let running requests finish for up to this long (a second "
         "signal exits at once)",
     )
+    env_key = os.environ.get("CANVAS_API_KEY")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("CANVAS_API_KEY"),
-        help="require this bearer key on /v1 (default: $CANVAS_API_KEY, which keeps it out of "
+        nargs="+",
+        action=_ApiKeys,
+        default=None if env_key is None else [env_key],
+        metavar="KEY",
+        help="require one of these bearer keys on /v1; several keys after the flag, or the "
+        "flag given several times (default: $CANVAS_API_KEY, one key, which keeps it out of "
         "the process list; unset: no auth; empty: an error)",
     )
     parser.add_argument(

@@ -76,7 +76,7 @@ HOSTILE_HEADERS = [
 @pytest.fixture(scope="module")
 def keyed() -> Iterator[tuple[str, FakeServer]]:
     """A keyed server over the fake engine, behind a real uvicorn: (host:port, the server)."""
-    server = make_fake_server(api_key=KEY)
+    server = make_fake_server(api_keys=(KEY,))
     config = uvicorn_config(
         create_app(server.state), server.state.http, host="127.0.0.1", port=0, log_level="error"
     )

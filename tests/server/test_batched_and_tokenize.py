@@ -120,7 +120,7 @@ def test_tokenizer_routes_reject_bad_input_by_name(fake, path, body, status, par
 
 
 def test_tokenizer_routes_need_the_api_key_when_one_is_set():
-    server = make_fake_server(api_key="secret")
+    server = make_fake_server(api_keys=("secret",))
     with server.client:
         assert server.client.post("/tokenize", json={"prompt": "a"}).status_code == 401
         ok = server.client.post(

@@ -135,7 +135,7 @@ def test_a_json_body_that_is_not_an_object_is_400_saying_so(fake):
 
 
 def test_api_key_guards_v1_but_not_health():
-    server = make_fake_server(api_key="sekrit")
+    server = make_fake_server(api_keys=("sekrit",))
     with server.client as client:
         assert error_of(client.get("/v1/models"), 401)["type"] == "authentication_error"
         bad = {"authorization": "Bearer wrong"}

@@ -76,7 +76,7 @@ def test_the_route_label_is_the_template_never_the_raw_path(fake):
 
 
 def test_the_edges_refusals_and_engine_faults_are_counted():
-    server = make_fake_server(api_key="sekrit")
+    server = make_fake_server(api_keys=("sekrit",))
     with server.client:
         r = server.post("/chat/completions", messages=CHAT)
         assert r.status_code == 401

@@ -53,7 +53,7 @@ def test_an_unknown_asset_is_a_404_in_the_openai_envelope(fake):
 
 
 def test_the_page_is_public_when_the_api_routes_need_a_key():
-    server = make_fake_server(api_key="sekrit")
+    server = make_fake_server(api_keys=("sekrit",))
     with server.client:
         assert server.client.get("/").status_code == 200
         assert server.client.get("/playground/playground.js").status_code == 200

@@ -51,7 +51,7 @@ def test_ping_is_503_before_the_server_started():
 
 
 def test_ping_and_load_need_no_api_key():
-    server = make_fake_server(api_key="k3y")
+    server = make_fake_server(api_keys=("k3y",))
     with server.client:
         assert server.client.get("/ping").status_code == 200
         assert server.client.get("/load").status_code == 200
@@ -100,7 +100,7 @@ def preflight(client, origin: str, path: str = "/v1/chat/completions") -> httpx.
 
 def test_cors_preflight_answers_an_allowed_origin_even_with_an_api_key():
     args = serve_args("--allowed-origins", f'["{ORIGIN}"]')
-    server = make_fake_server(api_key="k3y", cors=cors_policy(args))
+    server = make_fake_server(api_keys=("k3y",), cors=cors_policy(args))
     with server.client:
         r = preflight(server.client, ORIGIN)
         assert r.status_code == 200, r.text
