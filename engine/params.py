@@ -1,7 +1,8 @@
 """Per-request parameters and the checkpoint's decoding defaults.
 
 `SamplingParams` is what a caller asks for (None = "use the checkpoint default");
-`DecodingDefaults` comes from generation_config.json; `resolve` merges them into the
+`DecodingDefaults` comes from a generation_config.json (`generation_config`: the checkpoint's,
+none, or another folder's, with keys set over it); `resolve` merges them into the
 fully specified `ResolvedParams` the engine runs with. The decoding knobs the three share are
 one record, `DecodingKnobs`, and the maps between them loop over its fields. Each field's
 bounds are checked here, when a `SamplingParams` is built, with messages that name the
@@ -356,7 +357,8 @@ def _merged(raw: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]
     merged = dict(raw)
     for key, value in overrides.items():
         inner = {p[1] for p in paths if len(p) == 2 and p[0] == key}
-        if inner and isinstance(value, Mapping):
+        if inner:
+            _check(isinstance(value, Mapping), key, "must be a JSON object")
             for sub in value:
                 _check(sub in inner, f"{key}.{sub}", f"unknown generation config key ({known})")
             merged[key] = {**(raw.get(key) or {}), **value}

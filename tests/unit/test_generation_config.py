@@ -112,6 +112,7 @@ def test_an_unknown_override_key_is_an_error_naming_it(tmp_path, overrides, key)
         ({"max_denoising_steps": True}, "max_denoising_steps"),
         ({"max_denoising_steps": 100_000}, "max_denoising_steps"),
         ({"sampler_config": {"entropy_bound": -1}}, "sampler_config.entropy_bound"),
+        ({"sampler_config": 0.5}, "sampler_config"),
         ({"confidence_threshold": float("nan")}, "confidence_threshold"),
         ({"canvas_default_mode": "fastest"}, "canvas_default_mode"),
         ({"canvas_hybrid_draft_steps": 0}, "canvas_hybrid_draft_steps"),
