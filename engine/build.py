@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine.default_model import default_model_dir
 from engine.engine import Engine, EngineConfig
@@ -30,7 +31,10 @@ class CheckpointConfig:
     `model_dir` None is the built-in default model (`engine.default_model`); `device` "auto"
     is cuda when available; `exact`: reference-exact numerics instead of the fast batched ones;
     `kernels`: a backend of `kernels.BACKENDS`; `adapter`: a decoder adapter directory, True
-    for the checkpoint's own (if any), False for none."""
+    for the checkpoint's own (if any), False for none. `generation_config`: where the decoding
+    defaults come from (`engine.params.generation_config`: `auto`, the checkpoint's; `vllm`,
+    the reference's, with no max_new_tokens; or a directory), `override_generation_config`:
+    generation_config.json keys set on top of them."""
 
     model_dir: Path | None = None
     dtype: str = "auto"
@@ -38,6 +42,8 @@ class CheckpointConfig:
     exact: bool = False
     kernels: str = "auto"
     adapter: str | Path | bool = True
+    generation_config: str | Path = "auto"
+    override_generation_config: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +90,12 @@ def open_checkpoint(config: CheckpointConfig) -> Checkpoint:
         adapter=config.adapter,
     )
     tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
-    defaults = DecodingDefaults.from_checkpoint(model_dir, model.cfg.eos_token_ids)
+    defaults = DecodingDefaults.from_checkpoint(
+        model_dir,
+        model.cfg.eos_token_ids,
+        config.generation_config,
+        config.override_generation_config,
+    )
     return Checkpoint(model, tokenizer, defaults, model_dir)
 
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.build import BuildConfig, Checkpoint, CheckpointConfig, build_engine, open_checkpoint
 from engine.engine import EngineConfig
@@ -79,13 +80,25 @@ class LLM:
         exact: bool = False,
         kernels: str = "auto",
         adapter: str | Path | bool = True,
+        generation_config: str | Path = "auto",
+        override_generation_config: dict[str, Any] | None = None,
     ) -> LLM:
         """Load a checkpoint (`engine.build.CheckpointConfig` describes the arguments). `exact`:
         reference-exact numerics (token-identical to the transformers reference at batch size 1
         on CPU, batch invariant) instead of the fast batched default; `kernels`: a backend of
         `kernels.BACKENDS`; `adapter`: a decoder adapter directory, True for the checkpoint's
-        own (if any), False for none."""
-        checkpoint = CheckpointConfig(Path(model_dir), dtype, device, exact, kernels, adapter)
+        own (if any), False for none; `generation_config`, `override_generation_config`: where
+        the decoding defaults come from, and keys set over them."""
+        checkpoint = CheckpointConfig(
+            Path(model_dir),
+            dtype,
+            device,
+            exact,
+            kernels,
+            adapter,
+            generation_config,
+            override_generation_config,
+        )
         return cls.from_config(BuildConfig(checkpoint, config or EngineConfig()))
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:

@@ -1,7 +1,8 @@
 """Per-request parameters and the checkpoint's decoding defaults.
 
 `SamplingParams` is what a caller asks for (None = "use the checkpoint default");
-`DecodingDefaults` comes from generation_config.json; `resolve` merges them into the
+`DecodingDefaults` comes from a generation_config.json (`generation_config`: the checkpoint's,
+none, or another folder's, with keys set over it); `resolve` merges them into the
 fully specified `ResolvedParams` the engine runs with. The decoding knobs the three share are
 one record, `DecodingKnobs`, and the maps between them loop over its fields. Each field's
 bounds are checked here, when a `SamplingParams` is built, with messages that name the
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -210,7 +212,8 @@ class DecodingDefaults(DecodingKnobs):
     """Defaults from generation_config.json (the keys its fields name); the reference's global
     defaults where it is silent."""
 
-    max_new_tokens: int = _checkpoint_key(256, "max_new_tokens")
+    # None: no server-wide limit, a request without max_tokens may use the rest of the context
+    max_new_tokens: int | None = _checkpoint_key(256, "max_new_tokens")
     eos_token_ids: tuple[int, ...] = ()  # `eos_token_id`: one id or a list
     pad_token_id: int | None = _checkpoint_key(None, "pad_token_id")
     mode: str = _checkpoint_key(DecodeMode.DIFFUSION, "canvas_default_mode")
@@ -220,20 +223,57 @@ class DecodingDefaults(DecodingKnobs):
 
     @classmethod
     def from_checkpoint(
-        cls, model_dir: str | Path, eos_fallback: tuple[int, ...]
+        cls,
+        model_dir: str | Path,
+        eos_fallback: tuple[int, ...],
+        source: str | Path = "auto",
+        overrides: Mapping[str, Any] | None = None,
     ) -> DecodingDefaults:
-        path = Path(model_dir) / "generation_config.json"
-        raw: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+        """The defaults `source` names (`generation_config`), with `overrides` (keys as
+        generation_config.json spells them) on top. Raises ParamError naming an unknown key or
+        a key whose value is out of its bounds, OSError when a DIR holds no config. Under
+        `vllm` no `max_new_tokens` is set unless `overrides` sets one (None: a request without
+        max_tokens may use the rest of the context)."""
+        raw = _merged(generation_config(model_dir, source), overrides or {})
         values: dict[str, Any] = {}
         for f in fields(cls):
             if "generation_config" in f.metadata:
                 values[f.name] = _config_value(raw, f.metadata["generation_config"])
-        values["mode"] = DecodeMode(values["mode"]) if values["mode"] else None
+                _check_type(f, values[f.name])
+        try:
+            values["mode"] = DecodeMode(values["mode"]) if values["mode"] else None
+        except ValueError:
+            raise ParamError("canvas_default_mode", f"unknown mode {values['mode']!r}") from None
         eos = raw.get("eos_token_id")
+        _check(
+            eos is None or _is_int(eos) or isinstance(eos, list) and all(map(_is_int, eos)),
+            "eos_token_id",
+            "must be a token id or a list of token ids",
+        )
         values["eos_token_ids"] = (
             (eos,) if isinstance(eos, int) else tuple(eos) if eos else tuple(eos_fallback)
         )
-        return cls(**{k: v for k, v in values.items() if v is not None})
+        defaults = cls(**{k: v for k, v in values.items() if v is not None})
+        if str(source) == "vllm":
+            defaults = replace(defaults, max_new_tokens=raw.get("max_new_tokens"))
+        defaults.check()
+        return defaults
+
+    def check(self) -> None:
+        """Raises ParamError naming the generation_config key whose value is out of bounds
+        (the bounds a request's value of the same knob has)."""
+        knobs = {name: getattr(self, name) for name in KNOB_NAMES}
+        try:
+            self.resolve(SamplingParams(max_tokens=1, **knobs))
+        except ParamError as exc:
+            key = ".".join(_knob_keys().get(exc.param, (exc.param,)))
+            raise ParamError(key, str(exc).removeprefix(f"{exc.param}: ")) from None
+        _check(
+            self.max_new_tokens is None or self.max_new_tokens >= 1,
+            "max_new_tokens",
+            "must be >= 1",
+        )
+        _check(self.hybrid_draft_steps >= 1, "canvas_hybrid_draft_steps", "must be >= 1")
 
     def resolve(self, params: SamplingParams) -> ResolvedParams:
         """Each knob `params` leaves None takes this checkpoint's value; float knobs become
@@ -248,8 +288,11 @@ class DecodingDefaults(DecodingKnobs):
             value = getattr(defaults, name) if value is None else value
             knobs[name] = float(value) if name in FLOAT_KNOBS else value
         knobs["top_k"] = max(0, knobs["top_k"])
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_new_tokens
+        if max_tokens is None:
+            raise ParamError("max_tokens", "required: no max_new_tokens is configured")
         return ResolvedParams(
-            max_tokens=params.max_tokens if params.max_tokens is not None else self.max_new_tokens,
+            max_tokens=max_tokens,
             mode=mode,
             seed=params.seed,
             eos_token_ids=frozenset() if params.ignore_eos else frozenset(eos),
@@ -265,3 +308,78 @@ def _config_value(raw: dict[str, Any], path: tuple[str, ...]) -> Any:
     for section in sections:
         raw = raw.get(section) or {}
     return raw.get(key)
+
+
+GENERATION_CONFIG = "generation_config.json"
+# The generation_config.json keys `vllm` (no generation config) still takes from the
+# checkpoint: the engine needs its end-of-sequence and padding ids, and the default mode and
+# hybrid draft steps say how Canvas decodes this checkpoint rather than how it samples.
+KEPT_KEYS = ("eos_token_id", "pad_token_id", "canvas_default_mode", "canvas_hybrid_draft_steps")
+
+
+def generation_config(model_dir: str | Path, source: str | Path = "auto") -> dict[str, Any]:
+    """The generation config `source` names: `auto`, the checkpoint's generation_config.json
+    (none: {}); `vllm`, none but the checkpoint's KEPT_KEYS (the reference's defaults for the
+    rest); a directory, the generation_config.json there (OSError when it holds none)."""
+    if str(source) not in ("auto", "vllm"):
+        path = Path(source) / GENERATION_CONFIG
+        if not path.is_file():
+            raise FileNotFoundError(f"generation config: no {GENERATION_CONFIG} in {source}")
+        return _read_config(path)
+    path = Path(model_dir) / GENERATION_CONFIG
+    raw = _read_config(path) if path.is_file() else {}
+    if str(source) == "vllm":
+        raw = {key: raw[key] for key in KEPT_KEYS if key in raw}
+    return raw
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    raw = json.loads(path.read_text())
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return raw
+
+
+def _knob_keys() -> dict[str, tuple[str, ...]]:
+    """Each checkpoint field's generation_config key path, by field name."""
+    return {
+        f.name: f.metadata["generation_config"]
+        for f in fields(DecodingDefaults)
+        if "generation_config" in f.metadata
+    }
+
+
+def _merged(raw: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`raw` with `overrides` set (sections merged key by key); ParamError names an override
+    key Canvas does not read."""
+    paths = {*_knob_keys().values(), ("eos_token_id",)}
+    known = ", ".join(sorted(".".join(p) for p in paths))
+    merged = dict(raw)
+    for key, value in overrides.items():
+        inner = {p[1] for p in paths if len(p) == 2 and p[0] == key}
+        if inner:
+            _check(isinstance(value, Mapping), key, "must be a JSON object")
+            for sub in value:
+                _check(sub in inner, f"{key}.{sub}", f"unknown generation config key ({known})")
+            merged[key] = {**(raw.get(key) or {}), **value}
+        else:
+            _check((key,) in paths, key, f"unknown generation config key ({known})")
+            merged[key] = value
+    return merged
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_type(f: Field[Any], value: Any) -> None:
+    """ParamError naming the key when a generation_config value has the wrong JSON type."""
+    if value is None:
+        return
+    key = ".".join(f.metadata["generation_config"])
+    if isinstance(f.default, float):
+        _check(_is_int(value) or isinstance(value, float), key, "must be a number")
+    elif isinstance(f.default, str):
+        _check(isinstance(value, str), key, "must be a string")
+    else:
+        _check(_is_int(value), key, "must be an integer")

@@ -85,7 +85,7 @@ class RequestValidator:
         left in the context and the KV cache (so a request that did not send `max_tokens` is
         never refused for it)."""
         if params.max_tokens is None:
-            default = self.default_max_tokens(num_prompt)
+            default = self.default_max_tokens(num_prompt, params.mode)
             if default < 1:
                 positions = min(self.limits.max_context_positions, self.limits.max_fit_positions)
                 raise ParamError(
@@ -104,14 +104,21 @@ class RequestValidator:
             )
         return resolved
 
-    def default_max_tokens(self, num_prompt: int) -> int:
-        """The checkpoint's default budget, cut to the whole canvases (diffusion; AR needs no
-        whole canvas, but the same bound keeps one rule) left in the context and the KV cache;
-        0 when none is left."""
+    def default_max_tokens(self, num_prompt: int, mode: str | None = None) -> int:
+        """The configured default budget (`DecodingDefaults.max_new_tokens`; None: no limit),
+        cut to the whole canvases (diffusion; AR needs no whole canvas, but the same bound keeps
+        one rule) left in the context and the KV cache, less any canvas `mode` (None: the
+        checkpoint's) would need past its budget; 0 when none is left."""
         canvas = self.limits.canvas_length
         positions = min(self.limits.max_context_positions, self.limits.max_fit_positions)
         room = (positions - num_prompt) // canvas * canvas
-        return max(0, min(self.defaults.max_new_tokens, room))
+        limit = self.defaults.max_new_tokens
+        budget = room if limit is None else min(limit, room)
+        # Hybrid's last verify pass reaches past its budget (`ModePolicy.context_needed`).
+        needs = policy(mode or self.defaults.mode).context_needed
+        while budget > 0 and needs(num_prompt, budget, canvas) > positions:
+            budget -= canvas
+        return max(0, budget)
 
     def check_context(self, num_prompt: int, params: ResolvedParams) -> None:
         limits = self.limits

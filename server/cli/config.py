@@ -6,6 +6,7 @@ from their constants (`kernels.BACKENDS`, `engine.model.loader.DTYPE_CHOICES`)."
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, fields, is_dataclass, replace
 from pathlib import Path
@@ -61,7 +62,41 @@ ADAPTER = Flag(
     kind=adapter_choice,
     metavar="DIR|auto|none",
 )
-CHECKPOINT_FLAGS = (DTYPE, DEVICE, EXACT, KERNELS, ADAPTER)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object value (argparse names the flag when it is not one)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+GENERATION_CONFIG = Flag(
+    "--generation-config",
+    "checkpoint.generation_config",
+    "where the decoding defaults come from: auto (the checkpoint's generation_config.json), "
+    "vllm (the reference's defaults and no max_new_tokens, so a request without max_tokens "
+    "may use the rest of the context; the checkpoint's EOS and pad ids are kept) or a "
+    "directory holding a generation_config.json",
+    kind=str,
+    metavar="auto|vllm|DIR",
+)
+OVERRIDE_GENERATION_CONFIG = Flag(
+    "--override-generation-config",
+    "checkpoint.override_generation_config",
+    "generation_config.json keys set over the loaded ones, a JSON object: "
+    '\'{"max_new_tokens": 4096, "t_min": 0.3}\'',
+    kind=json_object,
+    metavar="JSON",
+)
+CHECKPOINT_FLAGS = (
+    *(DTYPE, DEVICE, EXACT, KERNELS, ADAPTER),
+    *(GENERATION_CONFIG, OVERRIDE_GENERATION_CONFIG),
+)
 
 # The engine's own configuration: `canvas serve`.
 ENGINE_FLAGS = (
