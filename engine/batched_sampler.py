@@ -132,7 +132,7 @@ class BatchedSampler:
         values = {name: getattr(params, name) for name in KNOB_NAMES}
         values["top_p"] = top_p_floor(params.top_p)  # what `filter_logits` compares with
         # The mode decides whether the slot's temperature draws AR tokens.
-        values["temperature"] = params.temperature if policy(params.mode).samples_tokens else 0.0
+        values["temperature"] = policy(params.mode).token_temperature(params)
         for name, value in values.items():
             s.knobs[name][slot] = value
         s.seed[slot] = seed

@@ -340,20 +340,17 @@ def _kind_batches(
     DECODE kind), ENCODE rows' last-position logits (those that asked), verify passes'
     per-position logits."""
     where: dict[RowSpec, list[int]] = {}
-    for i, spec in enumerate(specs):
-        where.setdefault(spec, []).append(i)
-    assert sum(spec.decode for spec in where) <= 1, "one DECODE kind per step"
     last: dict[int, int] = {}  # plan position -> row of out.last_logits
     verify: dict[int, torch.Tensor] = {}
-    at = iter(inputs)
+    encoded = iter(inputs)  # the ENCODE rows' inputs, in plan order
     for i, spec in enumerate(specs):
-        if spec.decode:
-            continue
-        step_input = next(at)
-        if step_input.verify:
+        where.setdefault(spec, []).append(i)
+        step_input = None if spec.decode else next(encoded)
+        if step_input is not None and step_input.verify:
             verify[i] = (out.verify_logits or [])[len(verify)]
-        elif step_input.wants_last_logits:
+        elif step_input is not None and step_input.wants_last_logits:
             last[i] = len(last)
+    assert sum(spec.decode for spec in where) <= 1, "one DECODE kind per step"
     batches = {}
     for spec, positions in where.items():
         logits = out.denoise_logits if spec.decode else None

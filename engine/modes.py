@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from engine.types import FinishReason, Progress, RowEffect, RowKind, TokenLogprob
 
 if TYPE_CHECKING:
-    from engine.params import DecodingDefaults, SamplingParams
+    from engine.params import DecodingDefaults, ResolvedParams, SamplingParams
     from engine.request import RequestState
 
 MIN_SCHEDULE_SCALE = 0.01  # temperature 0 in diffusion mode: nearly greedy denoising
@@ -74,6 +74,10 @@ class ModePolicy:
         t_min = params.t_min if params.t_min is not None else defaults.t_min
         t_max = params.t_max if params.t_max is not None else defaults.t_max
         return replace(params, t_min=t_min * scale, t_max=t_max * scale, temperature=None)
+
+    def token_temperature(self, params: ResolvedParams) -> float:
+        """The temperature the encoder's next-token draws use (0: greedy; none here)."""
+        return params.temperature if self.samples_tokens else 0.0
 
     def denoising_steps(self, defaults: DecodingDefaults) -> int:
         """The checkpoint's default `max_denoising_steps` in this mode."""

@@ -16,9 +16,7 @@ from engine.logprobs import token_logprobs
 from engine.request import RequestState
 from engine.sampling import CanvasSample, TokenSample
 from engine.types import TokenLogprob
-
-NON_FINITE = "the model produced non-finite logits"
-GRAMMAR_REFUSED = "the grammar refused every token (internal engine error)"
+from engine.verify import GRAMMAR_REFUSED, NON_FINITE
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from engine.postprocess import (
 from engine.request import RequestState, whole_images
 from engine.runner import EncodeInput
 from engine.sampling import CanvasBatch, Sampling
-from engine.types import FinishReason, Progress, RowEffect, RowKind, ScheduledRow, StepStats
+from engine.types import Progress, RowEffect, RowKind, ScheduledRow, StepStats
 from engine.verify import Verified, verify_draft
 from engine.vision_cache import ImageTokens
 
@@ -150,14 +150,10 @@ class EncodeRow:
             return RowEffect(progress=progress)
         if result.error is not None:
             return RowEffect(error=result.error)
-        req, token = row.req, result.token
-        reason = None
-        if token in req.params.eos_token_ids:
-            reason = FinishReason.STOP
-        elif len(req.output_ids) + 1 >= req.params.max_tokens:
-            reason = FinishReason.LENGTH
+        req = row.req
+        tokens, reason = first_cut([result.token], req.remaining, req.params.eos_token_ids)
         return RowEffect(
-            [token], result.logprobs, reason, constraint=result.constraint, progress=progress
+            tokens, result.logprobs, reason, constraint=result.constraint, progress=progress
         )
 
 

@@ -144,7 +144,7 @@ class BatchedSampling:
         index = torch.tensor([len(r.output_ids) for r in reqs])
         index = index.to(self.device, non_blocking=True)
         # The slots' temperatures as `BatchedSampler.bind` sets them, read on the host.
-        greedy = all(r.params.temperature <= 0 or not r.policy.samples_tokens for r in reqs)
+        greedy = all(r.policy.token_temperature(r.params) <= 0 for r in reqs)
         logits = self._filtered(logits, slots, reqs, 1)
         tokens, failed = to_host(self.sampler.sample_ar(logits, slots, index, all_greedy=greedy))
         return TokenSample(tokens, [bool(f) for f in failed])  # stateless: counter = position
