@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from engine.engine import Engine
-from engine.images import PreparedImage
+from engine.inputs.images import PreparedImage
 from engine.params import ResolvedParams
 from engine.structured import Constraint
 from engine.types import EngineStats, QueueFull, StepListener, StepOutput

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.default_model import default_model_dir
+from engine.checkpoints.default import default_model_dir
 from engine.engine import Engine, EngineConfig
+from engine.inputs.tokenizer import Tokenizer
 from engine.model import DiffusionLM, load_model
 from engine.params import DecodingDefaults
-from engine.tokenizer import Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -28,7 +28,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 @dataclass(frozen=True, slots=True)
 class CheckpointConfig:
     """Which checkpoint to open and how its model is loaded (`engine.model.load_model`):
-    `model_dir` None is the built-in default model (`engine.default_model`); `device` "auto"
+    `model_dir` None is the built-in default model (`engine.checkpoints.default`); `device` "auto"
     is cuda when available; `exact`: reference-exact numerics instead of the fast batched ones;
     `kernels`: a backend of `kernels.BACKENDS`; `adapter`: a decoder adapter directory, True
     for the checkpoint's own (if any), False for none. `generation_config`: where the decoding

@@ -29,7 +29,8 @@ import torch
 
 from engine.batched_sampler import new_seed
 from engine.cpu_threads import make_tuner
-from engine.images import PreparedImage, image_spans, image_token_positions
+from engine.inputs.images import PreparedImage, image_spans, image_token_positions
+from engine.inputs.tokenizer import Tokenizer
 from engine.kv_pages import KVPages, PageGeometry
 from engine.model import DiffusionLM, PagedKVCache
 from engine.model.config import LayerType
@@ -40,7 +41,6 @@ from engine.runner import EncodeInput, ModelRunner, RunOutput, StepInputs
 from engine.sampling import CanvasBatch, Sampling, make_sampling
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured import Constraint, GrammarCompiler, grammar_compiler
-from engine.tokenizer import Tokenizer
 from engine.types import (
     EngineLimits,
     RowEffect,

@@ -15,10 +15,10 @@ from typing import Any
 
 from engine.build import BuildConfig, Checkpoint, CheckpointConfig, build_engine, open_checkpoint
 from engine.engine import EngineConfig
-from engine.images import PreparedImage
+from engine.inputs.images import PreparedImage
+from engine.inputs.tokenizer import Tokenizer
 from engine.model import DiffusionLM
 from engine.params import DecodingDefaults, ParamError, SamplingParams
-from engine.tokenizer import Tokenizer
 from engine.types import StepOutput, TokenLogprob, tokens_per_forward
 
 Prompt = str | list[int]
@@ -116,8 +116,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs in prompt order. Parameters are
         checked and interpreted exactly as the server does (`engine.validation`): ParamError
-        names the bad one before anything runs. `images`: each prompt's images (`engine.images`),
-        whose image tokens the prompt's ids hold already (`expand_image_tokens`)."""
+        names the bad one before anything runs. `images`: each prompt's images
+        (`engine.inputs.images`), whose image tokens the prompt's ids hold already
+        (`expand_image_tokens`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[assignment]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)

@@ -16,7 +16,7 @@ from engine.modes import ModePolicy, policy
 from engine.params import ResolvedParams
 
 if TYPE_CHECKING:
-    from engine.images import PreparedImage
+    from engine.inputs.images import PreparedImage
     from engine.structured import Constraint
 
 
@@ -103,7 +103,7 @@ def whole_images(spans: tuple[tuple[int, int], ...], start: int, num: int) -> in
     (an image attended both ways needs all its keys in one pass): it ends before the first
     image it would split, or, when that image begins at `start`, at that image's end — past
     the step's token budget if need be, never past `max_prefill_chunk` (admission checked
-    that every image fits one chunk; `engine.images.image_spans`)."""
+    that every image fits one chunk; `engine.inputs.images.image_spans`)."""
     end = start + num
     for first, last in spans:
         if first < end <= last:

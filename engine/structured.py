@@ -118,7 +118,7 @@ class GrammarCompiler:
 def grammar_compiler(
     tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]
 ) -> GrammarCompiler | None:
-    """A compiler for an `engine.tokenizer.Tokenizer`, or None (with a warning) when
+    """A compiler for an `engine.inputs.tokenizer.Tokenizer`, or None (with a warning) when
     llguidance cannot take this tokenizer (it needs a fast tokenizer)."""
     try:
         return GrammarCompiler(tokenizer.hf, vocab_size, eos_token_ids)

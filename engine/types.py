@@ -14,7 +14,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.images import PreparedImage
+    from engine.inputs.images import PreparedImage
     from engine.params import ResolvedParams
     from engine.request import RequestState
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.images import PreparedImage
+from engine.inputs.images import PreparedImage
 from engine.model.vision import VisionTower
 
 CACHED_IMAGES = 32  # soft tokens kept for this many images (a few MB each on the real model)

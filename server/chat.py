@@ -5,7 +5,7 @@ Content given as parts is joined to one text (text parts, separated by a newline
 them). A user message's `image_url` parts (a data: URL, or an http(s) URL the server may fetch:
 `server.media`) are kept in place: the template is given the message's parts, text and image,
 and writes one image placeholder per image (expanded to the image's soft tokens later, by
-`engine.images`); the images are collected in conversation order. Audio, video and file parts
+`engine.inputs.images`); the images are collected in conversation order. Audio, video and file parts
 are refused.
 Assistant tool calls in the history reach the template with their arguments parsed (templates
 write them out in the model's own syntax); a tool message gets the name of the call it answers.

@@ -5,7 +5,7 @@ GIF), or an http(s) URL, fetched only when the operator allowed its host
 (`--allowed-media-domains`: the host or a subdomain of it), without redirects or proxies,
 within the per-image byte limit and `--media-fetch-timeout`. Everything a client controls is
 bounded before work is done on it (images per request, bytes before base64 decoding, pixels
-before decompressing: `engine.images`), and every refusal is a ParamError naming the part, so
+before decompressing: `engine.inputs.images`), and every refusal is a ParamError naming the part, so
 the client gets a 400. Decoding and preprocessing run in a worker thread, never on the event
 loop.
 """
@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from engine.images import MIME_TYPES, ImageLimits
+from engine.inputs.images import MIME_TYPES, ImageLimits
 from engine.params import ParamError
 
 if TYPE_CHECKING:  # loads transformers; the server only calls it
-    from engine.images import ImageProcessor, PreparedImage
+    from engine.inputs.images import ImageProcessor, PreparedImage
 
 logger = logging.getLogger(__name__)
 DATA_URL = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),", re.IGNORECASE)
@@ -198,7 +198,7 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
 def build_media(args: argparse.Namespace, model_dir: Path, has_vision: bool) -> Media | None:
     """Image input for a checkpoint with a vision tower and an image processor config (None
     otherwise: image parts are then refused with a 400)."""
-    from engine.images import ImageProcessor
+    from engine.inputs.images import ImageProcessor
 
     if not has_vision:
         return None

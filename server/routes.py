@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.images import PreparedImage, expand_image_tokens
+from engine.inputs.images import PreparedImage, expand_image_tokens
 from engine.params import ParamError, ResolvedParams
 from server.chat import chat_inputs, output_parser
 from server.errors import APIError, draining_error, queue_full_error, to_api_error
@@ -185,7 +185,7 @@ def with_image_tokens(
     state: ServerState, ids: list[int], images: tuple[PreparedImage, ...]
 ) -> list[int]:
     """The rendered conversation's ids with each image placeholder expanded to its image's
-    tokens (`engine.images.expand_image_tokens`); ids as they are without images."""
+    tokens (`engine.inputs.images.expand_image_tokens`); ids as they are without images."""
     if not images:
         return ids
     assert state.media is not None, "images are prepared only with image input on"

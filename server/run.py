@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.images import PreparedImage
+from engine.inputs.images import PreparedImage
 from engine.params import ResolvedParams
 from engine.types import FinishReason, RequestStats, StepOutput, TokenLogprob
 from server.errors import ClientGone, to_api_error

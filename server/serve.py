@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from engine.engine import Engine
-    from engine.images import ImageLimits
+    from engine.inputs.images import ImageLimits
     from engine.types import EngineClient
     from server.state import CorsPolicy, HttpLimits, ServerState
 

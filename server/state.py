@@ -12,8 +12,8 @@ from engine.validation import RequestValidator
 from server.metrics import Metrics
 
 if TYPE_CHECKING:  # the tokenizer module loads transformers; the server only calls it
-    from engine.images import ImageLimits
-    from engine.tokenizer import Tokenizer
+    from engine.inputs.images import ImageLimits
+    from engine.inputs.tokenizer import Tokenizer
     from server.media import Media
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from engine.images import PreparedImage
+from engine.inputs.images import PreparedImage
 from engine.params import ParamError
 from server.chat import ChatInputs, chat_inputs
 from server.errors import APIError

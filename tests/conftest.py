@@ -35,7 +35,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.testing import PRESETS, make_tiny  # noqa: E402
+from engine.checkpoints.tiny import PRESETS, make_tiny  # noqa: E402
 
 torch.set_num_threads(2)
 

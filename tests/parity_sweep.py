@@ -117,7 +117,7 @@ def run_case(case: SweepCase, threads: Sequence[int], workdir: Path) -> CaseResu
     from transformers import DiffusionGemmaForBlockDiffusion
 
     from engine import LLM, SamplingParams
-    from engine.testing import make_tiny
+    from engine.checkpoints.tiny import make_tiny
 
     path = make_tiny(
         workdir / f"case-{case.index}",

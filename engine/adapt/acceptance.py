@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.model is None:
-        from engine.default_model import default_model_dir
+        from engine.checkpoints.default import default_model_dir
 
         args.model = default_model_dir()
     llm = hybrid_llm(args.model, args.adapter)

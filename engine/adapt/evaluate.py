@@ -27,11 +27,11 @@ import torch
 from engine.adapt.forward import TrainKVCache, train_batch
 from engine.build import CheckpointConfig, open_checkpoint
 from engine.engine import EngineConfig
+from engine.inputs.tokenizer import Tokenizer
 from engine.llm import LLM, RequestOutput
 from engine.model import DiffusionLM, Mode
 from engine.modes import policy
 from engine.params import MODE_NAMES, DecodeMode, SamplingParams
-from engine.tokenizer import Tokenizer
 from engine.types import tokens_per_forward
 
 EVAL_PROMPTS = Path(__file__).parent / "data" / "eval_prompts.jsonl"

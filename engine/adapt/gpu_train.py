@@ -66,7 +66,7 @@ def model_dir(args: argparse.Namespace, work: Path) -> Path:
     """The block-diffusion checkpoint to train on: the dry run's tiny one, a converted
     directory as given, or the source converted into `work`."""
     if args.dry_run:
-        from engine.testing import make_tiny
+        from engine.checkpoints.tiny import make_tiny
 
         return make_tiny(work / "tiny", "c16")
     source = Path(args.source)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.tokenizer import Tokenizer
+from engine.inputs.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from engine.llm import LLM, RequestOutput

@@ -127,7 +127,7 @@ class BenchConfig:
             raise ValueError(f"server must be 'subprocess' or 'thread', got {self.server!r}")
         if self.prompt_set not in PROMPT_SETS:
             raise ValueError(f"unknown prompt set {self.prompt_set!r}")
-        from engine.testing import PRESETS  # light: the weights code imports torch lazily
+        from engine.checkpoints.tiny import PRESETS  # light: the weights code imports torch lazily
 
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; expected one of {sorted(PRESETS)}")
@@ -169,7 +169,7 @@ SIZE_CHOICES = {"full": ("small", "tiny"), **{name: (name,) for name in SIZES}}
 def checkpoint_for(config: BenchConfig) -> Path:
     """The preset's checkpoint in the cache, built on first use. The directory name carries a
     hash of the preset's definition, so a changed preset is rebuilt, never reused stale."""
-    from engine.testing import PRESETS, make_tiny, preset_text_config
+    from engine.checkpoints.tiny import PRESETS, make_tiny, preset_text_config
 
     spec = PRESETS[config.preset]
     definition = {"text": preset_text_config(config.preset), "preset": repr(spec)}
@@ -268,7 +268,7 @@ def measure(
 ) -> list[Series]:
     """Both Canvas servers (fast, exact) and the reference up at once; every configuration
     warmed, then timed in rounds (`loadtest.cpu.bench_runs.measure`)."""
-    from engine.tokenizer import Tokenizer
+    from engine.inputs.tokenizer import Tokenizer
     from loadtest.cpu import reference as ref
     from loadtest.load.inprocess import serve_in_thread
     from loadtest.load.sidecar import serve_in_subprocesses
@@ -338,8 +338,8 @@ def floor_hidden(checkpoint: Path) -> int:
 def _floor(config: BenchConfig, checkpoint: Path, prompts: tuple[Prompt, ...]) -> Floor:
     """The GEMM rate measured now and the FLOPs of the requests' canvases (prefix: a typical
     prompt plus half the output) and of their prompts' prefill (the mean prompt)."""
+    from engine.inputs.tokenizer import Tokenizer
     from engine.model import load_model_config
-    from engine.tokenizer import Tokenizer
 
     model_config = load_model_config(checkpoint)
     tokenizer = Tokenizer(checkpoint)
@@ -361,7 +361,7 @@ def _floor(config: BenchConfig, checkpoint: Path, prompts: tuple[Prompt, ...]) -
 def _meta(config: BenchConfig, checkpoint: Path, num_prompts: int, command: str) -> dict:
     import torch
 
-    from engine.testing import PRESETS, estimate_parameters, preset_text_config
+    from engine.checkpoints.tiny import PRESETS, estimate_parameters, preset_text_config
 
     params = estimate_parameters(preset_text_config(config.preset))
     return {

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     if args.model is None:
-        from engine.default_model import default_model_dir
+        from engine.checkpoints.default import default_model_dir
 
         args.model = default_model_dir()
     llms = engines(args.model)

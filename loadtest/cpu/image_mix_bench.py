@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from engine import LLM, SamplingParams
-from engine.images import ImageProcessor, PreparedImage
+from engine.inputs.images import ImageProcessor, PreparedImage
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from engine.testing import make_tiny
+            from engine.checkpoints.tiny import make_tiny
 
             model = str(make_tiny(f"{tmp}/tiny-vision", vision=True))
         llm = LLM.from_pretrained(model)

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=Path("bench-out/structured.json"))
     args = parser.parse_args(argv)
     if args.model is None:
-        from engine.default_model import default_model_dir
+        from engine.checkpoints.default import default_model_dir
 
         args.model = default_model_dir()
     llm = LLM.from_pretrained(args.model)

@@ -4,7 +4,7 @@
     python3 -m loadtest.gpu.bench --dry-run     # the same flow on CPU at a toy shape, seconds
 
 No checkpoint: the engine's model (engine/model) is built on the meta device from the real
-text config (engine/testing.py REAL_26B_A4B_TEXT_CONFIG, the one source of the shapes), then
+text config (engine.checkpoints.tiny REAL_26B_A4B_TEXT_CONFIG, the one source of the shapes), then
 materialised on the GPU with random bf16 weights, and its kernel set is bound as `load_model`
 binds it. Measured, in this order:
 
@@ -43,13 +43,13 @@ from typing import Any
 import torch
 
 from engine.build import Checkpoint, build_engine
+from engine.checkpoints.tiny import REAL_26B_A4B_CANVAS_LENGTH, REAL_26B_A4B_TEXT_CONFIG
 from engine.engine import Engine, EngineConfig
 from engine.model import DiffusionLM, ModelConfig
 from engine.model.config import parse_text_config
 from engine.model.loader import BACKBONES
 from engine.params import DecodingDefaults, SamplingParams
 from engine.scheduler import SchedulerConfig
-from engine.testing import REAL_26B_A4B_CANVAS_LENGTH, REAL_26B_A4B_TEXT_CONFIG
 from kernels import BACKENDS
 from loadtest.gpu.kernel_timing import Timer, measure_ceilings, recorded, time_kernels
 from loadtest.gpu.report import BenchReport, EngineTiming, markdown, summary, write_reports

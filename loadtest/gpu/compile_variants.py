@@ -1,5 +1,5 @@
 """The launcher calls `loadtest.gpu.compile` compiles: each Triton kernel of Canvas at the real
-26B-A4B shapes in bf16 (engine/testing.py REAL_26B_A4B_TEXT_CONFIG), its edge specialisations
+26B-A4B shapes in bf16 (engine.checkpoints.tiny REAL_26B_A4B_TEXT_CONFIG), its edge specialisations
 (one token, one AR row, a page table of width 1, short canvases), the shapes of the gpu tests,
 and the fp32 paths (gpu-train's evaluation of SmolLM2, toy engines).
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.testing import REAL_26B_A4B_CANVAS_LENGTH, REAL_26B_A4B_TEXT_CONFIG
+from engine.checkpoints.tiny import REAL_26B_A4B_CANVAS_LENGTH, REAL_26B_A4B_TEXT_CONFIG
 from kernels.reference import PagedRows
 
 

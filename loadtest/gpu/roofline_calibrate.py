@@ -1,5 +1,5 @@
 """The roofline's accountant checked against a step it can measure: the CPU. The same step
-harness as `loadtest.gpu.roofline` runs the `bench-small` stack (engine/testing.py: the real
+harness as `loadtest.gpu.roofline` runs the `bench-small` stack (engine.checkpoints.tiny: the real
 layer pattern and MoE scaled to ~32M parameters) in fp32 on the CPU with the fast twins; the
 accountant predicts its time from this machine's rates, measured here (an fp32 GEMM, a copy,
 a tiny op's dispatch cost), and the step is then timed (warmed, median of repeats).
@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.checkpoints.tiny import PRESETS, preset_text_config
 from engine.model.config import ModelConfig, parse_text_config
-from engine.testing import PRESETS, preset_text_config
 from kernels import resolve_kernels
 from loadtest.gpu.accountant import Accountant, Hardware, sdpa_flops
 from loadtest.gpu.bench import meta_model

@@ -144,8 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    from engine.default_model import cache_dir
-    from engine.testing import make_tiny
+    from engine.checkpoints.default import cache_dir
+    from engine.checkpoints.tiny import make_tiny
     from loadtest.load.inprocess import serve_in_thread
 
     torch.set_num_threads(2)

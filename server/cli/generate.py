@@ -56,7 +56,7 @@ def chat_prompt(
     """A user turn of the images (file name → bytes), then `text`, through the chat template,
     with its images (decoded and preprocessed as the server does); ParamError naming the
     image."""
-    from engine.images import ImageProcessor, expand_image_tokens
+    from engine.inputs.images import ImageProcessor, expand_image_tokens
 
     if not image_files:
         return tokenizer.apply_chat_template([{"role": "user", "content": text}]), []

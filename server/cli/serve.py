@@ -11,7 +11,7 @@ from typing import Any
 
 from uvicorn.config import LOG_LEVELS
 
-from engine.default_model import placeholder_model_dir
+from engine.checkpoints.default import placeholder_model_dir
 from server.cli.config import CHECKPOINT_FLAGS, ENGINE_FLAGS, add_flags, add_threads_flag
 
 

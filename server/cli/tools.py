@@ -225,7 +225,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def add_make_tiny_parser(sub: Subparsers) -> None:
-    from engine.testing import DEFAULT_PRESET, PRESETS
+    from engine.checkpoints.tiny import DEFAULT_PRESET, PRESETS
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight DiffusionGemma checkpoint")
     tiny.add_argument("dir")
@@ -247,7 +247,7 @@ def add_make_tiny_parser(sub: Subparsers) -> None:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from engine.testing import PRESETS, make_tiny
+    from engine.checkpoints.tiny import PRESETS, make_tiny
 
     if args.list:
         for name, preset in PRESETS.items():

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.cpu_threads import auto_choices, describe_threads
-from engine.testing import (
+from engine.checkpoints.tiny import (
     PRESETS,
     REAL_26B_A4B_TEXT_CONFIG,
     estimate_parameters,
     preset_text_config,
 )
+from engine.cpu_threads import auto_choices, describe_threads
 from loadtest.cpu.bench import BenchConfig, build_parser, configs_from_args, main
 from loadtest.cpu.bench_report import thread_shares
 from loadtest.load.metrics import StepTotals, parse_step_totals

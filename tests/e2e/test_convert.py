@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, DecodeMode, SamplingParams
 from engine.adapt.convert import ConvertOptions, convert
-from engine.testing import build_tokenizer
+from engine.checkpoints.tiny import build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_a_converted_checkpoints_tokenizer_loads_without_a_transformers_warning(
 
     from transformers import AutoTokenizer
 
-    from engine.tokenizer import Tokenizer
+    from engine.inputs.tokenizer import Tokenizer
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)

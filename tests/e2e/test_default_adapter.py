@@ -32,7 +32,7 @@ MAX_GEN_PERPLEXITY = 60.0
 
 @pytest.fixture(scope="module")
 def default_model() -> Path:
-    from engine.default_model import default_model_dir
+    from engine.checkpoints.default import default_model_dir
 
     return default_model_dir()
 

@@ -20,7 +20,7 @@ SEEDS = (0, 1, 2)
 # these runs.
 ONE_SEED_PER_PROMPT = {"c256", "gqa8", "c32-window", "c16"}
 # Presets whose random weights are confident enough for canvases to stop before the step cap
-# (see engine.testing): on these the adaptive stop must be exercised.
+# (see engine.checkpoints.tiny): on these the adaptive stop must be exercised.
 EARLY_STOP_PRESETS = {"c16", "c256"}
 
 

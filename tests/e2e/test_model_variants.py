@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine.adapt.forward import TrainKVCache, train_batch, train_logits
+from engine.checkpoints.tiny import BASE_TEXT_CONFIG, TINY_VISION_CONFIG, make_tiny
 from engine.model import Mode, load_model
 from engine.model.config import parse_text_config
-from engine.testing import BASE_TEXT_CONFIG, TINY_VISION_CONFIG, make_tiny
 
 # Gemma 4's `attention_k_eq_v` switched off, with global KV heads that differ from the
 # sliding layers' (what the flag would change in Gemma 4).

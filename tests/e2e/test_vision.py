@@ -16,7 +16,7 @@ import torch
 
 from engine import LLM, DecodeMode, SamplingParams
 from engine.engine import EngineConfig
-from engine.images import ImageProcessor, PreparedImage, expand_image_tokens, image_spans
+from engine.inputs.images import ImageProcessor, PreparedImage, expand_image_tokens, image_spans
 from engine.params import ParamError
 from engine.scheduler import SchedulerConfig
 from tests.media import encode, noise_image

@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessage
 
-from engine.tokenizer import Tokenizer
+from engine.inputs.tokenizer import Tokenizer
 from server.app import create_app
 from server.state import ServerState
 from tests.server.fake_engine import DEFAULTS, LIMITS, FakeEngine

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from engine.images import ImageProcessor
+from engine.inputs.images import ImageProcessor
 from tests.media import data_url, encode, image_part, noise_image, png_bomb
 from tests.server.conftest import LiveServer, start_server
 

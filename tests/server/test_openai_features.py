@@ -19,7 +19,7 @@ import openai
 import pytest
 import uvicorn
 
-from engine.tokenizer import Tokenizer
+from engine.inputs.tokenizer import Tokenizer
 from server.app import create_app
 from server.http import uvicorn_config
 from server.state import ServerState
@@ -263,7 +263,7 @@ def test_recorded_thoughts_apart_from_the_answer_through_the_client(recorded):
 
 
 def test_a_template_that_raises_refuses_the_conversation_with_a_value_error(tmp_path):
-    from engine.testing import build_tokenizer
+    from engine.checkpoints.tiny import build_tokenizer
 
     tok = build_tokenizer(512)
     tok.chat_template = "{{ raise_exception('roles must alternate') }}"
@@ -273,7 +273,7 @@ def test_a_template_that_raises_refuses_the_conversation_with_a_value_error(tmp_
 
 
 def test_the_tiny_template_renders_a_tool_conversation_in_gemma4_format():
-    from engine.testing import build_tokenizer
+    from engine.checkpoints.tiny import build_tokenizer
 
     tok = build_tokenizer(512)
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather"}}

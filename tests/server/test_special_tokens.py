@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.testing import build_tokenizer
-from engine.tokenizer import Tokenizer
+from engine.checkpoints.tiny import build_tokenizer
+from engine.inputs.tokenizer import Tokenizer
 from server.app import ServerState, create_app
 from tests.server.fake_engine import DEFAULTS, LIMITS, FakeEngine
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from engine.images import ImageLimits
+from engine.inputs.images import ImageLimits
 from server.app import create_app
 from server.cli.serve import add_serve_arguments
 from server.http import uvicorn_config

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_cache_location_is_inside_the_sessions_temporary_home():
-    from engine.default_model import cache_dir
+    from engine.checkpoints.default import cache_dir
 
     home = Path(SESSION_HOME)
     assert Path.home() == home and cache_dir().is_relative_to(home)
@@ -25,11 +25,11 @@ def test_every_cache_location_is_inside_the_sessions_temporary_home():
 def test_the_placeholder_model_is_built_in_the_sessions_cache():
     """What a test that builds a checkpoint through `canvas serve` does (run again below in a
     subprocess whose HOME is watched)."""
-    from engine.default_model import cache_dir, placeholder_model_dir
+    from engine.checkpoints.default import cache_dir, placeholder_model_dir
 
     path = placeholder_model_dir()
     assert path.is_relative_to(cache_dir()) and (path / "config.json").is_file()
-    from engine.tokenizer import Tokenizer
+    from engine.inputs.tokenizer import Tokenizer
 
     assert Tokenizer(path).encode("hi")
 

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
+from engine.checkpoints.tiny import build_tokenizer
 from engine.structured import GrammarCompiler, JsonLex
-from engine.testing import build_tokenizer
 
 EOS = 1
 VOCAB = 512

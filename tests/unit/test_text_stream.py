@@ -18,7 +18,7 @@ def byte_decode(ids: list[int]) -> str:
 
 def byte_level() -> tuple[Callable[[list[int]], str], int]:
     """The test checkpoints' byte-level BPE (GPT-2 style), special tokens skipped."""
-    from engine.testing import build_tokenizer
+    from engine.checkpoints.tiny import build_tokenizer
 
     tok = build_tokenizer(320)
     return (lambda ids: tok.decode(ids, skip_special_tokens=True)), 320

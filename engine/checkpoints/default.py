@@ -55,7 +55,7 @@ def default_model_dir() -> Path:
 
 def placeholder_model_dir() -> Path:
     """A tiny random-weight DiffusionGemma checkpoint (built on first use, cached)."""
-    from engine.testing import DEFAULT_PRESET, make_tiny
+    from engine.checkpoints.tiny import DEFAULT_PRESET, make_tiny
 
     path = cache_dir() / f"tiny-{DEFAULT_PRESET}"
     if not (path / "config.json").is_file():

@@ -1,0 +1,3 @@
+"""Where checkpoints come from, besides a directory the user names: the built-in default model
+Canvas converts offline into its cache (`default`) and the tiny random-weight presets the tests,
+the benchmarks and `canvas make-tiny` build (`tiny`)."""
