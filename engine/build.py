@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.checkpoints.default import default_model_dir
+from engine.checkpoints.hub import locate
 from engine.engine import Engine, EngineConfig
 from engine.inputs.tokenizer import Tokenizer
 from engine.model import DiffusionLM, load_model
@@ -28,7 +29,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 @dataclass(frozen=True, slots=True)
 class CheckpointConfig:
     """Which checkpoint to open and how its model is loaded (`engine.model.load_model`):
-    `model_dir` None is the built-in default model (`engine.checkpoints.default`); `device` "auto"
+    `model_dir`: a directory, or a hub id `org/name[@revision]` downloaded into `download_dir`
+    (None: huggingface_hub's cache; `engine.checkpoints.hub`: an existing path wins), None
+    the built-in default model (`engine.checkpoints.default`); `device` "auto"
     is cuda when available; `exact`: reference-exact numerics instead of the fast batched ones;
     `kernels`: a backend of `kernels.BACKENDS`; `adapter`: a decoder adapter directory, True
     for the checkpoint's own (if any), False for none. `generation_config`: where the decoding
@@ -36,7 +39,7 @@ class CheckpointConfig:
     the reference's, with no max_new_tokens; or a directory), `override_generation_config`:
     generation_config.json keys set on top of them."""
 
-    model_dir: Path | None = None
+    model_dir: str | Path | None = None
     dtype: str = "auto"
     device: str = "auto"
     exact: bool = False
@@ -44,6 +47,7 @@ class CheckpointConfig:
     adapter: str | Path | bool = True
     generation_config: str | Path = "auto"
     override_generation_config: dict[str, Any] | None = None
+    download_dir: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +62,15 @@ class BuildConfig:
 class Checkpoint:
     """An opened checkpoint: its model with the kernel set bound, its tokenizer (None: the
     checkpoint has none, prompts are token ids) and its decoding defaults. `model_dir`: where
-    it was read from (None: a model built without one, as the GPU benchmark's)."""
+    it was read from (None: a model built without one, as the GPU benchmark's); `name`: what
+    clients call it unless told otherwise, the hub id without its revision or the directory's
+    name."""
 
     model: DiffusionLM
     tokenizer: Tokenizer | None
     defaults: DecodingDefaults
     model_dir: Path | None = None
+    name: str | None = None
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:
@@ -77,10 +84,15 @@ def adapter_choice(text: str) -> str | bool:
 
 
 def open_checkpoint(config: CheckpointConfig) -> Checkpoint:
-    """Load `config`'s checkpoint; raises CheckpointError (or ValueError, OSError) naming the
-    file or setting at fault, and DefaultModelMissing when the built-in model is asked for and
-    cannot be built."""
-    model_dir = Path(config.model_dir) if config.model_dir is not None else default_model_dir()
+    """Load `config`'s checkpoint, first downloading a hub id; raises CheckpointError (or
+    ValueError, OSError) naming the file or setting at fault, HubError naming a hub id that
+    cannot be had, and DefaultModelMissing when the built-in model is asked for and cannot be
+    built."""
+    if config.model_dir is None:
+        model_dir = default_model_dir()
+        name = model_dir.name
+    else:
+        model_dir, name = locate(config.model_dir, config.download_dir)
     model = load_model(
         model_dir,
         dtype=config.dtype,
@@ -96,7 +108,7 @@ def open_checkpoint(config: CheckpointConfig) -> Checkpoint:
         config.generation_config,
         config.override_generation_config,
     )
-    return Checkpoint(model, tokenizer, defaults, model_dir)
+    return Checkpoint(model, tokenizer, defaults, model_dir, name)
 
 
 def build_engine(checkpoint: Checkpoint, config: EngineConfig | None = None) -> Engine:

@@ -89,13 +89,12 @@ def build_state(
     from server.state import ServerState
 
     api_keys = check_api_keys(args.api_key)
-    model = Path(args.model) if args.model else None
-    config = build_config(args, model, (*CHECKPOINT_FLAGS, *ENGINE_FLAGS))
+    config = build_config(args, args.model or None, (*CHECKPOINT_FLAGS, *ENGINE_FLAGS))
     config = with_threads(config, args.threads, own_threads)  # before the weights load
     checkpoint, engine = build(config)
     model_dir = checkpoint.model_dir
     assert model_dir is not None, "opened from a directory"
-    name, *other_names = args.served_model_name or [model_dir.name]
+    name, *other_names = args.served_model_name or [checkpoint.name or model_dir.name]
     state = ServerState(
         AsyncEngine(engine), checkpoint.tokenizer, checkpoint.defaults, name, tuple(other_names)
     )

@@ -93,9 +93,17 @@ OVERRIDE_GENERATION_CONFIG = Flag(
     kind=json_object,
     metavar="JSON",
 )
+DOWNLOAD_DIR = Flag(
+    "--download-dir",
+    "checkpoint.download_dir",
+    "where a hub id (--model org/name[@revision]) is downloaded and cached (default: "
+    "huggingface_hub's cache, $HF_HUB_CACHE)",
+    kind=Path,
+    metavar="DIR",
+)
 CHECKPOINT_FLAGS = (
     *(DTYPE, DEVICE, EXACT, KERNELS, ADAPTER),
-    *(GENERATION_CONFIG, OVERRIDE_GENERATION_CONFIG),
+    *(GENERATION_CONFIG, OVERRIDE_GENERATION_CONFIG, DOWNLOAD_DIR),
 )
 
 # The engine's own configuration: `canvas serve`.
@@ -186,10 +194,11 @@ def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag], **defaults
 
 
 def build_config(
-    args: argparse.Namespace, model: Path | None, flags: Sequence[Flag] = ()
+    args: argparse.Namespace, model: str | Path | None, flags: Sequence[Flag] = ()
 ) -> BuildConfig:
-    """The build of `model` (None: the built-in default model) that the parsed `flags` of
-    `args` describe; fields without a flag keep their defaults."""
+    """The build of `model` (a directory or a hub id, as given; None: the built-in default
+    model) that the parsed `flags` of `args` describe; fields without a flag keep their
+    defaults."""
     config = BuildConfig(CheckpointConfig(model_dir=model))
     for flag in flags:
         value = getattr(args, flag.dest)

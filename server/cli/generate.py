@@ -22,7 +22,9 @@ def _ids(text: str) -> list[int]:
 
 
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
-    gen.add_argument("--model", required=True, help="checkpoint directory")
+    gen.add_argument(
+        "--model", required=True, help="checkpoint directory, or hub id org/name[@revision]"
+    )
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenized with the checkpoint's tokenizer)")
     src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, e.g. 2,15,9")
@@ -51,7 +53,7 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
 
 
 def chat_prompt(
-    model_dir: str, tokenizer: Any, text: str, image_files: dict[str, bytes]
+    model_dir: str | Path, tokenizer: Any, text: str, image_files: dict[str, bytes]
 ) -> tuple[list[int], list[Any]]:
     """A user turn of the images (file name → bytes), then `text`, through the chat template,
     with its images (decoded and preprocessed as the server does); ParamError naming the
@@ -69,11 +71,13 @@ def chat_prompt(
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, DecodeMode, ParamError, SamplingParams
+    from engine.checkpoints.hub import locate
     from engine.model import CheckpointError
 
     try:
         image_files = {path: Path(path).read_bytes() for path in args.image}  # before the model
-        llm = LLM.from_config(build_config(args, Path(args.model), CHECKPOINT_FLAGS))
+        model_dir, _ = locate(args.model, args.download_dir)  # a hub id: its snapshot
+        llm = LLM.from_config(build_config(args, model_dir, CHECKPOINT_FLAGS))
         params = SamplingParams(
             max_tokens=args.max_tokens,
             seed=args.seed,
@@ -89,7 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         elif args.chat or args.image:
             if llm.tokenizer is None:
                 raise ParamError("prompt", "this checkpoint has no tokenizer")
-            prompt, images = chat_prompt(args.model, llm.tokenizer, args.prompt, image_files)
+            prompt, images = chat_prompt(model_dir, llm.tokenizer, args.prompt, image_files)
         else:
             prompt = args.prompt
         (out,) = llm.generate(prompt, params, images=[images])

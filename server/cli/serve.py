@@ -54,7 +54,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
     model = parser.add_mutually_exclusive_group()
     model.add_argument(
-        "--model", default=None, help="checkpoint directory (default: built-in model)"
+        "--model",
+        default=None,
+        help="checkpoint directory, or hub id org/name[@revision] (downloaded; see "
+        "--download-dir) (default: built-in model)",
     )
     model.add_argument(
         "--placeholder-model",
@@ -70,7 +73,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAME",
         help="names clients may pass as `model`; the first is the one /v1/models lists first "
-        "and metrics are labelled with (default: the checkpoint directory's name)",
+        "and metrics are labelled with (default: the hub id without @revision, or the checkpoint "
+        "directory's name)",
     )
     add_flags(parser, CHECKPOINT_FLAGS)
     add_flags(parser, ENGINE_FLAGS)

