@@ -150,6 +150,41 @@ def test_each_replica_takes_one_gpu_and_reads_the_model_volume():
     assert "PersistentVolumeClaim" not in {d["kind"] for d in docs}  # an existing claim
 
 
+HUB = {"hubId": "google/diffusiongemma-26B-A4B-it@main", "hfToken": {"existingSecret": "hf"}}
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+def test_a_hub_id_is_downloaded_into_a_kept_cache_with_hf_token_from_a_secret(version):
+    docs = render({"model": HUB})
+    for doc in docs:
+        validate(doc, version)
+    container = canvas_container(docs)
+    args = container["args"]
+    assert args[args.index("--model") + 1] == HUB["hubId"]
+    assert args[args.index("--download-dir") + 1] == "/hub-cache"
+    names = args[args.index("--served-model-name") + 1 : args.index("--drain-seconds")]
+    assert names == ["google/diffusiongemma-26B-A4B-it", "diffusiongemma-26b-a4b-it"]
+    token = next(e for e in container["env"] if e["name"] == "HF_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token", "optional": False}
+    assert container["volumeMounts"][0] == {"name": "hub-cache", "mountPath": "/hub-cache"}
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    claim = one(docs, "PersistentVolumeClaim")  # the download cache's, not the model's
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "hub-cache"]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert "model" not in {v["name"] for v in pod["volumes"]}
+    local = canvas_container(render())["startupProbe"]["failureThreshold"]
+    assert container["startupProbe"]["failureThreshold"] > local  # the download comes first
+    ephemeral = render({"model": {**HUB, "downloadCache": {"enabled": False}}})
+    (volume,) = [
+        v
+        for v in one(ephemeral, "Deployment")["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "hub-cache"
+    ]
+    assert volume == {"name": "hub-cache", "emptyDir": {}}
+    assert "PersistentVolumeClaim" not in {d["kind"] for d in ephemeral}
+
+
 def test_the_api_key_comes_from_a_required_secret():
     (env,) = canvas_container(render())["env"]
     assert env["name"] == "CANVAS_API_KEY"
@@ -172,6 +207,7 @@ def test_the_api_key_comes_from_a_required_secret():
         ({"drainSeconds": -1}, "/drainSeconds"),
         ({"apiKey": {"existingSecret": "", "value": ""}}, "/apiKey"),
         ({"apiKey": {"value": "two words"}}, "/apiKey/value"),
+        ({"model": {"hubId": "../models/gemma"}}, "/model/hubId"),
         ({"inferenceGateway": {"endpointPicker": {"failureMode": "Maybe"}}}, "/failureMode"),
     ],
 )

@@ -234,6 +234,13 @@ def test_offline_mode_serves_the_cache_without_asking_the_hub(hub, tmp_path, mon
     assert "HF_HUB_OFFLINE" in caplog.text and "serving the cached snapshot" in caplog.text
 
 
+def test_a_second_start_online_downloads_nothing_again(hub, tmp_path):
+    first, _ = locate(REPO, tmp_path)
+    num_fetched = len(hub.fetched())
+    again, _ = locate(REPO, tmp_path)
+    assert again == first and len(hub.fetched()) == num_fetched
+
+
 def test_generate_takes_a_hub_id(hub, tmp_path, capsys):
     argv = ["generate", "--model", REPO, "--download-dir", str(tmp_path), "--prompt", "hi"]
     assert main([*argv, "--max-tokens", "4", "--seed", "0", "--json"]) == 0

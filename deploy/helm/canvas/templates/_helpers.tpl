@@ -31,6 +31,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- .Values.model.existingClaim | default (printf "%s-model" (include "canvas.fullname" .)) -}}
 {{- end -}}
 
+{{- define "canvas.downloadClaimName" -}}
+{{- .Values.model.downloadCache.existingClaim | default (printf "%s-hub-cache" (include "canvas.fullname" .)) -}}
+{{- end -}}
+
 {{- define "canvas.eppName" -}}
 {{- include "canvas.fullname" . | trunc 59 | trimSuffix "-" }}-epp
 {{- end -}}
