@@ -13,6 +13,7 @@ change; huggingface_hub's own exceptions never reach the caller."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,10 +83,16 @@ class HubId:
 
 
 def parse_hub_id(text: str) -> HubId | None:
-    """`text` as a hub id (`org/name` or `org/name@revision`); None when it is not shaped like
-    one."""
+    """`text` as a hub id (`org/name` or `org/name@revision`, within the hub's own rules for
+    names); None when it is not one."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     match = HUB_ID.fullmatch(text)
-    if match is None or "--" in match["repo"] or ".." in match["repo"]:
+    if match is None:
+        return None
+    try:
+        validate_repo_id(match["repo"])
+    except HFValidationError:
         return None
     return HubId(match["repo"], match["revision"])
 
@@ -96,7 +103,7 @@ def locate(model: str | Path, download_dir: Path | None = None) -> tuple[Path, s
     (without the revision). Anything else: CheckpointError."""
     path = Path(model).expanduser()
     if path.exists():
-        return path, path.name
+        return path, Path(os.path.abspath(path)).name  # `--model .` too: the directory's name
     hub = parse_hub_id(str(model))
     if hub is None:
         raise CheckpointError(

@@ -56,12 +56,13 @@ class Repo:
 @dataclass
 class LoopbackHub:
     """A hub on 127.0.0.1: serves `repos`, records every request as (method, path, headers
-    by lower-case name)
-    and can cut a file's first download short (`cut_once`), as a dropped connection does."""
+    by lower-case name), and can drop the connection halfway through a file's first download
+    (`cut_once`) or send files shorter than it says they are (`short`)."""
 
     repos: dict[str, Repo]
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     cut_once: set[str] = field(default_factory=set)
+    short: set[str] = field(default_factory=set)  # downloads of these send half the file
     server: ThreadingHTTPServer | None = None
 
     @property
@@ -161,6 +162,8 @@ def handler(hub: LoopbackHub) -> type[BaseHTTPRequestHandler]:
                 self.end_headers()
                 self.wfile.write(data[: len(data) // 2])  # and the connection closes
                 return
+            if self.command == "GET" and name in hub.short:
+                return self.reply(200, headers, data[: len(data) // 2])
             self.reply(206 if start else 200, headers, data[start:])
 
     return Handler
@@ -196,6 +199,8 @@ def checkpoint_files(tiny_checkpoint) -> set[str]:
 def test_a_hub_id_is_downloaded_served_and_served_again_from_the_cache_with_the_hub_gone(
     hub, tiny_checkpoint, tmp_path, caplog
 ):
+    """The deployment's first and second start, each a whole server (the slowest test here:
+    two model loads)."""
     cache = str(tmp_path / "cache")
     body = {"model": REPO, "prompt": "hi", "max_tokens": 4, "seed": 0}
     server, stop = start_server(REPO, "--download-dir", cache)
@@ -241,11 +246,31 @@ def test_a_second_start_online_downloads_nothing_again(hub, tmp_path):
     assert again == first and len(hub.fetched()) == num_fetched
 
 
+def test_a_failed_download_is_a_one_line_error_and_the_next_start_completes_it(hub, tmp_path):
+    hub.short.add("model.safetensors")  # a file that arrives shorter than the hub said
+    with pytest.raises(HubError, match=f"model {REPO}: the download into .* failed") as error:
+        locate(REPO, tmp_path)
+    assert str(error.value).endswith("start again to resume it")
+    hub.short.clear()
+    path, _ = locate(REPO, tmp_path)
+    assert (path / "model.safetensors").is_file()
+
+
 def test_generate_takes_a_hub_id(hub, tmp_path, capsys):
+    """The whole command (a model load): it also reads the downloaded directory itself."""
     argv = ["generate", "--model", REPO, "--download-dir", str(tmp_path), "--prompt", "hi"]
     assert main([*argv, "--max-tokens", "4", "--seed", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["finish_reason"] in ("stop", "length")
     assert "config.json" in hub.fetched()
+
+
+def test_convert_takes_a_hub_id_as_its_source(hub, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["convert", "--from", REPO, "--to", str(out), "--download-dir", str(tmp_path)]
+    assert main(argv) == 2  # downloaded and read: a block-diffusion model is no AR source
+    err = capsys.readouterr().err
+    assert "canvas convert: error: " in err and "not a .gguf file" not in err  # a directory
+    assert {"config.json", "model.safetensors"} <= set(hub.fetched())
 
 
 @pytest.mark.parametrize(
@@ -331,6 +356,8 @@ def test_an_existing_directory_wins_over_the_hub_id_shape(
         ("org/name/extra", None),
         ("org/name@", None),
         ("org/na--me", None),
+        ("org/name.git", None),
+        ("org/name-", None),
     ],
 )
 def test_hub_ids_are_org_slash_name_with_an_optional_revision(text, parsed):
