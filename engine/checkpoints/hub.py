@@ -149,7 +149,7 @@ def download(hub: HubId, download_dir: Path | None = None) -> Path:
             f"{first_line(exc)}); start again to resume it"
         ) from exc
     if offline is not None:
-        logger.warning("%s (%s): serving the cached snapshot %s", hub, offline, snapshot)
+        logger.warning("%s: %s; serving the cached snapshot %s", hub, offline, snapshot)
     return Path(snapshot)
 
 
