@@ -167,9 +167,7 @@ def _part(where: str, part: Any) -> dict[str, Any]:
     _only(where, part, PART_FIELDS[kind], f"an {kind} part")
     if kind == "input_image":
         if part.get("file_id") is not None:
-            raise ParamError(
-                f"{where}.file_id", "uploaded files are not supported; send image_url"
-            )
+            raise ParamError(f"{where}.file_id", "uploaded files are not supported; send image_url")
         url = part.get("image_url")
         if not isinstance(url, str) or not url:
             raise ParamError(
