@@ -333,3 +333,37 @@ def test_the_sdk_raises_the_refusal(served):
     with pytest.raises(openai.BadRequestError) as raised:
         served.sdk().responses.create(model="fake", input="Hi", previous_response_id="resp_1")
     assert raised.value.param == "previous_response_id"
+
+
+def test_an_input_image_is_served_as_chat_serves_an_image_url_part(vision_checkpoint):
+    from engine.inputs.images import ImageLimits, ImageProcessor
+    from server.media import Media, MediaPolicy
+    from tests.media import data_url, encode, noise_image
+
+    url = data_url(encode(noise_image(40, 60)))
+    media = Media(ImageProcessor(vision_checkpoint, ImageLimits()), MediaPolicy())
+    with sdk_server(vision_checkpoint, media=media) as server:
+        server.sdk().responses.create(
+            model="fake",
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What is this?"},
+                        {"type": "input_image", "image_url": url, "detail": "low"},
+                    ],
+                }
+            ],
+        )
+        seen = server.engine.submitted[-1]
+        parts = [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": url, "detail": "low"}},
+        ]
+        status, body = server.post(
+            "/chat/completions", messages=[{"role": "user", "content": parts}]
+        )
+        assert status == 200, body
+    assert len(seen.images) == 1
+    assert seen.prompt_ids == server.engine.submitted[-1].prompt_ids
+    assert len(seen.prompt_ids) > len(server.tokenizer.encode("What is this?")) + 16
