@@ -367,3 +367,37 @@ def test_an_input_image_is_served_as_chat_serves_an_image_url_part(vision_checkp
     assert len(seen.images) == 1
     assert seen.prompt_ids == server.engine.submitted[-1].prompt_ids
     assert len(seen.prompt_ids) > len(server.tokenizer.encode("What is this?")) + 16
+
+
+def test_each_stream_frame_names_its_event_and_no_done_line_follows(served):
+    served.answer(THOUGHT_AND_ANSWER)
+    r = served.client.post("/v1/responses", json={"model": "fake", "input": "Hi", "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    frames = [frame for frame in r.text.split("\n\n") if frame]
+    for frame in frames:
+        event, data = frame.split("\n")
+        assert event.removeprefix("event: ") == json.loads(data.removeprefix("data: "))["type"]
+    assert "[DONE]" not in r.text
+
+
+def test_a_reasoning_item_with_only_a_summary_gives_its_text(served):
+    thought = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Ask."}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    status, body = served.post(
+        "/responses",
+        input=[
+            {"role": "user", "content": ASK},
+            thought,
+            call,
+            {
+                "type": "function_call_output",
+                "call_id": "c1",
+                "output": [{"type": "input_text", "text": "sunny"}],
+            },
+        ],
+        tools=[TOOL],
+    )
+    assert status == 200, body
+    prompt = served.last_prompt()
+    assert "<|channel>thought\nAsk.<channel|><|tool_call>call:get_weather{}" in prompt
+    assert "sunny" in prompt
