@@ -1,8 +1,9 @@
 """/v1/responses with the official `openai` client: text, thoughts as reasoning items, function
 tools over an agent loop (the output items sent back with function_call_output items), JSON
 formats, limits and sampling reaching the engine, the stream's events (and that the SDK's own
-stream accumulator rebuilds the same response), stateless `store`, and every refusal naming
-the Responses field the client sent."""
+stream accumulator rebuilds the same response), stateless `store`, every refusal naming the
+Responses field the client sent, and one plain and one streamed response from the real engine
+on the tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -401,3 +402,22 @@ def test_a_reasoning_item_with_only_a_summary_gives_its_text(served):
     prompt = served.last_prompt()
     assert "<|channel>thought\nAsk.<channel|><|tool_call>call:get_weather{}" in prompt
     assert "sunny" in prompt
+
+
+def test_the_real_engine_serves_a_response_and_its_stream(live_server):
+    import httpx
+    import openai
+
+    with httpx.Client(timeout=60) as http:
+        sdk = openai.OpenAI(base_url=live_server.v1, api_key="-", http_client=http)
+        plain = sdk.responses.create(
+            model="tiny", input="Hello", max_output_tokens=6, extra_body={"seed": 3}
+        )
+        with sdk.responses.create(
+            model="tiny", input="Hello", max_output_tokens=6, extra_body={"seed": 3}, stream=True
+        ) as stream:
+            events = list(stream)
+    assert plain.status in ("completed", "incomplete") and plain.usage.output_tokens <= 6
+    done = events[-1].response
+    assert events[-1].type == f"response.{plain.status}"
+    assert done.output_text == plain.output_text and done.usage == plain.usage
