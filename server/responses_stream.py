@@ -12,8 +12,9 @@ a stream's `response.completed` carries exactly the output a plain request would
 - each tool call: a `function_call` item (`call_id`, `name`, `arguments` as a JSON text).
 
 Items appear in the order the model wrote them (a new item starts when the kind of text
-changes). A chat finish "length" makes the response `incomplete` (reason
-`max_output_tokens`), its last item too. Nothing is stored: `store` is always false.
+changes); an empty output is one empty message. A chat finish "length" makes the response
+`incomplete` (reason `max_output_tokens`), its last item too. Nothing is stored: `store` is
+always false.
 """
 
 from __future__ import annotations
@@ -54,9 +55,15 @@ class OutputItems:
             events += self._call(piece)
         return events
 
+    def finish(self, status: str) -> list[dict[str, Any]]:
+        """End the output: the open item ends with `status` ("completed", or "incomplete" when
+        the output was cut at its token limit). An output with no item at all gets an empty
+        message, as OpenAI's does, so a client always finds the answer's message."""
+        events = [] if self.items else self._open_text(MESSAGE)
+        return [*events, *self.close(status)]
+
     def close(self, status: str = "completed") -> list[dict[str, Any]]:
-        """End the open item with `status` ("completed", or "incomplete" when the output was
-        cut at its token limit)."""
+        """End the open item with `status`."""
         item, self._open, self._call_index = self._open, None, None
         if item is None:
             return []
@@ -90,28 +97,33 @@ class OutputItems:
         return [*events, {**added, "item": _copy(item)}]
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
         item = self._open
-        if item is None or item["type"] != kind:
-            n = len(self.items)
-            if kind == MESSAGE:
-                item = {"id": f"msg_{self.base}_{n}", "type": MESSAGE, "role": "assistant"}
-                part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
-                part["logprobs"] = []
-            else:
-                item = {"id": f"rs_{self.base}_{n}", "type": REASONING, "summary": []}
-                part = {"type": "reasoning_text", "text": ""}
-            item.update(status="in_progress", content=[])
-            events += self._start(item)
-            added = {"type": "response.content_part.added", **self._where(item)}
-            events.append({**added, "content_index": 0, "part": dict(part)})
-            item["content"] = [part]
+        events = [] if item is not None and item["type"] == kind else self._open_text(kind)
+        item = self._open
+        assert item is not None, "_open_text opened it"
         item["content"][0]["text"] += text
         name = "output_text" if kind == MESSAGE else "reasoning_text"
         delta = {"type": f"response.{name}.delta", **self._where(item), "content_index": 0}
         if kind == MESSAGE:
             delta["logprobs"] = []
         return [*events, {**delta, "delta": text}]
+
+    def _open_text(self, kind: str) -> list[dict[str, Any]]:
+        """Start a message or reasoning item, with its one (empty) text part."""
+        n = len(self.items)
+        if kind == MESSAGE:
+            item: dict[str, Any] = {"id": f"msg_{self.base}_{n}", "type": MESSAGE}
+            item["role"] = "assistant"
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
+            part["logprobs"] = []
+        else:
+            item = {"id": f"rs_{self.base}_{n}", "type": REASONING, "summary": []}
+            part = {"type": "reasoning_text", "text": ""}
+        item.update(status="in_progress", content=[])
+        events = self._start(item)
+        added = {"type": "response.content_part.added", **self._where(item)}
+        item["content"] = [part]
+        return [*events, {**added, "content_index": 0, "part": dict(part)}]
 
     def _call(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -212,7 +224,7 @@ class ResponsesRenderer(ChatRenderer):
         out = OutputItems(self.response_id)
         out.feed(message.get("reasoning"), message["content"], calls)
         status = status_of(choice["finish_reason"])
-        out.close(status)
+        out.finish(status)
         usage = response_usage(chat["usage"])
         return self.body(status, out.items, usage, canvas_stats=choice["canvas_stats"])
 
@@ -256,7 +268,7 @@ class ResponsesRenderer(ChatRenderer):
                 finish = choice["finish_reason"] or finish
                 stats = choice.get("canvas_stats") or stats
         status = status_of(finish)
-        for event in out.close(status):
+        for event in out.finish(status):
             yield frame(event)
         body = self.body(status, out.items, usage, canvas_stats=stats)
         yield frame({"type": f"response.{status}", "response": body})

@@ -421,3 +421,20 @@ def test_the_real_engine_serves_a_response_and_its_stream(live_server):
     done = events[-1].response
     assert events[-1].type == f"response.{plain.status}"
     assert done.output_text == plain.output_text and done.usage == plain.usage
+
+
+def test_an_empty_answer_is_one_empty_message_streamed_or_not(served):
+    served.answer("")
+    plain = served.sdk().responses.create(model="fake", input="Hi")
+    assert [(i.type, i.content[0].text) for i in plain.output] == [("message", "")]
+    events = stream_events(served, input="Hi")
+    kinds = [e.type for e in events]
+    assert kinds[2:] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert without_ids(events[-1].response.output) == without_ids(plain.output)
