@@ -60,9 +60,9 @@ class OutputItems:
         the output was cut at its token limit). An output with no item at all gets an empty
         message, as OpenAI's does, so a client always finds the answer's message."""
         events = [] if self.items else self._open_text(MESSAGE)
-        return [*events, *self.close(status)]
+        return [*events, *self._close(status)]
 
-    def close(self, status: str = "completed") -> list[dict[str, Any]]:
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
         """End the open item with `status`."""
         item, self._open, self._call_index = self._open, None, None
         if item is None:
@@ -90,7 +90,7 @@ class OutputItems:
         return {"item_id": item["id"], "output_index": len(self.items) - 1}
 
     def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        events = self.close()
+        events = self._close()
         self.items.append(item)
         self._open = item
         added = {"type": "response.output_item.added", "output_index": len(self.items) - 1}
