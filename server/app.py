@@ -1,9 +1,9 @@
 """The HTTP server: OpenAI-compatible routes over an engine client (`engine.types.EngineClient`).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
-POST /detokenize, POST /reset_prefix_cache, GET /health, GET /ready, GET and POST /ping,
-GET /load, GET /metrics, GET /version, OpenAPI docs at /docs, and the playground page at / and
-/playground (`server.playground`). With an API key, every request needs
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models,
+POST /tokenize, POST /detokenize, POST /reset_prefix_cache, GET /health, GET /ready, GET and
+POST /ping, GET /load, GET /metrics, GET /version, OpenAPI docs at /docs, and the playground page
+at / and /playground (`server.playground`). With an API key, every request needs
 `Authorization: Bearer <key>` except those routed to the public routes: /health, /ready, /ping,
 /load, /metrics, /version, the OpenAPI docs and the page (a path that matches no route needs
 the key too). The edge of every request (ids, limits, auth, body, last-resort errors) is
@@ -36,6 +36,7 @@ from server.errors import (
 )
 from server.metrics import HttpMetricsMiddleware
 from server.playground import playground_router
+from server.responses import responses_router
 from server.routes import VERSION, admin_router, ops_router, v1_router
 from server.state import ServerState
 from server.tokenize import tokenize_router
@@ -71,6 +72,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(playground_router())
     public = tuple(app.routes)  # the OpenAPI docs, health/ready/metrics/version, the page
     app.include_router(v1_router(state))
+    app.include_router(responses_router(state))
     app.include_router(tokenize_router(state))
     app.include_router(admin_router(state))
     app.add_middleware(EdgeMiddleware, state=state, access=RouteAccess(app.routes, public))

@@ -137,30 +137,34 @@ def v1_router(state: ServerState) -> APIRouter:
             body.include_usage,
             state.reasoning_field,
         )
-        tokenizer = state.tokenizer
-        if tokenizer is None:
-            raise APIError(
-                400, "This model has no tokenizer, so it has no chat template", "messages"
-            )
-        with param_errors(renderer):
-            inputs = chat_inputs(body, tokenizer)
-            max_tokens = body.token_limit  # None: the checkpoint's default, bounded by the room
-        if inputs.images:  # the cheap refusals first (as `_serve` orders them), then the work
-            if state.draining:
-                raise draining_error()
-            _check_served(state, body)
-        images = await prepare_images(state, inputs.images)
-
-        def encode() -> list[list[int]]:
-            ids = tokenizer.apply_chat_template(
-                inputs.messages, inputs.tools, inputs.template_kwargs
-            )
-            return [with_image_tokens(state, ids, images)]
-
-        parser = output_parser(body)
-        return await _serve(state, body, encode, max_tokens, renderer, request, parser, images)
+        return await serve_chat(state, body, renderer, request)
 
     return router
+
+
+async def serve_chat(
+    state: ServerState, body: ChatCompletionRequest, renderer: ChatRenderer, request: Request
+) -> Response:
+    """Serve a chat request with `renderer`'s bodies (chat completions, or another API built
+    on the chat path: `server.responses`): the full response, or an `SSEResponse`."""
+    tokenizer = state.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "This model has no tokenizer, so it has no chat template", "messages")
+    with param_errors(renderer):
+        inputs = chat_inputs(body, tokenizer)
+        max_tokens = body.token_limit  # None: the checkpoint's default, bounded by the room
+    if inputs.images:  # the cheap refusals first (as `_serve` orders them), then the work
+        if state.draining:
+            raise draining_error()
+        _check_served(state, body)
+    images = await prepare_images(state, inputs.images)
+
+    def encode() -> list[list[int]]:
+        ids = tokenizer.apply_chat_template(inputs.messages, inputs.tools, inputs.template_kwargs)
+        return [with_image_tokens(state, ids, images)]
+
+    parser = output_parser(body)
+    return await _serve(state, body, encode, max_tokens, renderer, request, parser, images)
 
 
 async def prepare_images(state: ServerState, refs: list[ImageRef]) -> tuple[PreparedImage, ...]:
