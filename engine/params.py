@@ -106,6 +106,9 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     eos_token_ids: tuple[int, ...] | None = None  # overrides the checkpoint's EOS set
+    # More tokens that end the request as an EOS does (committed, a canvas cut at the first),
+    # under ignore_eos too (vLLM's stop_token_ids)
+    stop_token_ids: tuple[int, ...] = ()
     # The decoding knobs (`DecodingKnobs`, which says what each means), typed here for callers.
     max_denoising_steps: int | None = None
     entropy_bound: float | None = None
@@ -131,6 +134,7 @@ class SamplingParams:
             bound = FLOAT_BOUNDS.get(name, math.inf)
             _check(value is None or value <= bound, name, f"must be <= {bound:g}")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _check(min(self.stop_token_ids, default=0) >= 0, "stop_token_ids", "must be token ids")
         _check(
             self.mode is None or self.mode in mode_names(),
             "mode",
@@ -194,7 +198,7 @@ class ResolvedParams(DecodingKnobs):
     max_tokens: int
     mode: str  # a registered mode (`engine.modes`)
     seed: int | None
-    eos_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # what ends it: the EOS set (none: ignore_eos), stop_token_ids
     json_schema: str | None = None
     logprobs: int | None = None
 
@@ -295,7 +299,7 @@ class DecodingDefaults(DecodingKnobs):
             max_tokens=max_tokens,
             mode=mode,
             seed=params.seed,
-            eos_token_ids=frozenset() if params.ignore_eos else frozenset(eos),
+            eos_token_ids=frozenset(() if params.ignore_eos else eos) | set(params.stop_token_ids),
             json_schema=params.json_schema,
             logprobs=params.logprobs,
             **knobs,

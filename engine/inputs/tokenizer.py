@@ -148,8 +148,10 @@ class Tokenizer:
             for item in value:
                 self._check_keys(item)
 
-    def decode(self, ids: list[int]) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=True))
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`; special tokens are dropped, or spelled out when not
+        `skip_special_tokens`."""
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def markup_decoder(self, keep: Collection[str]) -> Callable[[list[int]], str]:
         """A decode that keeps the special tokens spelled as in `keep` (a chat format's markup,

@@ -64,8 +64,11 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())  # bytes have no special tokens to add
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode(errors="replace")
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return bytes(i for i in ids if i < 256).decode(errors="replace")
+        pieces = [bytes([i]) if i < 256 else self.special_token_texts[i].encode() for i in ids]
+        return b"".join(pieces).decode(errors="replace")
 
     def markup_decoder(self, keep: Collection[str]) -> Callable[[list[int]], str]:
         return self.decode
