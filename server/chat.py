@@ -76,6 +76,9 @@ class ChatTemplateInfo(Protocol):
     @property
     def template_knows_thinking(self) -> bool: ...
 
+    @property
+    def template_defaults(self) -> dict[str, Any]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class ChatInputs:
@@ -96,14 +99,16 @@ def chat_inputs(request: ChatCompletionRequest, template: ChatTemplateInfo) -> C
     if tools is not None and not template.template_knows_tools:
         messages = with_tools_preamble(messages, tools, request.tool_choice)
         tools = None
-    thinking = thinking_switch(request)
-    if thinking is not None and not template.template_knows_thinking:
+    asked = thinking_switch(request)
+    if asked is not None and not template.template_knows_thinking:
         param = (
             "reasoning_effort"
             if request.chat_template_kwargs is None
             else ("chat_template_kwargs.enable_thinking")
         )
         raise ParamError(param, "this checkpoint's chat template has no thinking switch")
+    # The request's switch, else the server's default (`--default-chat-template-kwargs`).
+    thinking = asked if asked is not None else template.template_defaults.get("enable_thinking")
     if thinking and is_forced(request.tool_choice):
         raise ParamError(
             "tool_choice",

@@ -48,7 +48,7 @@ def _neutral(name: str) -> Any:
     return Field(values[0], json_schema_extra={"enum": list(values), "description": doc})
 
 
-def _is_neutral(value: Any, neutral: Any) -> bool:
+def is_neutral(value: Any, neutral: Any) -> bool:
     if isinstance(value, bool) != isinstance(neutral, bool):  # True is not 1
         return False
     return bool(value == neutral)
@@ -159,7 +159,7 @@ class CommonParams(BaseModel):
         """The first unsupported OpenAI parameter set to a non-neutral value, if any."""
         for name, neutrals in UNSUPPORTED.items():
             value = getattr(self, name)
-            if not any(_is_neutral(value, neutral) for neutral in neutrals):
+            if not any(is_neutral(value, neutral) for neutral in neutrals):
                 return name
         return None
 
