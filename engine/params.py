@@ -315,7 +315,9 @@ def _config_value(raw: dict[str, Any], path: tuple[str, ...]) -> Any:
 
 
 GENERATION_CONFIG = "generation_config.json"
-# The generation_config.json keys `vllm` (no generation config) still takes from the
+# `--generation-config`'s named sources (anything else is a directory).
+GENERATION_SOURCES = ("auto", "canvas", "vllm")
+# The generation_config.json keys `canvas` and `vllm` (no generation config) still take from the
 # checkpoint: the engine needs its end-of-sequence and padding ids, and the default mode and
 # hybrid draft steps say how Canvas decodes this checkpoint rather than how it samples.
 KEPT_KEYS = ("eos_token_id", "pad_token_id", "canvas_default_mode", "canvas_hybrid_draft_steps")
@@ -323,16 +325,17 @@ KEPT_KEYS = ("eos_token_id", "pad_token_id", "canvas_default_mode", "canvas_hybr
 
 def generation_config(model_dir: str | Path, source: str | Path = "auto") -> dict[str, Any]:
     """The generation config `source` names: `auto`, the checkpoint's generation_config.json
-    (none: {}); `vllm`, none but the checkpoint's KEPT_KEYS (the reference's defaults for the
-    rest); a directory, the generation_config.json there (OSError when it holds none)."""
-    if str(source) not in ("auto", "vllm"):
+    (none: {}); `canvas` and `vllm`, none but the checkpoint's KEPT_KEYS (Canvas's defaults for
+    the rest; `vllm` also drops `max_new_tokens`, in `DecodingDefaults.from_checkpoint`); a
+    directory, the generation_config.json there (OSError when it holds none)."""
+    if str(source) not in GENERATION_SOURCES:
         path = Path(source) / GENERATION_CONFIG
         if not path.is_file():
             raise FileNotFoundError(f"generation config: no {GENERATION_CONFIG} in {source}")
         return _read_config(path)
     path = Path(model_dir) / GENERATION_CONFIG
     raw = _read_config(path) if path.is_file() else {}
-    if str(source) == "vllm":
+    if str(source) != "auto":
         raw = {key: raw[key] for key in KEPT_KEYS if key in raw}
     return raw
 
