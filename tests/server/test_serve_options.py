@@ -10,6 +10,7 @@ import json
 import logging
 from pathlib import Path
 
+import httpx
 import pytest
 
 from engine.checkpoints.tiny import build_tokenizer
@@ -19,7 +20,7 @@ from server.cli.serve import add_serve_arguments
 from server.lenient import UnknownParams
 from server.logs import JsonFormatter, use_log_format
 from server.serve import StartupError, chat_template, uvicorn_logging
-from tests.server.conftest import make_fake_server
+from tests.server.conftest import make_fake_server, start_server
 
 CHAT = {"messages": [{"role": "user", "content": "hi", "x_trace": "t1"}], "max_tokens": 2}
 EXTRA = {"x_platform_tag": "abc", "best_of": 3, **CHAT}
@@ -181,3 +182,30 @@ def test_a_chat_template_flag_path_is_read_as_text(tokenizer, tmp_path: Path):
     """A value with no braces or line breaks is a path, never a template."""
     with pytest.raises(StartupError, match="No such file"):
         chat_template(tokenizer, str(tmp_path / "nothing-here"), None)
+
+
+def test_serve_wires_the_template_flags_and_lenient_bodies(tiny_checkpoint):
+    """The one server start of this file (a few seconds on the tiny checkpoint): the flags
+    reach the tokenizer and the edge through `build_state`."""
+    template = (
+        "{{ 'T' if enable_thinking else 'F' }}{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    )
+    server, stop = start_server(
+        str(tiny_checkpoint("c16")),
+        "--chat-template",
+        template,
+        "--default-chat-template-kwargs",
+        '{"enable_thinking": false}',
+        "--ignore-unknown-params",
+        "--threads",
+        "1",
+    )
+    try:
+        r = httpx.post(f"{server.url}/tokenize", json={"messages": HI})
+        assert r.status_code == 200, r.text
+        detok = httpx.post(f"{server.url}/detokenize", json={"tokens": r.json()["tokens"]})
+        assert detok.json()["prompt"] == "F[hi]"
+        body = {"model": server.model, "messages": HI, "max_tokens": 2, "x_unknown": 1}
+        assert httpx.post(f"{server.v1}/chat/completions", json=body).status_code == 200
+    finally:
+        stop()
