@@ -121,8 +121,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=json_object,
         default=None,
         metavar="JSON",
-        help="template variables every chat gets unless its request's chat_template_kwargs "
-        "set them, a JSON object: '{\"enable_thinking\": false}'",
+        help="template variables every chat gets (a request's enable_thinking or "
+        "reasoning_effort overrides enable_thinking), a JSON object: "
+        "'{\"enable_thinking\": false}'",
     )
     parser.add_argument(
         "--ignore-unknown-params",
