@@ -10,8 +10,9 @@ are refused.
 Assistant tool calls in the history reach the template with their arguments parsed (templates
 write them out in the model's own syntax); a tool message gets the name of the call it answers.
 An assistant's thoughts (`reasoning`, or its older name `reasoning_content`) reach the template
-as `reasoning_content`, from the current turn only (the messages after the last user message). The openai SDK's `message.model_dump()` is a valid history message: its
-null `refusal`, `annotations`, `audio` and `function_call` are accepted, values are refused.
+as `reasoning_content`, from the current turn only (the messages after the last user
+message). The openai SDK's `message.model_dump()` is a valid history message: its null
+`refusal`, `annotations`, `audio` and `function_call` are accepted, values are refused.
 A template that cannot render tools still serves a forced tool choice (a named function or
 "required"): the tool's schema constrains the output, and the tools are described to the model
 in a system-message preamble instead.

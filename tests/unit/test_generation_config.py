@@ -1,6 +1,6 @@
-"""Where the decoding defaults come from (`--generation-config auto|canvas|vllm|DIR`) and the keys set
-over them (`--override-generation-config`): `DecodingDefaults.from_checkpoint`, the validator's
-default budget, and the flags that carry both onto `engine.build.CheckpointConfig`."""
+"""Where the decoding defaults come from (`--generation-config auto|canvas|vllm|DIR`) and the
+keys set over them (`--override-generation-config`): `DecodingDefaults.from_checkpoint`, the
+validator's default budget, and the flags that carry both onto `engine.build.CheckpointConfig`."""
 
 from __future__ import annotations
 
