@@ -66,6 +66,9 @@ def chat_template(
     the template variables of `--default-chat-template-kwargs`; StartupError naming the flag
     for a file that cannot be read, a template that does not compile or breaks the sandbox,
     or an `enable_thinking` that is not a boolean."""
+    defaults = defaults or {}
+    if not isinstance(defaults.get("enable_thinking", False), bool):
+        raise StartupError("--default-chat-template-kwargs: enable_thinking must be a boolean")
     if template is not None:
         path = Path(template)
         try:
@@ -74,13 +77,12 @@ def chat_template(
             if not any(c in template for c in "{}\n"):
                 raise StartupError(f"--chat-template {template}: {exc.strerror}") from None
             text = template
+        except UnicodeDecodeError:
+            raise StartupError(f"--chat-template {template}: not UTF-8 text") from None
         try:
             tokenizer.use_chat_template(text, "--chat-template")
         except ValueError as exc:
             raise StartupError(str(exc)) from None
-    defaults = defaults or {}
-    if not isinstance(defaults.get("enable_thinking", False), bool):
-        raise StartupError("--default-chat-template-kwargs: enable_thinking must be a boolean")
     tokenizer.template_defaults = defaults
 
 
@@ -132,7 +134,8 @@ def build_state(
     if checkpoint.tokenizer is not None:
         chat_template(checkpoint.tokenizer, args.chat_template, args.default_chat_template_kwargs)
     elif args.chat_template or args.default_chat_template_kwargs:
-        raise StartupError("--chat-template: this checkpoint has no tokenizer, so no chat")
+        flag = "--chat-template" if args.chat_template else "--default-chat-template-kwargs"
+        raise StartupError(f"{flag}: this checkpoint has no tokenizer, so it serves no chat")
     state.unknown_params = UnknownParams() if args.ignore_unknown_params else None
     state.media = build_media(args, model_dir, checkpoint.model.vision is not None)
     images = state.media.policy.limits if state.media is not None else None

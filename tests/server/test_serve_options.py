@@ -182,6 +182,9 @@ def test_a_chat_template_flag_path_is_read_as_text(tokenizer, tmp_path: Path):
     """A value with no braces or line breaks is a path, never a template."""
     with pytest.raises(StartupError, match="No such file"):
         chat_template(tokenizer, str(tmp_path / "nothing-here"), None)
+    (tmp_path / "latin1.jinja").write_bytes(b"\xe9{{ messages }}")
+    with pytest.raises(StartupError, match="--chat-template .*latin1.jinja: not UTF-8 text"):
+        chat_template(tokenizer, str(tmp_path / "latin1.jinja"), None)
 
 
 def test_serve_wires_the_template_flags_and_lenient_bodies(tiny_checkpoint):
