@@ -101,18 +101,17 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(fake, path):
     assert all(c["usage"] is None for c in plain)
 
 
-@pytest.mark.parametrize("mode", [DecodeMode.DIFFUSION, DecodeMode.AR])
-def test_the_engine_cuts_at_the_first_stop_token_in_both_modes(tiny_checkpoint, mode):
-    llm = LLM.from_pretrained(tiny_checkpoint("c16"))
-    params = SamplingParams(mode=mode, max_tokens=24, seed=5, ignore_eos=True)
-    free = llm.generate([4, 5, 6], params)[0].output_ids
-    stop = free[7]  # inside the first canvas of 16: the canvas is cut there
-    cut = llm.generate([4, 5, 6], SamplingParams(**{**_fields(params), "stop_token_ids": (stop,)}))[
-        0
-    ]
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint) -> LLM:
+    return LLM.from_pretrained(tiny_checkpoint("c16"))
+
+
+@pytest.mark.parametrize("mode", [DecodeMode.DIFFUSION, DecodeMode.AR, DecodeMode.HYBRID])
+def test_the_engine_cuts_at_the_first_stop_token_in_every_mode(llm, mode):
+    free_params = {"mode": mode, "max_tokens": 16, "seed": 5, "ignore_eos": True}
+    free_params["max_denoising_steps"] = 4  # a canvas of 16 in a few steps: a cheap test
+    free = llm.generate([4, 5, 6], SamplingParams(**free_params))[0].output_ids
+    stop = free[7]  # inside the canvas: the canvas is cut there
+    cut = llm.generate([4, 5, 6], SamplingParams(**free_params, stop_token_ids=(stop,)))[0]
     assert cut.output_ids == free[: free.index(stop) + 1]
     assert cut.finish_reason == "stop"
-
-
-def _fields(params: SamplingParams) -> dict:
-    return {name: getattr(params, name) for name in params.__slots__}
