@@ -8,6 +8,8 @@ import argparse
 import io
 import json
 import logging
+import re
+import signal
 from pathlib import Path
 
 import httpx
@@ -21,6 +23,7 @@ from server.lenient import UnknownParams
 from server.logs import JsonFormatter, use_log_format
 from server.serve import StartupError, chat_template, uvicorn_logging
 from tests.server.conftest import make_fake_server, start_server
+from tests.server.process import serve_process
 
 CHAT = {"messages": [{"role": "user", "content": "hi", "x_trace": "t1"}], "max_tokens": 2}
 EXTRA = {"x_platform_tag": "abc", "best_of": 3, **CHAT}
@@ -212,3 +215,23 @@ def test_serve_wires_the_template_flags_and_lenient_bodies(tiny_checkpoint):
         assert httpx.post(f"{server.v1}/chat/completions", json=body).status_code == 200
     finally:
         stop()
+
+
+def test_a_served_process_with_json_logs_writes_only_json_lines(tiny_checkpoint):
+    """A real process (a few seconds): uvicorn's own lines, the access line included, are
+    JSON too, and a request's lines carry its id."""
+    with serve_process(tiny_checkpoint("c16"), ["--log-format", "json"]) as server:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        headers = {"x-request-id": "json-log-7"}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200
+        server.signal(signal.SIGTERM)
+        server.wait(30)
+    lines = server.output.splitlines()
+    entries = [json.loads(line) for line in lines if line.startswith("{")]
+    # Whatever else was written is no log line (a native library's note at exit, say).
+    text_logs = [x for x in lines if re.match(r"\d{4}-\d\d-\d\d |(INFO|WARNING|ERROR):", x)]
+    assert not text_logs, text_logs
+    loggers = {e["logger"] for e in entries}
+    assert {"canvas", "uvicorn.error", "uvicorn.access"} <= loggers, loggers
+    assert any(e.get("request_id") == "json-log-7" for e in entries)
