@@ -35,9 +35,9 @@ class CheckpointConfig:
     is cuda when available; `exact`: reference-exact numerics instead of the fast batched ones;
     `kernels`: a backend of `kernels.BACKENDS`; `adapter`: a decoder adapter directory, True
     for the checkpoint's own (if any), False for none. `generation_config`: where the decoding
-    defaults come from (`engine.params.generation_config`: `auto`, the checkpoint's; `vllm`,
-    the reference's, with no max_new_tokens; or a directory), `override_generation_config`:
-    generation_config.json keys set on top of them."""
+    defaults come from (`engine.params.generation_config`: `auto`, the checkpoint's; `canvas`,
+    Canvas's; `vllm`, Canvas's with no max_new_tokens; or a directory),
+    `override_generation_config`: generation_config.json keys set on top of them."""
 
     model_dir: str | Path | None = None
     dtype: str = "auto"

@@ -106,6 +106,9 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     eos_token_ids: tuple[int, ...] | None = None  # overrides the checkpoint's EOS set
+    # More tokens that end the request as an EOS does (committed, a canvas cut at the first),
+    # under ignore_eos too (vLLM's stop_token_ids)
+    stop_token_ids: tuple[int, ...] = ()
     # The decoding knobs (`DecodingKnobs`, which says what each means), typed here for callers.
     max_denoising_steps: int | None = None
     entropy_bound: float | None = None
@@ -131,6 +134,7 @@ class SamplingParams:
             bound = FLOAT_BOUNDS.get(name, math.inf)
             _check(value is None or value <= bound, name, f"must be <= {bound:g}")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _check(min(self.stop_token_ids, default=0) >= 0, "stop_token_ids", "must be token ids")
         _check(
             self.mode is None or self.mode in mode_names(),
             "mode",
@@ -194,7 +198,7 @@ class ResolvedParams(DecodingKnobs):
     max_tokens: int
     mode: str  # a registered mode (`engine.modes`)
     seed: int | None
-    eos_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # what ends it: the EOS set (none: ignore_eos), stop_token_ids
     json_schema: str | None = None
     logprobs: int | None = None
 
@@ -295,7 +299,7 @@ class DecodingDefaults(DecodingKnobs):
             max_tokens=max_tokens,
             mode=mode,
             seed=params.seed,
-            eos_token_ids=frozenset() if params.ignore_eos else frozenset(eos),
+            eos_token_ids=frozenset(() if params.ignore_eos else eos) | set(params.stop_token_ids),
             json_schema=params.json_schema,
             logprobs=params.logprobs,
             **knobs,
@@ -311,7 +315,9 @@ def _config_value(raw: dict[str, Any], path: tuple[str, ...]) -> Any:
 
 
 GENERATION_CONFIG = "generation_config.json"
-# The generation_config.json keys `vllm` (no generation config) still takes from the
+# `--generation-config`'s named sources (anything else is a directory).
+GENERATION_SOURCES = ("auto", "canvas", "vllm")
+# The generation_config.json keys `canvas` and `vllm` (no generation config) still take from the
 # checkpoint: the engine needs its end-of-sequence and padding ids, and the default mode and
 # hybrid draft steps say how Canvas decodes this checkpoint rather than how it samples.
 KEPT_KEYS = ("eos_token_id", "pad_token_id", "canvas_default_mode", "canvas_hybrid_draft_steps")
@@ -319,16 +325,17 @@ KEPT_KEYS = ("eos_token_id", "pad_token_id", "canvas_default_mode", "canvas_hybr
 
 def generation_config(model_dir: str | Path, source: str | Path = "auto") -> dict[str, Any]:
     """The generation config `source` names: `auto`, the checkpoint's generation_config.json
-    (none: {}); `vllm`, none but the checkpoint's KEPT_KEYS (the reference's defaults for the
-    rest); a directory, the generation_config.json there (OSError when it holds none)."""
-    if str(source) not in ("auto", "vllm"):
+    (none: {}); `canvas` and `vllm`, none but the checkpoint's KEPT_KEYS (Canvas's defaults for
+    the rest; `vllm` also drops `max_new_tokens`, in `DecodingDefaults.from_checkpoint`); a
+    directory, the generation_config.json there (OSError when it holds none)."""
+    if str(source) not in GENERATION_SOURCES:
         path = Path(source) / GENERATION_CONFIG
         if not path.is_file():
             raise FileNotFoundError(f"generation config: no {GENERATION_CONFIG} in {source}")
         return _read_config(path)
     path = Path(model_dir) / GENERATION_CONFIG
     raw = _read_config(path) if path.is_file() else {}
-    if str(source) == "vllm":
+    if str(source) != "auto":
         raw = {key: raw[key] for key in KEPT_KEYS if key in raw}
     return raw
 

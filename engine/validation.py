@@ -96,7 +96,10 @@ class RequestValidator:
             params = replace(params, max_tokens=default)
         resolved = self.defaults.resolve(apply_temperature(params, self.defaults))
         self.check_context(num_prompt, resolved)
-        if resolved.json_schema is not None and not resolved.eos_token_ids:
+        vocab = self.limits.vocab_size
+        if max(params.stop_token_ids, default=0) >= vocab:
+            raise ParamError("stop_token_ids", f"token ids must be in [0, {vocab})")
+        if resolved.json_schema is not None and (params.ignore_eos or not resolved.eos_token_ids):
             raise ParamError(
                 "response_format",
                 "structured output ends its document with an end-of-sequence token: it cannot "

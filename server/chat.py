@@ -10,8 +10,9 @@ are refused.
 Assistant tool calls in the history reach the template with their arguments parsed (templates
 write them out in the model's own syntax); a tool message gets the name of the call it answers.
 An assistant's thoughts (`reasoning`, or its older name `reasoning_content`) reach the template
-as `reasoning_content`. The openai SDK's `message.model_dump()` is a valid history message: its
-null `refusal`, `annotations`, `audio` and `function_call` are accepted, values are refused.
+as `reasoning_content`, from the current turn only (the messages after the last user
+message). The openai SDK's `message.model_dump()` is a valid history message: its null
+`refusal`, `annotations`, `audio` and `function_call` are accepted, values are refused.
 A template that cannot render tools still serves a forced tool choice (a named function or
 "required"): the tool's schema constrains the output, and the tools are described to the model
 in a system-message preamble instead.
@@ -76,6 +77,9 @@ class ChatTemplateInfo(Protocol):
     @property
     def template_knows_thinking(self) -> bool: ...
 
+    @property
+    def template_defaults(self) -> dict[str, Any]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class ChatInputs:
@@ -96,14 +100,16 @@ def chat_inputs(request: ChatCompletionRequest, template: ChatTemplateInfo) -> C
     if tools is not None and not template.template_knows_tools:
         messages = with_tools_preamble(messages, tools, request.tool_choice)
         tools = None
-    thinking = thinking_switch(request)
-    if thinking is not None and not template.template_knows_thinking:
+    asked = thinking_switch(request)
+    if asked is not None and not template.template_knows_thinking:
         param = (
             "reasoning_effort"
             if request.chat_template_kwargs is None
             else ("chat_template_kwargs.enable_thinking")
         )
         raise ParamError(param, "this checkpoint's chat template has no thinking switch")
+    # The request's switch, else the server's default (`--default-chat-template-kwargs`).
+    thinking = asked if asked is not None else template.template_defaults.get("enable_thinking")
     if thinking and is_forced(request.tool_choice):
         raise ParamError(
             "tool_choice",
@@ -241,11 +247,19 @@ def template_messages(
     messages: list[ChatMessage], images: list[ImageRef] | None = None
 ) -> list[dict[str, Any]]:
     """The conversation for the template, checked; user messages' image parts are appended to
-    `images` (refused when it is None)."""
+    `images` (refused when it is None). Thoughts reach the template only from the assistant
+    messages after the last user message (the current turn's tool-call loop): an agent that
+    sends every message back with its thoughts would otherwise replay each earlier turn's
+    chain of thought into every prompt, which Gemma 4's format forbids (its template drops
+    them) and which the model then echoes."""
     if not messages:
         raise ParamError("messages", "must contain at least one message")
     call_names: dict[str, str] = {}  # tool call id -> function name, from the history
-    return [_message(f"messages.{i}", m, call_names, images) for i, m in enumerate(messages)]
+    shown = [_message(f"messages.{i}", m, call_names, images) for i, m in enumerate(messages)]
+    last_user = max((i for i, m in enumerate(shown) if m["role"] == "user"), default=-1)
+    for message in shown[:last_user]:
+        message.pop("reasoning_content", None)
+    return shown
 
 
 def _message(

@@ -27,12 +27,13 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
+from server.logs import REQUEST_ID
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
 # A client's x-request-id: echoed into headers and logs, so bounded and plain.
-REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _BAD_REQUEST_ID = APIError(
     400,
     "x-request-id must be 1 to 128 characters of letters, digits and . _ : -",
@@ -80,7 +81,7 @@ class EdgeMiddleware:
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         client_id = headers.get("x-request-id")
-        valid = client_id is None or REQUEST_ID.fullmatch(client_id) is not None
+        valid = client_id is None or CLIENT_REQUEST_ID.fullmatch(client_id) is not None
         request_id = client_id if client_id is not None and valid else uuid.uuid4().hex
         scope.setdefault("state", {}).update(request_id=request_id, response_key=uuid.uuid4().hex)
         started = False
@@ -102,10 +103,13 @@ class EdgeMiddleware:
             body, error = await self._read_body(receive)
             if body is None and error is None:
                 return  # the client left while sending its body
+            if body and (lenient := self.state.unknown_params) is not None:
+                body = lenient.strip(scope["path"], body)
             receive = _replay(body or b"", receive)
         if error is not None:
             await refuse(error)
             return
+        token = REQUEST_ID.set(request_id)  # the JSON log lines of this request carry it
         try:
             await self.app(scope, receive, send_with_id)
         except Exception:
@@ -113,6 +117,8 @@ class EdgeMiddleware:
             if started:
                 raise
             await refuse(APIError(500, f"Internal error for request {request_id}"))
+        finally:
+            REQUEST_ID.reset(token)
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
         limits = self.state.http

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from engine.params import KNOB_NAMES, ParamError, SamplingParams
 from engine.validation import check_n, check_stop, check_user
+from server.text import TextOptions
 
 # OpenAI parameters Canvas does not implement, with their neutral values (accepted as no-ops;
 # anything else is rejected with a 400 naming the parameter). The first is the default.
@@ -47,7 +48,7 @@ def _neutral(name: str) -> Any:
     return Field(values[0], json_schema_extra={"enum": list(values), "description": doc})
 
 
-def _is_neutral(value: Any, neutral: Any) -> bool:
+def is_neutral(value: Any, neutral: Any) -> bool:
     if isinstance(value, bool) != isinstance(neutral, bool):  # True is not 1
         return False
     return bool(value == neutral)
@@ -68,6 +69,7 @@ def check_text(param: str, text: str) -> None:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM's: with include_usage, usage in every chunk
 
 
 class JsonSchemaFormat(BaseModel):
@@ -115,6 +117,11 @@ class CommonParams(BaseModel):
     stream: Bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's extras (extra_body): tokens that end the output as EOS does (left out of the
+    # text, as EOS is, unless include_stop_str_in_output), special tokens kept in the text
+    stop_token_ids: list[Int] | None = None
+    include_stop_str_in_output: Bool = False
+    skip_special_tokens: Bool = True
     # Canvas extras (extra_body)
     ignore_eos: Bool = False
     max_denoising_steps: Int | None = None
@@ -152,7 +159,7 @@ class CommonParams(BaseModel):
         """The first unsupported OpenAI parameter set to a non-neutral value, if any."""
         for name, neutrals in UNSUPPORTED.items():
             value = getattr(self, name)
-            if not any(_is_neutral(value, neutral) for neutral in neutrals):
+            if not any(is_neutral(value, neutral) for neutral in neutrals):
                 return name
         return None
 
@@ -173,6 +180,7 @@ class CommonParams(BaseModel):
             mode=self.mode,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             json_schema=structured_schema(self),
             logprobs=self.logprob_count(),
             **{name: getattr(self, name) for name in KNOB_NAMES},
@@ -185,6 +193,15 @@ class CommonParams(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM: only with include_usage)."""
+        options = self.stream_options
+        return bool(self.include_usage and options and options.continuous_usage_stats)
+
+    def text_options(self) -> TextOptions:
+        return TextOptions(self.skip_special_tokens, self.include_stop_str_in_output)
 
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request

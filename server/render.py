@@ -63,6 +63,7 @@ class Renderer:
         self.response_id = f"{self.id_prefix}{request_id}"
         self.model = model
         self.include_usage = include_usage
+        self.continuous_usage = False  # every chunk carries the usage so far (`server.run`)
         self.created = int(time.time())
 
     def response(

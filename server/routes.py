@@ -270,7 +270,17 @@ async def _serve(
         body.stream,
     )
     want_drafts = body.stream and body.stream_drafts
-    run = RequestRun(state, renderer, prompts, body.n, body.stop_strings, want_drafts, parser)
+    renderer.continuous_usage = body.continuous_usage
+    run = RequestRun(
+        state,
+        renderer,
+        prompts,
+        body.n,
+        body.stop_strings,
+        want_drafts,
+        parser,
+        body.text_options(),
+    )
     try:
         await run.open()  # the engine accepted every choice: nothing is refused in-band now
     except Exception as exc:

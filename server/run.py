@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import anyio
@@ -22,10 +23,10 @@ from engine.types import FinishReason, RequestStats, StepOutput, TokenLogprob
 from server.errors import ClientGone, to_api_error
 from server.logprobs import ShownLogprob, TokenTexts
 from server.parsers import MARKUP, OutputParser, Parsed, join_tool_calls
-from server.render import ChoiceResult, Renderer
+from server.render import ChoiceResult, Renderer, usage
 from server.state import ServerState, Ticket
 from server.stream import DONE, ChoiceEvent, OutputCollector, sse
-from server.text import TextStream
+from server.text import PLAIN_TEXT, TextOptions, TextStream, without
 
 logger = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.25
@@ -119,29 +120,40 @@ class RequestRun:
         stop: list[str],
         want_drafts: bool,
         parser: Callable[[], OutputParser] | None = None,
+        options: TextOptions = PLAIN_TEXT,
     ) -> None:
         """`num_choices` choices per prompt (choice index = prompt index * num_choices + i);
-        `parser`: a factory of each choice's chat output parser (None: plain text)."""
+        `parser`: a factory of each choice's chat output parser (None: plain text); `options`:
+        how tokens become text. The token that ended a choice (a stop token, an EOS) is left
+        out of its text unless `options.include_stop_str_in_output`, as vLLM leaves it."""
         self.state, self.renderer, self.want_drafts = state, renderer, want_drafts
         self.prompts = prompts
         tokenizer = state.tokenizer
         self.decode: Callable[[list[int]], str] = tokenizer.decode if tokenizer else _no_text
         parsers = [parser() if parser else None for _ in range(len(prompts) * num_choices)]
+        special = tokenizer.special_token_texts if tokenizer else None
         text_decode: Callable[[list[int]], str] = self.decode
-        if tokenizer is not None and parsers[0] is not None and parsers[0].markup:
+        if tokenizer is not None and not options.skip_special_tokens:
+            text_decode = partial(tokenizer.decode, skip_special_tokens=False)
+        elif tokenizer is not None and parsers[0] is not None and parsers[0].markup:
             text_decode = tokenizer.markup_decoder(MARKUP)  # the parser must see the markup
+
+        def text(params: ResolvedParams) -> TextStream:
+            ends = params.eos_token_ids  # a special one is dropped already when skipping them
+            hidden = ends - set(special or ()) if options.skip_special_tokens else ends
+            if options.include_stop_str_in_output:
+                hidden = frozenset()
+            return TextStream(
+                without(text_decode, hidden), stop, options.include_stop_str_in_output
+            )
+
         self.choices = [
             Choice(
-                p * num_choices + i,
-                prompt,
-                i,
-                TextStream(text_decode, stop),
-                parsers[p * num_choices + i],
+                p * num_choices + i, prompt, i, text(prompt.params), parsers[p * num_choices + i]
             )
             for p, prompt in enumerate(prompts)
             for i in range(num_choices)
         ]
-        special = tokenizer.special_token_texts if tokenizer else None
         for choice in self.choices:
             if choice.prompt.params.logprobs is not None:
                 choice.texts = TokenTexts(self.decode, special)
@@ -251,6 +263,7 @@ class RequestRun:
         if sink is not None and news:
             event = ChoiceEvent(choice.index, parsed, out.draft, choice.finish_reason, choice.stats)
             event.logprobs, event.verified = logprobs, verdict
+            event.num_tokens = choice.text.num_tokens
             sink.put(event)
 
     def _record(self, choice: Choice) -> None:
@@ -319,7 +332,7 @@ class RequestRun:
         render = self.renderer
         try:
             for chunk in render.opening_chunks(len(self.choices)):
-                yield sse(chunk)
+                yield sse(self._with_usage(chunk, 0))
             while (events := await sink.get()) is not None:
                 for event in events:
                     ids = event.draft_ids
@@ -327,7 +340,8 @@ class RequestRun:
                     cells = self._cells(ids) if ids is not None else None
                     verdict = event.verified
                     verified = None if verdict is None else (self._cells(verdict[0]), verdict[1])
-                    yield sse(render.chunk(event, draft, cells, verified))
+                    chunk = render.chunk(event, draft, cells, verified)
+                    yield sse(self._with_usage(chunk, event.num_tokens))
             if render.include_usage:
                 results = [c.result() for c in self.choices]
                 usage = render.usage_chunk(self.num_prompt_tokens, results, self.num_cached_tokens)
@@ -338,6 +352,13 @@ class RequestRun:
         finally:
             await _cancel_all(tasks)
         yield DONE
+
+    def _with_usage(self, chunk: dict[str, Any], num_tokens: int) -> dict[str, Any]:
+        """`chunk` with the usage so far when the request asked for continuous usage stats
+        (vLLM's: the prompt's tokens and the `num_tokens` its choice has completed)."""
+        if self.renderer.continuous_usage:
+            chunk["usage"] = usage(self.num_prompt_tokens, num_tokens, self.num_cached_tokens)
+        return chunk
 
 
 class SSEResponse(StreamingResponse):

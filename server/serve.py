@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from engine.engine import Engine
     from engine.inputs.images import ImageLimits
+    from engine.inputs.tokenizer import Tokenizer
     from engine.types import EngineClient
     from server.state import CorsPolicy, HttpLimits, ServerState
 
@@ -45,8 +46,8 @@ def check_api_keys(keys: list[str] | None) -> tuple[str, ...]:
     for key in keys or ():
         if not key:
             raise StartupError(
-                "--api-key / CANVAS_API_KEY is set but empty: give a key, or unset it to serve "
-                "without auth"
+                "--api-key / CANVAS_API_KEY is set but empty (or lists an empty key): give a "
+                "key, or unset it to serve without auth"
             )
         if API_KEY.fullmatch(key) is None:
             raise StartupError(
@@ -55,6 +56,34 @@ def check_api_keys(keys: list[str] | None) -> tuple[str, ...]:
                 "the Secret)"
             )
     return tuple(keys or ())
+
+
+def chat_template(
+    tokenizer: Tokenizer, template: str | None, defaults: dict[str, Any] | None
+) -> None:
+    """Give `tokenizer` the chat template of `--chat-template` (a file, or the template
+    itself when the value has braces or a line break and names no file, as vLLM reads it) and
+    the template variables of `--default-chat-template-kwargs`; StartupError naming the flag
+    for a file that cannot be read, a template that does not compile or breaks the sandbox,
+    or an `enable_thinking` that is not a boolean."""
+    defaults = defaults or {}
+    if not isinstance(defaults.get("enable_thinking", False), bool):
+        raise StartupError("--default-chat-template-kwargs: enable_thinking must be a boolean")
+    if template is not None:
+        path = Path(template)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            if not any(c in template for c in "{}\n"):
+                raise StartupError(f"--chat-template {template}: {exc.strerror}") from None
+            text = template
+        except UnicodeDecodeError:
+            raise StartupError(f"--chat-template {template}: not UTF-8 text") from None
+        try:
+            tokenizer.use_chat_template(text, "--chat-template")
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+    tokenizer.template_defaults = defaults
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -85,6 +114,7 @@ def build_state(
     from engine.async_engine import AsyncEngine
     from engine.build import build
     from server.cli.config import CHECKPOINT_FLAGS, ENGINE_FLAGS, build_config, with_threads
+    from server.lenient import UnknownParams
     from server.media import build_media
     from server.state import ServerState
 
@@ -100,6 +130,12 @@ def build_state(
     )
     state.api_keys = api_keys
     state.reasoning_field = args.reasoning_field
+    if checkpoint.tokenizer is not None:
+        chat_template(checkpoint.tokenizer, args.chat_template, args.default_chat_template_kwargs)
+    elif args.chat_template or args.default_chat_template_kwargs:
+        flag = "--chat-template" if args.chat_template else "--default-chat-template-kwargs"
+        raise StartupError(f"{flag}: this checkpoint has no tokenizer, so it serves no chat")
+    state.unknown_params = UnknownParams() if args.ignore_unknown_params else None
     state.media = build_media(args, model_dir, checkpoint.model.vision is not None)
     images = state.media.policy.limits if state.media is not None else None
     state.http = http_limits(args.max_request_bytes, images)
@@ -134,9 +170,15 @@ def cors_policy(args: argparse.Namespace) -> CorsPolicy | None:
 
 
 def uvicorn_logging(args: argparse.Namespace) -> dict[str, Any]:
-    """uvicorn's logging options as `--uvicorn-log-level` and `--disable-uvicorn-access-log`
-    set them."""
-    return {"log_level": args.uvicorn_log_level, "access_log": not args.disable_uvicorn_access_log}
+    """uvicorn's logging options as `--uvicorn-log-level`, `--disable-uvicorn-access-log` and
+    `--log-format` set them."""
+    options = {
+        "log_level": args.uvicorn_log_level,
+        "access_log": not args.disable_uvicorn_access_log,
+    }
+    if args.log_format == "json":
+        options["log_config"] = None  # its loggers propagate to the root's JSON handler
+    return options
 
 
 def banner(

@@ -14,6 +14,7 @@ from server.metrics import Metrics
 if TYPE_CHECKING:  # the tokenizer module loads transformers; the server only calls it
     from engine.inputs.images import ImageLimits
     from engine.inputs.tokenizer import Tokenizer
+    from server.lenient import UnknownParams
     from server.media import Media
 
 
@@ -120,6 +121,8 @@ class ServerState:
     draining: bool = False
     media: Media | None = None  # image input (a vision checkpoint), else image parts are 400s
     cors: CorsPolicy | None = None  # None: no CORS headers (browsers keep other origins out)
+    # `--ignore-unknown-params`: unknown and unsupported fields are dropped (logged), not 400s
+    unknown_params: UnknownParams | None = None
     metrics: Metrics = field(init=False)
     validator: RequestValidator = field(init=False)
     admission: Admission = field(init=False)

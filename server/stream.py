@@ -34,6 +34,7 @@ class ChoiceEvent:
     logprobs: list[ShownLogprob] | None = None  # of the tokens this event commits
     # hybrid: the newest verify pass's proposals (token ids) and how many were accepted
     verified: tuple[list[int], int] | None = None
+    num_tokens: int = 0  # the choice's completion tokens so far (continuous usage stats)
 
     def merge(self, later: ChoiceEvent) -> None:
         self.delta.merge(later.delta)
@@ -44,6 +45,7 @@ class ChoiceEvent:
             self.verified = later.verified
         self.finish_reason = later.finish_reason
         self.stats = later.stats
+        self.num_tokens = later.num_tokens
 
 
 class OutputCollector:

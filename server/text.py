@@ -3,12 +3,14 @@
 Committed tokens never change, so text only ever grows; a trailing incomplete UTF-8 sequence is
 held back until the next tokens complete it, and so is a tail that may be the start of a stop
 string (sent text is never taken back). Stop strings cut the text before their first
-occurrence, even inside a canvas or across two, and end the choice.
+occurrence (after it, with `include_stop`), even inside a canvas or across two, and end the
+choice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 REPLACEMENT = "\ufffd"
 # Each add decodes only the tokens after the settled text, plus CONTEXT tokens before them so
@@ -19,10 +21,36 @@ CONTEXT = 6
 SETTLE = 32
 
 
+@dataclass(frozen=True, slots=True)
+class TextOptions:
+    """How a choice's tokens become text, as vLLM's request fields of these names say:
+    special tokens dropped (or spelled out), and whether the text keeps what ended it (a stop
+    string, or the text of the stop token or EOS that ended the choice)."""
+
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+PLAIN_TEXT = TextOptions()  # the defaults: special tokens and what ended the text left out
+
+
+def without(
+    decode: Callable[[list[int]], str], hidden: Collection[int]
+) -> Callable[[list[int]], str]:
+    """`decode` of the ids less those in `hidden` (the tokens that end a request, which the
+    engine commits but the text leaves out); `decode` itself when there are none."""
+    if not hidden:
+        return decode
+    return lambda ids: decode([i for i in ids if i not in hidden])
+
+
 class TextStream:
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+    def __init__(
+        self, decode: Callable[[list[int]], str], stop: list[str], include_stop: bool = False
+    ) -> None:
         self.decode = decode
         self.stop = stop
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output
         self.token_ids: list[int] = []
         self.text = ""  # all text so far (stable part)
         self.emitted = 0  # characters already handed out
@@ -40,8 +68,9 @@ class TextStream:
         text = self._decode_all()
         if not final:
             text = text.rstrip(REPLACEMENT)
-        cut = self._first_stop(text)
-        if cut is not None:
+        found = self._first_stop(text)
+        if found is not None:
+            cut = found[0] + found[1] if self.include_stop else found[0]
             text = text[:cut]
             self.stopped = True
             self.num_tokens_at_stop = self.tokens_covering(cut)
@@ -72,12 +101,15 @@ class TextStream:
             self.num_tokens_at_stop if self.num_tokens_at_stop is not None else len(self.token_ids)
         )
 
-    def _first_stop(self, text: str) -> int | None:
+    def _first_stop(self, text: str) -> tuple[int, int] | None:
+        """(where, length) of the first stop string in `text` (the longest of those starting
+        there), or None."""
         if not self.stop:
             return None
         start = max(0, self.emitted - max(len(s) for s in self.stop))
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(text.find(s, start), -len(s)) for s in self.stop]
+        found = min(((i, size) for i, size in hits if i >= 0), default=None)
+        return None if found is None else (found[0], -found[1])
 
     def _partial_stop(self, text: str) -> int:
         """Length of the longest tail of `text` that a stop string starts with."""

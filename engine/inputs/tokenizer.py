@@ -31,6 +31,9 @@ class Tokenizer:
         )
         template = getattr(self._tok, "chat_template", None)
         self._template: str = template if isinstance(template, str) else ""
+        # Template variables every conversation gets unless its request sets them
+        # (`--default-chat-template-kwargs`).
+        self.template_defaults: dict[str, Any] = {}
         self._markup_decoders: dict[frozenset[str], Callable[[list[int]], str]] = {}
         self._special_texts = {
             i: str(self._tok.convert_ids_to_tokens(i)) for i in self._special_ids()
@@ -41,13 +44,28 @@ class Tokenizer:
         longest_first = sorted((s for s in spellings if s.strip()), key=len, reverse=True)
         self._control = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
         if self._template:
-            self._check_template(model_dir)
+            self._check_template(f"the chat template of {model_dir}")
 
-    def _check_template(self, model_dir: str | Path) -> None:
+    def use_chat_template(self, template: str, where: str) -> None:
+        """Render conversations with `template` (Jinja, in the same sandbox as the
+        checkpoint's own) instead of the checkpoint's. Raises ValueError naming `where` (e.g.
+        the flag that gave it) when it is not valid Jinja or breaks the sandbox's rules on a
+        plain one-message conversation; the tokenizer is unchanged then."""
+        old = self._tok.chat_template
+        self._tok.chat_template = template
+        try:
+            self._check_template(where)
+        except ValueError:
+            self._tok.chat_template = old
+            raise
+        self._template = template
+
+    def _check_template(self, where: str) -> None:
+        """ValueError naming `where` when the template is not valid Jinja or breaks the
+        sandbox on a plain one-message conversation."""
         from jinja2 import TemplateSyntaxError
         from jinja2.exceptions import SecurityError, TemplateError
 
-        where = f"the chat template of {model_dir}"
         try:
             self._tok.apply_chat_template(_PROBE, add_generation_prompt=True, tokenize=False)
         except TemplateSyntaxError as exc:
@@ -103,10 +121,11 @@ class Tokenizer:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """The prompt ids of a conversation; `tools` and `template_kwargs` (e.g.
-        enable_thinking) are passed to the template. Every string in the messages and tools is
-        plain text: only the template's own markup yields control ids. ValueError when there
-        is no template, a dict key spells a special token, or the template refuses the
-        conversation (its `raise_exception`, a missing field, a sandbox violation)."""
+        enable_thinking; over `template_defaults`) are passed to the template. Every string in
+        the messages and tools is plain text: only the template's own markup yields control
+        ids. ValueError when there is no template, a dict key spells a special token, or the
+        template refuses the conversation (its `raise_exception`, a missing field, a sandbox
+        violation)."""
         from jinja2 import TemplateError
         from jinja2.exceptions import SecurityError
 
@@ -123,7 +142,7 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 sanitize_control_tokens=True,  # the strings it is given are encoded as text
-                **(template_kwargs or {}),
+                **{**self.template_defaults, **(template_kwargs or {})},
             )
         except SecurityError as exc:
             raise ValueError(f"the chat template broke its sandbox's rules: {exc}") from None
@@ -148,8 +167,10 @@ class Tokenizer:
             for item in value:
                 self._check_keys(item)
 
-    def decode(self, ids: list[int]) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=True))
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`; special tokens are dropped, or spelled out when not
+        `skip_special_tokens`."""
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def markup_decoder(self, keep: Collection[str]) -> Callable[[list[int]], str]:
         """A decode that keeps the special tokens spelled as in `keep` (a chat format's markup,

@@ -79,11 +79,12 @@ GENERATION_CONFIG = Flag(
     "--generation-config",
     "checkpoint.generation_config",
     "where the decoding defaults come from: auto (the checkpoint's generation_config.json), "
-    "vllm (the reference's defaults and no max_new_tokens, so a request without max_tokens "
-    "may use the rest of the context; the checkpoint's EOS and pad ids are kept) or a "
-    "directory holding a generation_config.json",
+    "canvas (Canvas's own defaults, max_new_tokens 256 among them), vllm (Canvas's defaults "
+    "and no max_new_tokens, so a request without max_tokens may use the rest of the context) "
+    "or a directory holding a generation_config.json; canvas and vllm keep the checkpoint's "
+    "EOS and pad ids and its default mode",
     kind=str,
-    metavar="auto|vllm|DIR",
+    metavar="auto|canvas|vllm|DIR",
 )
 OVERRIDE_GENERATION_CONFIG = Flag(
     "--override-generation-config",

@@ -12,7 +12,14 @@ from typing import Any
 from uvicorn.config import LOG_LEVELS
 
 from engine.checkpoints.default import placeholder_model_dir
-from server.cli.config import CHECKPOINT_FLAGS, ENGINE_FLAGS, add_flags, add_threads_flag
+from server.cli.config import (
+    CHECKPOINT_FLAGS,
+    ENGINE_FLAGS,
+    add_flags,
+    add_threads_flag,
+    json_object,
+)
+from server.logs import LOG_FORMATS, use_log_format
 
 
 class _PlaceholderModel(argparse.Action):
@@ -92,11 +99,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         nargs="+",
         action=_ApiKeys,
-        default=None if env_key is None else [env_key],
+        default=None if env_key is None else env_key.split(","),
         metavar="KEY",
         help="require one of these bearer keys on /v1; several keys after the flag, or the "
-        "flag given several times (default: $CANVAS_API_KEY, one key, which keeps it out of "
-        "the process list; unset: no auth; empty: an error)",
+        "flag given several times (default: $CANVAS_API_KEY, one key or several separated by "
+        "commas, which keeps them out of the process list; unset: no auth; empty: an error)",
     )
     parser.add_argument(
         "--reasoning-field",
@@ -104,6 +111,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=tuple(REASONING_FIELDS),
         help="the field a chat's thoughts are sent under: 'reasoning' (vLLM's), "
         "'reasoning_content' (its older name) or both (default)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="the chat template to render conversations with instead of the checkpoint's: a "
+        "Jinja file, or the template itself (a value with braces or a line break); rendered in "
+        "the same sandbox as the checkpoint's",
+    )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help="template variables every chat gets (a request's enable_thinking or "
+        "reasoning_effort overrides enable_thinking), a JSON object: "
+        "'{\"enable_thinking\": false}'",
+    )
+    parser.add_argument(
+        "--ignore-unknown-params",
+        action="store_true",
+        help="drop and log (once per field name) the request fields Canvas does not know or "
+        "does not honour, instead of refusing the request with a 400 naming the field",
     )
     parser.add_argument("--debug", action="store_true", help="traceback of a start-up error")
     add_media_arguments(parser)
@@ -159,6 +189,13 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
         help="uvicorn's log level (its startup, error and access lines)",
     )
     parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text lines, or json: one JSON object per line (time, level, logger, message and "
+        "the request id where known), uvicorn's lines too",
+    )
+    parser.add_argument(
         "--disable-uvicorn-access-log",
         action="store_true",
         help="no access line per request",
@@ -168,6 +205,7 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from server.serve import StartupError, serve
 
+    use_log_format(args.log_format)
     try:
         return serve(args)
     except StartupError as exc:

@@ -57,6 +57,9 @@ class ByteTokenizer:
     template_knows_tools = True
     template_knows_thinking = True
 
+    def __init__(self) -> None:
+        self.template_defaults: dict[str, Any] = {}
+
     @property
     def special_token_texts(self) -> dict[int, str]:
         return {EOS: "<eos>"}
@@ -64,8 +67,11 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())  # bytes have no special tokens to add
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode(errors="replace")
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return bytes(i for i in ids if i < 256).decode(errors="replace")
+        pieces = [bytes([i]) if i < 256 else self.special_token_texts[i].encode() for i in ids]
+        return b"".join(pieces).decode(errors="replace")
 
     def markup_decoder(self, keep: Collection[str]) -> Callable[[list[int]], str]:
         return self.decode
@@ -80,8 +86,9 @@ class ByteTokenizer:
         if messages and messages[-1]["role"] == "assistant":
             raise ValueError("the conversation must end with a user message")
         lines = [f"tools: {[t['function']['name'] for t in tools]}\n"] if tools else []
-        if template_kwargs and "enable_thinking" in template_kwargs:
-            lines.append(f"think: {'on' if template_kwargs['enable_thinking'] else 'off'}\n")
+        kwargs = {**self.template_defaults, **(template_kwargs or {})}
+        if "enable_thinking" in kwargs:
+            lines.append(f"think: {'on' if kwargs['enable_thinking'] else 'off'}\n")
         for m in messages:
             calls = [c["function"] for c in m.get("tool_calls") or []]
             lines.append(f"{m['role']}: {m['content'] or ''}{calls or ''}\n")

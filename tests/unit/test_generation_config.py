@@ -1,6 +1,6 @@
-"""Where the decoding defaults come from (`--generation-config auto|vllm|DIR`) and the keys set
-over them (`--override-generation-config`): `DecodingDefaults.from_checkpoint`, the validator's
-default budget, and the flags that carry both onto `engine.build.CheckpointConfig`."""
+"""Where the decoding defaults come from (`--generation-config auto|canvas|vllm|DIR`) and the
+keys set over them (`--override-generation-config`): `DecodingDefaults.from_checkpoint`, the
+validator's default budget, and the flags that carry both onto `engine.build.CheckpointConfig`."""
 
 from __future__ import annotations
 
@@ -59,6 +59,19 @@ def test_vllm_ignores_the_checkpoints_knobs_and_budget_but_keeps_its_token_ids_a
     assert d.max_new_tokens is None  # no server-wide budget
     assert (d.eos_token_ids, d.pad_token_id) == ((2, 9), 0)
     assert (d.mode, d.hybrid_draft_steps) == (DecodeMode.HYBRID, 4)
+
+
+def test_canvas_is_canvass_own_defaults_and_budget_with_the_checkpoints_token_ids_and_mode(
+    tmp_path,
+):
+    d = load(write(tmp_path, CHECKPOINT), "canvas")
+    own = DecodingDefaults()
+    for name in ("max_new_tokens", "max_denoising_steps", "entropy_bound", "t_min", "t_max"):
+        assert getattr(d, name) == getattr(own, name), name
+    assert d.max_new_tokens == 256  # unlike vllm, a budget without max_tokens
+    assert (d.eos_token_ids, d.pad_token_id) == ((2, 9), 0)
+    assert (d.mode, d.hybrid_draft_steps) == (DecodeMode.HYBRID, 4)
+    assert load(write(tmp_path, CHECKPOINT), "canvas", max_new_tokens=9).max_new_tokens == 9
 
 
 def test_vllm_without_a_checkpoint_config_takes_the_models_eos_ids(tmp_path):

@@ -122,3 +122,13 @@ def test_a_stop_string_cuts_the_same_text_in_one_add_or_in_many():
         at += 7
     assert sent == once == byte_decode(ids[:400]) and stream.stopped and whole.stopped
     assert stream.num_tokens == whole.num_tokens == 400
+
+
+def test_include_stop_keeps_the_earliest_longest_stop_string_across_adds():
+    kept = TextStream(byte_decode, ["cd", "c"], include_stop=True)
+    assert kept.add(list(b"abc")) + kept.add(list(b"def")) == "abc"  # "c" ends first
+    longest = TextStream(byte_decode, ["c", "cde"], include_stop=True)
+    assert longest.add(list(b"ab")) + longest.add(list(b"cdef")) == "abcde"
+    assert longest.stopped and longest.num_tokens == 5
+    cut = TextStream(byte_decode, ["c", "cde"])
+    assert cut.add(list(b"ab")) + cut.add(list(b"cdef")) == "ab" and cut.num_tokens == 2
