@@ -1,7 +1,8 @@
 """`--ignore-unknown-params`: a request body's unknown fields (anywhere in it), the OpenAI
 parameters Canvas does not honour (`server.protocol.UNSUPPORTED`, set to a value other than
 their neutral ones) and the SDK's message fields it cannot render (`server.chat.SDK_FIELDS`,
-not null) are dropped before the route reads the body, and logged once per field
+not null) are dropped before the route reads the body (on /v1/responses: unknown top-level
+fields; `previous_response_id` and the others it refuses stay refused), and logged once per field
 name, for platforms that must pass their clients' traffic through. Without the flag each is a
 400 naming it (the request models forbid extra fields).
 """
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from server.chat import SDK_FIELDS
 from server.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, is_neutral
+from server.responses import PASSTHROUGH, ResponsesRequest
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 BODY_MODELS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
 }
 
 
@@ -46,7 +49,10 @@ class UnknownParams:
             return body
         if not isinstance(value, dict):
             return body
-        dropped = [*_unknown(model, value), *_unsupported(value)]
+        if model is ResponsesRequest:  # its fields Canvas cannot honour stay refused
+            dropped = [(k,) for k in value if k not in model.model_fields and k not in PASSTHROUGH]
+        else:
+            dropped = [*_unknown(model, value), *_unsupported(value)]
         for loc in dropped:
             _drop(value, loc)
             self._log(loc)

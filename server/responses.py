@@ -57,6 +57,9 @@ PASSTHROUGH = frozenset(KNOB_NAMES) - {"temperature", "top_p"} | {
     "stop",
     "ignore_eos",
     "mode",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
 }
 
 

@@ -29,7 +29,6 @@ ANSWERED = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 PNG_URL = "data:image/png;base64,iVBORw0KGgo="
 LOGITS = "lands with branch logits"
-SRVPARAMS = "lands with branch srvparams"
 
 
 @dataclass(frozen=True)
@@ -103,20 +102,18 @@ PAYLOADS = [
     Payload("presence_penalty", CHAT, chat(presence_penalty=0.5), lands=LOGITS),
     Payload("frequency_penalty", CHAT, chat(frequency_penalty=0.5), lands=LOGITS),
     Payload("repetition_penalty", CHAT, chat(repetition_penalty=1.2), lands=LOGITS),
-    Payload("stop_token_ids", CHAT, chat(stop_token_ids=[50]), lands=SRVPARAMS),
+    Payload("stop_token_ids", CHAT, chat(stop_token_ids=[50])),
     Payload(
         "include_stop_str_in_output",
         CHAT,
         chat(stop=["l"], include_stop_str_in_output=True),
-        lands=SRVPARAMS,
     ),
-    Payload("skip_special_tokens", CHAT, chat(skip_special_tokens=False), lands=SRVPARAMS),
+    Payload("skip_special_tokens", CHAT, chat(skip_special_tokens=False)),
     Payload(
         "continuous_usage_stats",
         CHAT,
         chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
         check=usage_in_every_chunk,
-        lands=SRVPARAMS,
     ),
     Payload("ignore_eos", CHAT, chat(ignore_eos=True, max_tokens=5)),
     Payload("no_max_tokens", CHAT, chat()),

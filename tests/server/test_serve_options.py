@@ -60,6 +60,19 @@ def test_ignore_unknown_params_drops_them_and_logs_each_name_once(caplog):
     assert server.engine.submitted[0].params.max_tokens == 2
 
 
+def test_ignore_unknown_params_on_responses_drops_unknown_fields_only(caplog):
+    server = make_fake_server(unknown_params=UnknownParams())
+    body = {"model": "fake", "input": "hi", "max_output_tokens": 2}
+    with server.client, caplog.at_level(logging.WARNING, "server.lenient"):
+        r = server.post("/responses", **body, x_platform_tag="abc", seed=3)
+        assert r.status_code == 200, r.text
+        assert "'x_platform_tag'" in caplog.text
+        # A field Canvas cannot honour is still refused: nothing is stored to continue from.
+        r = server.post("/responses", **body, previous_response_id="resp_1")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    assert server.engine.submitted[0].params.seed == 3  # a passthrough extra is kept
+
+
 def test_ignore_unknown_params_still_refuses_a_bad_value_of_a_known_field():
     server = make_fake_server(unknown_params=UnknownParams())
     with server.client:
