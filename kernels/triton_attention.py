@@ -56,7 +56,7 @@ def _new_kv(k_ptr, v_ptr, n, n_mask, kv_head, d, sk_n, sk_h, sv_n, sv_h):
     return kt, vb
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["st_r"])
 def _canvas_attention_kernel(
     q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, out_ptr,
     start_ptr, offset_ptr, ntok_ptr, decode_ptr, table_ptr, span_ptr,
@@ -134,7 +134,7 @@ def _canvas_attention_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=t_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["st_r"])
 def _write_kv_kernel(
     k_ptr, v_ptr, kp_ptr, vp_ptr,
     start_ptr, offset_ptr, ntok_ptr, decode_ptr, table_ptr,
