@@ -19,11 +19,11 @@ on its prompt, parameters and seed only.
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 import logging
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
