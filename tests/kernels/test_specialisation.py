@@ -4,6 +4,10 @@ divisibility by 16 unless it is listed in `do_not_specialize`, so each integer t
 step (row, token, pair and element counts, the page table's width) is listed there, and the
 block sizes are fixed (`rows_per_program`), not chosen from the step's token count.
 
+`loadtest.gpu.specialisations` checks the same from the other side, without a GPU: each launcher
+of a serving step at the real shapes asks Triton for the same kernels (cache keys) at 1, 37,
+256 and 1,024 tokens.
+
 The census is default-deny: an integer argument of a kernel is either in its
 `do_not_specialize` or named below as fixed for an engine (a model dimension, a layer's window,
 a stride of a weight, a pool or a per-model layout), so a new per-step argument fails here
@@ -13,12 +17,17 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from kernels.backends import TRITON_MODULES
 
 triton = pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[2]
 
 # Fixed for an engine: the same value at every step, so specialising on it compiles nothing
 # new (and its divisibility by 16 lets the compiler vectorise the loads it addresses).
@@ -44,11 +53,12 @@ def kernels() -> list[tuple[str, object]]:
     return found
 
 
-def unspecialised(kernel: object) -> list[str]:
-    """The argument names a kernel's `do_not_specialize` lists (compiled or interpreted)."""
-    names = getattr(kernel, "do_not_specialize", None)
+def unspecialised(kernel: object, what: str = "do_not_specialize") -> list[str]:
+    """The argument names a kernel's `do_not_specialize` (or `what`: its
+    `do_not_specialize_on_alignment`) lists, compiled or interpreted."""
+    names = getattr(kernel, what, None)
     if names is None:  # the interpreter's function keeps the decorator's arguments
-        names = kernel.kwargs.get("do_not_specialize") or []  # type: ignore[attr-defined]
+        names = kernel.kwargs.get(what) or []  # type: ignore[attr-defined]
     return list(names)
 
 
@@ -74,6 +84,10 @@ def test_every_per_step_integer_is_left_unspecialised(name: str, kernel: object)
     listed = unspecialised(kernel)
     unknown = [n for n in listed if n not in scalars]
     assert not unknown, f"{name}: do_not_specialize names no such scalar argument: {unknown}"
+    params = inspect.signature(kernel.fn).parameters  # type: ignore[attr-defined]
+    unaligned = unspecialised(kernel, "do_not_specialize_on_alignment")
+    unknown = [n for n in unaligned if n not in params or not n.endswith("_ptr")]
+    assert not unknown, f"{name}: do_not_specialize_on_alignment names no pointer: {unknown}"
     undeclared = [n for n in scalars if n not in listed and n not in ENGINE_CONSTANTS | FLOATS]
     assert not undeclared, (
         f"{name}: {undeclared} would be specialised per value: add them to its "
@@ -97,3 +111,46 @@ def test_row_blocks_do_not_follow_the_step_on_a_gpu(monkeypatch: pytest.MonkeyPa
         assert len(blocks) == 1, (row_elements, blocks)
     monkeypatch.setattr(triton_norm, "interpreting", lambda: True)
     assert triton_norm.rows_per_program(256, 3) == 4  # the interpreter pays per lane
+
+
+def run_python(*args: str) -> subprocess.CompletedProcess:
+    """`python ARGS` with the kernels defined for compilation (TRITON_INTERPRET unset)."""
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    command = [sys.executable, "-W", "ignore", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+# One process for both checks (importing torch and Triton is most of its time): the serving
+# launchers' check, then a deliberately count-specialised kernel's (tests/kernels/bad_kernels).
+CHECKS = """
+from loadtest.gpu.specialisations import main, size_dependent
+from tests.kernels.bad_kernels import counted
+print("rc", main([]))
+for line in size_dependent({"counted": lambda n: lambda: counted(n)}, (1, 37, 256)):
+    print("BAD:", line)
+"""
+
+
+@pytest.fixture(scope="module")
+def size_checks() -> list[str]:
+    result = run_python("-c", CHECKS)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout.splitlines()
+
+
+def test_no_serving_launcher_asks_for_another_kernel_at_another_step_size(size_checks) -> None:
+    """Every launcher of a step, real 26B-A4B shapes, bf16, sm_90: the same cache keys at an AR
+    token, an odd prefill chunk, a canvas and four canvases (rows packed at other offsets, page
+    tables of other widths); nothing is compiled (`loadtest.gpu.specialisations`)."""
+    assert "18 call sites at 1, 37, 256, 1024 tokens: 0 size-dependent kernels" in size_checks
+    assert "rc 0" in size_checks
+
+
+def test_the_size_check_catches_a_kernel_specialised_on_its_count(size_checks) -> None:
+    assert [line for line in size_checks if line.startswith("BAD:")] == [
+        "BAD: counted: _counted_kernel at 37 tokens is not the kernel compiled at 1 "
+        "(1 against 1 specialisations)",
+        "BAD: counted: _counted_kernel at 256 tokens is not the kernel compiled at 1 "
+        "(1 against 1 specialisations)",
+    ]
