@@ -48,8 +48,9 @@ logger = logging.getLogger(__name__)
 ROUND_STEPS = 8
 # An odd prompt length: no prefill is a size a kernel could be specialised on.
 PROMPT_TOKENS = 37
-REQUEST_PREFIX = "canvas-warmup-"  # the throwaway requests' ids (no client's request is added
-# while the step loop warms up: commands wait in its queue)
+# The throwaway requests' ids (no client's request is added while the step loop warms up: its
+# commands wait in the loop's queue).
+REQUEST_PREFIX = "canvas-warmup-"
 
 Key = tuple[int, str]  # (requests per mode, row kind)
 
