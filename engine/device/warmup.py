@@ -42,9 +42,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Steps per round (one mode, one size): enough for each built-in mode to run each of its kinds
-# (a prompt chunk, a canvas step, its commit or verify pass, an AR token); a round that has not
-# ended by then (AR runs a token a step) is aborted.
+# Steps per round (one mode, one size) besides its prompts': enough for each built-in mode to
+# run each of its kinds (a canvas step, its commit or verify pass, an AR token); a round that
+# has not ended by then (AR runs a token a step) is aborted.
 ROUND_STEPS = 8
 # An odd prompt length: no prefill is a size a kernel could be specialised on.
 PROMPT_TOKENS = 37
@@ -162,8 +162,8 @@ def _round(
     report: WarmupReport,
     should_stop: Callable[[], bool],
 ) -> None:
-    """`bucket` throwaway requests of `mode`, stepped until they end or for ROUND_STEPS steps;
-    those still running are aborted."""
+    """`bucket` throwaway requests of `mode`, stepped until they end or for ROUND_STEPS steps
+    besides those their prompts take; those still running are aborted."""
     vocab, canvas = engine.model.cfg.vocab_size, engine.canvas_length
     engine.scheduler.forget_history()  # each round as a fresh server (hybrid drafts first)
     # A second canvas, so that the first is committed (diffusion) or verified (hybrid).
@@ -183,7 +183,8 @@ def _round(
             break
         ids.append(request_id)
         report.num_requests += 1
-    for _ in range(ROUND_STEPS):
+    budget = engine.scheduler.config.max_num_batched_tokens
+    for _ in range(ROUND_STEPS + -(-len(ids) * PROMPT_TOKENS // budget)):  # + the prompts' steps
         if should_stop() or not any(r in engine.requests for r in ids):
             break
         begin = time.perf_counter()
