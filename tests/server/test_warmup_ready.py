@@ -13,6 +13,7 @@ import httpx
 
 from engine import async_engine
 from loadtest.load.inprocess import serve_in_thread
+from tests.server.conftest import make_fake_server
 
 PROMPT = [5, 6, 7]
 
@@ -58,3 +59,17 @@ def test_ready_waits_for_the_warm_up_and_a_request_sent_meanwhile_waits_too(
         stats = engine.stats
         assert reports[0].num_steps > stats.num_steps  # the warm-up's steps are not counted
         assert stats.prefix_cache_queries == len(PROMPT)  # nor its prompts
+
+
+def test_ready_names_the_warm_up_and_a_drain_takes_precedence():
+    server = make_fake_server()
+    with server.client as client:
+        server.engine.warming_up = True
+        ready = client.get("/ready")
+        assert ready.status_code == 503 and ready.json() == {"status": "warming up"}
+        assert client.get("/ping").status_code == 503
+        assert client.get("/health").json() == {"status": "ok"}
+        server.state.draining = True
+        assert client.get("/ready").json() == {"status": "draining"}
+        server.state.draining = server.engine.warming_up = False
+        assert client.get("/ready").json() == {"status": "ready"}
