@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+from engine.device.warmup import wants_warmup, warm_up
 from engine.engine import Engine
 from engine.inputs.images import PreparedImage
 from engine.params import ResolvedParams
@@ -85,9 +86,11 @@ class AsyncEngine:
         engine: Engine,
         stall_seconds: float = 60.0,
         gather: tuple[float, float] = (GATHER_GAP_S, GATHER_MAX_S),
+        warmup: bool | None = None,
     ) -> None:
         """`gather`: (gap, most) seconds an idle engine waits for more of a burst of requests
-        before its first step; (0, 0) steps at once."""
+        before its first step; (0, 0) steps at once. `warmup`: the loop thread first warms the
+        engine up (`engine.device.warmup`; None: `wants_warmup`); requests sent meanwhile wait."""
         self.engine = engine
         self.stall_seconds = stall_seconds
         self.gather = gather
@@ -104,6 +107,7 @@ class AsyncEngine:
         self.on_step: list[StepListener] = []
         self._inflight = 0  # touched on the event loop only
         self._died = False  # the loop thread ended on a fault (set once, by that thread)
+        self._warming = wants_warmup(engine) if warmup is None else warmup  # cleared by the loop
 
     # -- lifecycle --
 
@@ -125,7 +129,8 @@ class AsyncEngine:
         c = self._counters
         alive = self._thread is not None and self._thread.is_alive()
         idle = c.num_running == 0 and c.num_waiting == 0 and self._inflight == 0
-        stepping = idle or time.monotonic() - c.last_step_time < self.stall_seconds
+        warming = self._warming and alive  # compiling is progress, not a stall
+        stepping = idle or warming or time.monotonic() - c.last_step_time < self.stall_seconds
         return EngineStats(
             alive=alive,
             healthy=alive and stepping,
@@ -138,6 +143,7 @@ class AsyncEngine:
             prefix_cache_queries=c.prefix_cache_queries,
             prefix_cache_hits=c.prefix_cache_hits,
             prefix_cache_usage=c.prefix_cache_usage,
+            warming_up=warming,
         )
 
     @property
@@ -224,6 +230,12 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            if self._warming:
+                try:
+                    warm_up(self.engine, self._stop.is_set)
+                finally:  # the stall clock starts now: requests waited on the warm-up
+                    self._counters.last_step_time = time.monotonic()
+                    self._warming = False
             self._step_loop()
         finally:
             loop = self._loop

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,9 @@ class EngineConfig:
     # fastest runs (exact numerics, whose bits depend on the count, keep torch's own).
     # `canvas serve` measures every core but one against every core by default.
     cpu_threads: tuple[int, ...] = ()
+    # Warm-up before ready (`engine.device.warmup`, `canvas serve --no-warmup`); None: where
+    # the kernels compile at first use (Triton on a GPU).
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
@@ -243,6 +247,7 @@ class Engine:
         if plan.copies:
             self.runner.copy_sliding_pages(plan.copies)
         stats = StepStats(num_rows=len(plan.rows), num_tokens=plan.num_tokens)
+        stats.row_kinds = dict(Counter(row.kind for row in plan.rows))
         if self.threads is not None and plan.num_tokens:
             stats.cpu_threads = self.threads.choose(plan.num_tokens)
         effects = self._execute(plan, stats)

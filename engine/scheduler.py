@@ -164,6 +164,12 @@ class Scheduler:
             for r in self.running.values()
         )
 
+    def forget_history(self) -> None:
+        """Forget what past steps taught (the step cost, the acceptance prior) and the prefix
+        cache counters, as a fresh scheduler (after the warm-up's throwaway requests)."""
+        self.step_cost, self.accept_prior = StepCost(), None
+        self.num_queried_tokens = self.num_cached_tokens = 0
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached page (running requests keep theirs); returns how many."""
         return self.pages.reset_cache()

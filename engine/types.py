@@ -221,6 +221,7 @@ class StepStats:
     # Hybrid: per verify pass, the draft tokens accepted, and the draft tokens offered.
     accepted_lengths: list[int] = field(default_factory=list)
     num_drafted: int = 0
+    row_kinds: dict[str, int] = field(default_factory=dict)  # rows run, by kind (engine.rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +285,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
     prefix_cache_usage: float = 0.0  # 0..1: pages cached and idle (reclaimable)
+    warming_up: bool = False  # compiling kernels before ready (engine.device.warmup)
 
 
 StepListener = Callable[[StepStats, list[StepOutput]], None]

@@ -21,6 +21,10 @@ from kernels.reference import PagedRows
 from kernels.support import dot_precision, expect, interpreting
 
 _LOG2E = 1.4426950408889634
+# The rows' metadata: `PagedRows.build` packs it into one tensor, so where a column starts
+# depends on the step's row count. Read a scalar per row (and page ids one at a time), it gains
+# nothing from 16-byte alignment, and specialising on it would compile a kernel per row count.
+_ROW_METADATA = ["start_ptr", "offset_ptr", "ntok_ptr", "decode_ptr", "table_ptr"]
 
 
 @triton.jit
@@ -56,7 +60,7 @@ def _new_kv(k_ptr, v_ptr, n, n_mask, kv_head, d, sk_n, sk_h, sv_n, sv_h):
     return kt, vb
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["st_r"], do_not_specialize_on_alignment=[*_ROW_METADATA, "span_ptr"])
 def _canvas_attention_kernel(
     q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, out_ptr,
     start_ptr, offset_ptr, ntok_ptr, decode_ptr, table_ptr, span_ptr,
@@ -134,7 +138,7 @@ def _canvas_attention_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=t_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["st_r"], do_not_specialize_on_alignment=_ROW_METADATA)
 def _write_kv_kernel(
     k_ptr, v_ptr, kp_ptr, vp_ptr,
     start_ptr, offset_ptr, ntok_ptr, decode_ptr, table_ptr,

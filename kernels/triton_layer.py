@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.support import expect, interpreting
+from kernels.triton_norm import rows_per_program
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _GATED = {"gelu_pytorch_tanh": 0, "silu": 1}
@@ -34,7 +35,7 @@ def _normed(h, w_ptr, cols, dim, eps, dt: tl.constexpr):
     return (h * inv[:, None] * w[None, :]).to(dt).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "stride_s"])
 def _norm_tail_kernel(
     a_ptr, b_ptr, r_ptr, wa_ptr, wb_ptr, w_ptr, s_ptr, out_ptr, out2_ptr,
     num_rows, dim, stride_s, eps,
@@ -80,8 +81,7 @@ def _launch(
     if num_rows == 0 or dim == 0:
         return
     block_d = triton.next_power_of_2(dim)
-    elements = 1 << 16 if interpreting() else 4096  # see `triton_norm.rms_norm`
-    block_m = max(1, min(elements // block_d, triton.next_power_of_2(num_rows)))
+    block_m = rows_per_program(block_d, num_rows)
     ptrs = [a if t is None else t for t in tensors]
     _norm_tail_kernel[(triton.cdiv(num_rows, block_m),)](
         a, *ptrs, num_rows, dim, stride_s, eps,
@@ -154,7 +154,7 @@ def close_layer(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def _gated_act_kernel(g_ptr, u_ptr, out_ptr, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel

@@ -30,7 +30,7 @@ from kernels.support import dot_precision, expect, interpreting
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _router_kernel(
     h_ptr, scale_ptr, proj_ptr, pes_ptr, w_ptr, id_ptr,
     num_tokens, hidden, num_experts, sh_n, sp_e, sw_n, si_n, eps, inv_sqrt_hidden,
@@ -96,7 +96,7 @@ GEGLU = tl.constexpr(1)
 WEIGHTED = tl.constexpr(2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _expert_gemm_kernel(
     x_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, block_expert_ptr,
     num_pairs, num_experts, k_dim, n_dim, sx_n, sw_e, sw_o, so_n, sr_n, sr_k,
@@ -149,7 +149,7 @@ def _expert_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _slot_sum_kernel(
     pairs_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -196,7 +196,7 @@ def _chunk_onehot(ids_ptr, chunk, num_pairs, CHUNK: tl.constexpr, E_PAD: tl.cons
     return pairs, (expert[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _chunk_counts_kernel(
     ids_ptr, hist_ptr, num_pairs, CHUNK: tl.constexpr, E_PAD: tl.constexpr
 ):  # fmt: skip
@@ -206,7 +206,7 @@ def _chunk_counts_kernel(
     tl.store(hist_ptr + chunk * E_PAD + tl.arange(0, E_PAD), tl.sum(onehot, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _expert_offsets_kernel(
     hist_ptr, start_ptr, valid_end_ptr, padded_end_ptr, num_chunks, num_experts, block_m,
     ROWS: tl.constexpr, E_PAD: tl.constexpr,
@@ -228,7 +228,7 @@ def _expert_offsets_kernel(
     tl.store(padded_end_ptr + e, tl.where(e < num_experts, padded_end, 1 << 30))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "blocks_per_program"])
 def _place_pairs_kernel(
     ids_ptr, hist_ptr, start_ptr, valid_end_ptr, padded_end_ptr, sorted_ptr, block_expert_ptr,
     num_pairs, num_blocks, blocks_per_program, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,

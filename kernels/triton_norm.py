@@ -27,7 +27,18 @@ from kernels.support import expect, interpreting
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@triton.jit
+def rows_per_program(row_elements: int, num_rows: int) -> int:
+    """BLOCK_M of a row-wise kernel whose rows take `row_elements` lanes each: ~4K elements
+    per program on a GPU (a row of the hidden states, a few heads), whatever the step's row
+    count, so that a new number of rows never compiles a new kernel (the tail is masked). The
+    interpreter compiles nothing and pays per program and per lane: it takes many rows at
+    once, but no more than there are."""
+    if interpreting():
+        return max(1, min((1 << 16) // row_elements, triton.next_power_of_2(num_rows)))
+    return max(1, 4096 // row_elements)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, num_rows, dim, stride_x, eps,
     HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -60,10 +71,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if num_rows == 0 or dim == 0:
         return out
     block_d = triton.next_power_of_2(dim)
-    # ~4K elements per program on a GPU (a row of the hidden states, a few heads); the
-    # interpreter pays per program, so it takes many rows at once.
-    elements = 1 << 16 if interpreting() else 4096
-    block_m = max(1, min(elements // block_d, triton.next_power_of_2(num_rows)))
+    block_m = rows_per_program(block_d, num_rows)
     _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
         flat, flat if weight is None else weight, out, num_rows, dim, flat.stride(0), eps,
         HAS_WEIGHT=weight is not None, BLOCK_M=block_m, BLOCK_D=block_d,
@@ -77,7 +85,7 @@ def _rounded(x, dt: tl.constexpr):
     return x.to(dt).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _qkv_norm_rope_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, vo_ptr,
     num_tokens, num_q_heads, num_kv_heads, dim, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sc_n, eps,
@@ -151,10 +159,7 @@ def qkv_norm_rope(
     if num_tokens == 0:
         return outs  # type: ignore[return-value]
     block_half = triton.next_power_of_2(dim // 2)
-    # ~4K elements per program on a GPU (16 tokens of a 256-wide head); the interpreter pays
-    # per program, so it takes many tokens at once.
-    elements = 1 << 16 if interpreting() else 4096
-    block_n = max(1, min(elements // (2 * block_half), triton.next_power_of_2(num_tokens)))
+    block_n = rows_per_program(2 * block_half, num_tokens)  # 16 tokens of a 256-wide head
     grid = (triton.cdiv(num_tokens, block_n), num_q_heads + 2 * num_kv_heads)
     _qkv_norm_rope_kernel[grid](
         q, k, v, q_weight, k_weight, cos, sin, *outs,
@@ -165,7 +170,7 @@ def qkv_norm_rope(
     return outs  # type: ignore[return-value]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def _softcap_kernel(x_ptr, out_ptr, numel, cap, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel

@@ -136,7 +136,7 @@ def _probs_kernel(
     tl.store(out, probs.to(probs_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num", "cols", "stride_sr", "stride_sc", "stride_cr", "stride_cc"])
 def _philox_kernel(
     seed_ptr, counter_ptr, out_ptr, num, cols, stride_sr, stride_sc, stride_cr, stride_cc,
     BLOCK: tl.constexpr,

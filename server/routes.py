@@ -42,12 +42,16 @@ def ops_router(state: ServerState) -> APIRouter:
         return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
 
     def is_ready() -> bool:
-        return state.ready and not state.draining and state.engine.stats.alive
+        stats = state.engine.stats
+        return state.ready and not state.draining and stats.alive and not stats.warming_up
 
     @router.get("/ready")
     async def ready() -> Response:
-        ok = is_ready()
-        status = "ready" if ok else ("draining" if state.draining else "loading")
+        """200 once the server takes requests; 503 while it loads, while the engine warms up
+        (compiling its kernels: requests sent meanwhile wait for it) and while it drains."""
+        ok, warming = is_ready(), state.engine.stats.warming_up
+        status = "ready" if ok else "draining" if state.draining else "loading"
+        status = "warming up" if warming and status == "loading" else status
         return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
     @router.get("/ping")

@@ -325,6 +325,7 @@ def serve(args: argparse.Namespace) -> int:
     """Serve until a signal ends the drain (returns 0); raises StartupError when it cannot
     start."""
     from engine.cpu_threads import confine_to_steps
+    from engine.device.warmup import triton_cache_dir
     from engine.model.loader import resolve_device
     from server.app import create_app
     from server.http import uvicorn_config
@@ -333,7 +334,10 @@ def serve(args: argparse.Namespace) -> int:
     # steps' CPU work is small, and a big checkpoint's load casts on the CPU: all threads.)
     cpu = resolve_device(args.device).startswith("cpu")
     own_threads = confine_to_steps() if cpu else None
+    triton_cache = triton_cache_dir()  # before anything compiles
     sock, state, banner = start(args, own_threads)
+    if state.engine.limits.kernels == "triton":
+        banner.append(f"  Triton kernel cache {triton_cache}")
     for line in banner:
         logger.info(line)
     app = create_app(state)

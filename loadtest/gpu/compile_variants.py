@@ -101,8 +101,9 @@ def moe(
     def launch() -> object:
         from kernels import triton_moe
 
-        x = torch.empty(num_tokens, hidden + 5, dtype=dtype)[:, 2 : 2 + hidden]
-        x = x if misaligned else x.contiguous()
+        x = torch.empty(num_tokens, hidden, dtype=dtype)  # the engine's: a tensor of its own
+        if misaligned:  # (a one-row slice is contiguous already: `contiguous()` would keep it)
+            x = torch.empty(num_tokens, hidden + 5, dtype=dtype)[:, 2 : 2 + hidden]
         if route:
             proj = torch.empty(experts, hidden, dtype=dtype)
             scale, pes = torch.empty(hidden, dtype=dtype), torch.empty(experts, dtype=dtype)
@@ -182,17 +183,22 @@ def tails(tokens: int, hidden: int, inter: int, dtype: torch.dtype) -> Callable[
 
 
 def norm_rope(
-    heads: int, kv_heads: int, dim: int, dtype: torch.dtype, v_is_k: bool = False
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    v_is_k: bool = False,
+    tokens: int = CANVAS,
 ) -> Callable[[], object]:
-    """`qkv_norm_rope` over the projections' [N, heads, D] views; `v_is_k`: a full layer (V is
-    the raw k_proj output)."""
+    """`qkv_norm_rope` over the projections' [N, heads, D] views of `tokens` tokens; `v_is_k`:
+    a full layer (V is the raw k_proj output)."""
 
     def launch() -> object:
         from kernels import triton_norm
 
-        q, k = (torch.empty(CANVAS, h, dim, dtype=dtype) for h in (heads, kv_heads))
-        v = k if v_is_k else torch.empty(CANVAS, kv_heads, dim, dtype=dtype)
-        weight, table = torch.empty(dim, dtype=dtype), torch.empty(CANVAS, dim, dtype=dtype)
+        q, k = (torch.empty(tokens, h, dim, dtype=dtype) for h in (heads, kv_heads))
+        v = k if v_is_k else torch.empty(tokens, kv_heads, dim, dtype=dtype)
+        weight, table = torch.empty(dim, dtype=dtype), torch.empty(tokens, dim, dtype=dtype)
         return triton_norm.qkv_norm_rope(q, k, v, weight, weight, table, table, 1e-6)
 
     return launch

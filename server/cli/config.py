@@ -128,6 +128,14 @@ ENGINE_FLAGS = (
         "verify pages, sampler slots and request sets after every step",
         switch=True,
     ),
+    Flag(
+        "--no-warmup",
+        "engine.warmup",
+        "report ready at once, without warming up: the first requests compile the kernels they "
+        "use (default: where kernels compile at first use, Triton on a GPU, /ready turns 200 "
+        "only once a step of every row kind at each step size has compiled them)",
+        switch=False,
+    ),
 )
 
 

@@ -185,8 +185,12 @@ def test_a_hub_id_is_downloaded_into_a_kept_cache_with_hf_token_from_a_secret(ve
     assert "PersistentVolumeClaim" not in {d["kind"] for d in ephemeral}
 
 
+def api_key_env(container: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in container.get("env", []) if e["name"] == "CANVAS_API_KEY"]
+
+
 def test_the_api_key_comes_from_a_required_secret():
-    (env,) = canvas_container(render())["env"]
+    (env,) = api_key_env(canvas_container(render()))
     assert env["name"] == "CANVAS_API_KEY"
     assert env["valueFrom"]["secretKeyRef"] == {
         "name": "canvas-api-key",
@@ -194,11 +198,28 @@ def test_the_api_key_comes_from_a_required_secret():
         "optional": False,
     }
     docs = render({"apiKey": {"value": "sekrit-key"}})
-    (env,) = canvas_container(docs)["env"]
+    (env,) = api_key_env(canvas_container(docs))
     secret = one(docs, "Secret")
     assert env["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
     assert secret["stringData"] == {"key": "sekrit-key"}
-    assert "env" not in canvas_container(render({"apiKey": {"enabled": False}}))
+    assert not api_key_env(canvas_container(render({"apiKey": {"enabled": False}})))
+
+
+@pytest.mark.parametrize(
+    "values", [{}, {"apiKey": {"enabled": False}}, {"env": [{"name": "A", "value": "1"}]}]
+)
+def test_compiled_triton_kernels_are_kept_on_the_cache_volume(values):
+    """TRITON_CACHE_DIR (Canvas' default too: $CANVAS_CACHE/triton) lies on the cache volume,
+    which outlives a container restart, so a restarted container's warm-up compiles nothing."""
+    docs = render(values)
+    container = canvas_container(docs)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert env["TRITON_CACHE_DIR"] == mounts["cache"] + "/canvas/triton"
+    assert all(env.get(e["name"]) == e["value"] for e in values.get("env", []))
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "cache"]
+    assert "emptyDir" in volume
 
 
 @pytest.mark.parametrize(

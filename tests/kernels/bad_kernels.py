@@ -37,6 +37,22 @@ def _tile_kernel(a_ptr, b_ptr, out_ptr, k_dim, BM: tl.constexpr, BN: tl.constexp
     tl.store(out_ptr + m[:, None] * BN + n[None, :], acc)
 
 
+@triton.jit
+def _counted_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Sums n elements; n is specialised (== 1, divisible by 16): a kernel per kind of count."""
+    i = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):
+        acc += tl.load(x_ptr + start + i, mask=start + i < n, other=0.0)
+    tl.store(out_ptr, tl.sum(acc, 0))
+
+
+def counted(n: int) -> torch.Tensor:
+    out = torch.empty(1)
+    _counted_kernel[(1,)](torch.empty(n), out, n, BLOCK=16)
+    return out
+
+
 def retyped_accumulator() -> torch.Tensor:
     x, out = torch.arange(40, dtype=torch.float32), torch.zeros(16, dtype=torch.int32)
     _retyped_accumulator_kernel[(1,)](x, out, 40, BLOCK=16)

@@ -129,6 +129,7 @@ class FakeEngine:
     delay: float = 0.0
     alive: bool = False
     healthy: bool = True
+    warming_up: bool = False
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
@@ -155,6 +156,7 @@ class FakeEngine:
             num_steps=0,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            warming_up=self.warming_up,
         )
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
