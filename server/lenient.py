@@ -49,6 +49,7 @@ class UnknownParams:
             return body
         if not isinstance(value, dict):
             return body
+        dropped: list[tuple[str | int, ...]]
         if model is ResponsesRequest:  # its fields Canvas cannot honour stay refused
             dropped = [(k,) for k in value if k not in model.model_fields and k not in PASSTHROUGH]
         else:

@@ -57,7 +57,6 @@ class _ApiKeys(argparse.Action):
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """`canvas serve`'s flags."""
     from server.media import add_media_arguments
-    from server.render import REASONING_FIELDS
 
     model = parser.add_mutually_exclusive_group()
     model.add_argument(
@@ -105,6 +104,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "flag given several times (default: $CANVAS_API_KEY, one key or several separated by "
         "commas, which keeps them out of the process list; unset: no auth; empty: an error)",
     )
+    add_chat_arguments(parser)
+    parser.add_argument("--debug", action="store_true", help="traceback of a start-up error")
+    add_media_arguments(parser)
+    add_http_arguments(parser)
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    """How chats are rendered and what a request may carry: the reasoning field, the chat
+    template and its default variables, unknown fields."""
+    from server.render import REASONING_FIELDS
+
     parser.add_argument(
         "--reasoning-field",
         default="both",
@@ -135,9 +145,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="drop and log (once per field name) the request fields Canvas does not know or "
         "does not honour, instead of refusing the request with a 400 naming the field",
     )
-    parser.add_argument("--debug", action="store_true", help="traceback of a start-up error")
-    add_media_arguments(parser)
-    add_http_arguments(parser)
 
 
 def json_strings(text: str) -> list[str]:
