@@ -1,0 +1,1 @@
+"""Fitting the engine onto its device: the memory plan (`engine.device.memory`)."""
