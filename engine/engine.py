@@ -29,9 +29,9 @@ import torch
 
 from engine.batched_sampler import new_seed
 from engine.cpu_threads import make_tuner
+from engine.device.memory import MemoryConfig, device_memory, model_shapes, plan_memory
 from engine.inputs.images import PreparedImage, image_spans, image_token_positions
 from engine.inputs.tokenizer import Tokenizer
-from engine.device.memory import MemoryConfig, device_memory, model_shapes, plan_memory
 from engine.kv_pages import KVPages
 from engine.model import DiffusionLM, PagedKVCache
 from engine.model.config import LayerType

@@ -290,11 +290,11 @@ def plan_memory(shapes: ModelShapes, config: EngineConfig, memory: DeviceMemory)
         )
 
     usable = memory.usable_bytes(mem.gpu_memory_utilization)
-    most_canvases = max(1, min(sched.max_num_batched_tokens // shapes.canvas_length,
-                               sched.max_num_seqs))  # fmt: skip
+    tokens = sched.max_num_batched_tokens
+    most_canvases = max(1, min(tokens // shapes.canvas_length, sched.max_num_seqs))
     for canvases in range(most_canvases, 0, -1):
-        tokens = sched.max_num_batched_tokens if canvases == most_canvases else (
-            canvases * shapes.canvas_length)  # fmt: skip
+        if canvases < most_canvases:  # fewer canvases per step: a smaller step
+            tokens = canvases * shapes.canvas_length
         step_bytes = max(tokens, shapes.canvas_length) * shapes.token_bytes + shapes.filter_bytes
         running = most_running(usable - step_bytes)
         if running >= canvases:

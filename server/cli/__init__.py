@@ -1,8 +1,8 @@
 """The `canvas` command line, one module per command: serve (HTTP), generate (offline) and plan
-(the memory plan, `server.cli.plan`), and the tooling commands (convert, train, eval, make-tiny) in `server.cli.tools`. Every flag that
-describes a build is defined once, in the configuration tree (`server.cli.config`), and every
-command maps its arguments onto config objects whose defaults are written once, in the config
-dataclasses."""
+(the memory plan), and the tooling commands (convert, train, eval, make-tiny) in
+`server.cli.tools`. Every flag that describes a build is defined once, in the configuration
+tree (`server.cli.config`), and every command maps its arguments onto config objects whose
+defaults are written once, in the config dataclasses."""
 
 from __future__ import annotations
 
