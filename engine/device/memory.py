@@ -4,8 +4,8 @@ After the weights load, the memory left (`device_memory`: CUDA's free memory, or
 available RAM) is shared out by `plan_memory`:
 
     usable = gpu_memory_utilization × total − what is already taken (weights, CUDA context)
-    usable ≥ one step's transient  (tokens per step × (activations + the sampler's logits),
-                                    plus the top_k / top_p filters' workspace for one canvas)
+    usable ≥ one step's transient  (its tokens' activations, its sampled positions' logits
+                                    and the top_k / top_p filters' workspace for one canvas)
            + running × (a sliding-window ring + a sampler slot)
            + the full-attention pool (enough for every running request at max_model_len)
 
@@ -116,6 +116,7 @@ def available_ram() -> int:
 def device_memory(device: torch.device) -> DeviceMemory:
     """What `device` has now: CUDA's total and free memory, or the host's available RAM."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks the allocator caches but nothing holds are free
         free, total = torch.cuda.mem_get_info(device)
         return DeviceMemory(f"{device} ({torch.cuda.get_device_name(device)})", total, total - free)
     return DeviceMemory("cpu (available RAM)", available_ram(), 0, host=True)
@@ -136,7 +137,8 @@ class ModelShapes:
     max_position: int
     kv_bytes_per_position: dict[LayerType, int]  # K and V of every layer of the type
     slot_bytes: int  # one running request's sampler state (canvas, draft, soft input)
-    token_bytes: int  # one token of a step: its activations and its logits in the sampler
+    token_bytes: int  # one token of a step: its activations
+    logit_bytes: int  # one sampled position: its logits in the sampler
     filter_bytes: int  # the top_k / top_p filters' workspace for one canvas
     text: TextConfig = field(repr=False)
 
@@ -161,7 +163,8 @@ def model_shapes(model: DiffusionLM, exact: bool = False) -> ModelShapes:
         max_position=cfg.max_position_embeddings,
         kv_bytes_per_position=kv,
         slot_bytes=length * (2 * 8 + cfg.hidden_size * size),
-        token_bytes=activation_bytes_per_token(cfg, size) + sampler,
+        token_bytes=activation_bytes_per_token(cfg, size),
+        logit_bytes=sampler,
         filter_bytes=length * FILTER_BYTES_PER_ENTRY * vocab,
         text=cfg,
     )
@@ -290,27 +293,18 @@ def plan_memory(shapes: ModelShapes, config: EngineConfig, memory: DeviceMemory)
         )
 
     usable = memory.usable_bytes(mem.gpu_memory_utilization)
-    tokens = sched.max_num_batched_tokens
-    most_canvases = max(1, min(tokens // shapes.canvas_length, sched.max_num_seqs))
+    tokens, length_of_canvas = sched.max_num_batched_tokens, shapes.canvas_length
+    most_canvases = max(1, min(tokens // length_of_canvas, sched.max_num_seqs))
     for canvases in range(most_canvases, 0, -1):
         if canvases < most_canvases:  # fewer canvases per step: a smaller step
-            tokens = canvases * shapes.canvas_length
-        step_bytes = max(tokens, shapes.canvas_length) * shapes.token_bytes + shapes.filter_bytes
+            tokens = canvases * length_of_canvas
+        step_bytes = step_transient(shapes, max(tokens, length_of_canvas), sched.max_num_seqs)
         running = most_running(usable - step_bytes)
         if running >= canvases:
             break
     if running < 1:
         need = step_bytes + request_bytes + full_pages(1) * full_page_bytes
-        flags = "--kv-cache-tokens" if config.kv_cache_tokens is not None else "--max-model-len"
-        raise MemoryPlanError(
-            f"the memory plan cannot hold one canvas on {memory.name}: "
-            f"{max(usable, 0) / GB:.2f} GB are left at --gpu-memory-utilization "
-            f"{mem.gpu_memory_utilization} ({memory.total_bytes / GB:.2f} GB, "
-            f"{memory.taken_bytes / GB:.2f} GB taken by the weights and context), and one "
-            f"running request at --max-model-len {length} with one canvas per step needs "
-            f"{need / GB:.2f} GB (--max-num-seqs {sched.max_num_seqs}); raise "
-            f"--gpu-memory-utilization or lower {flags}"
-        )
+        raise no_room(config, memory, length, need)
     free = usable - step_bytes - running * request_bytes
     if config.kv_cache_tokens is None and full_page_bytes:
         most = free // full_page_bytes
@@ -334,6 +328,29 @@ def plan_memory(shapes: ModelShapes, config: EngineConfig, memory: DeviceMemory)
         slot_bytes=running * shapes.slot_bytes,
         step_bytes=step_bytes,
         limited_by="--max-num-seqs" if running == sched.max_num_seqs else "memory",
+    )
+
+
+def step_transient(shapes: ModelShapes, tokens: int, max_rows: int) -> int:
+    """One step of `tokens` tokens in at most `max_rows` rows: every token's activations, the
+    logits of the positions sampled (at most a canvas per row), the filters' workspace."""
+    sampled = min(tokens, max_rows * shapes.canvas_length)
+    return tokens * shapes.token_bytes + sampled * shapes.logit_bytes + shapes.filter_bytes
+
+
+def no_room(config: EngineConfig, memory: DeviceMemory, length: int, need: int) -> MemoryPlanError:
+    """The error of a plan that cannot hold one running request with one canvas per step,
+    which takes `need` bytes."""
+    utilization = config.memory.gpu_memory_utilization
+    usable = memory.usable_bytes(utilization)
+    lower = "--kv-cache-tokens" if config.kv_cache_tokens is not None else "--max-model-len"
+    return MemoryPlanError(
+        f"the memory plan cannot hold one canvas on {memory.name}: "
+        f"{max(usable, 0) / GB:.2f} GB are left at --gpu-memory-utilization {utilization} of "
+        f"{memory.total_bytes / GB:.2f} GB ({memory.taken_bytes / GB:.2f} GB taken by the "
+        f"weights and the CUDA context), and one running request at --max-model-len {length} "
+        f"with one canvas per step needs {need / GB:.2f} GB (--max-num-seqs "
+        f"{config.scheduler.max_num_seqs}): raise --gpu-memory-utilization or lower {lower}"
     )
 
 
