@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.kv_pages import PageGeometry
+from engine.model import BACKBONES, DiffusionLM
 from engine.model.config import LayerType, ModelConfig, TextConfig
 
 if TYPE_CHECKING:
     from engine.engine import EngineConfig
-    from engine.model import DiffusionLM
 
 GB = 10**9
 # On a CPU the full-attention pool is capped at this many positions unless --kv-cache-tokens
@@ -116,7 +116,7 @@ def available_ram() -> int:
 def device_memory(device: torch.device) -> DeviceMemory:
     """What `device` has now: CUDA's total and free memory, or the host's available RAM."""
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # blocks the allocator caches but nothing holds are free
+        torch.cuda.empty_cache()  # blocks the caching allocator keeps unused count as free
         free, total = torch.cuda.mem_get_info(device)
         return DeviceMemory(f"{device} ({torch.cuda.get_device_name(device)})", total, total - free)
     return DeviceMemory("cpu (available RAM)", available_ram(), 0, host=True)
@@ -185,8 +185,6 @@ def activation_bytes_per_token(cfg: TextConfig, size: int) -> int:
 
 def meta_model(config: ModelConfig, dtype: torch.dtype) -> DiffusionLM:
     """The engine's model for `config` on the meta device: shapes and sizes, no memory."""
-    from engine.model import BACKBONES
-
     with torch.device("meta"):
         model = BACKBONES[config.model_type](config)
     return model.to(dtype)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+import engine.device.memory
 from engine.checkpoints.tiny import (
     PRESETS,
     REAL_26B_A4B_CANVAS_LENGTH,
@@ -26,6 +28,8 @@ from engine.device.memory import (
     MemoryPlanError,
     ModelShapes,
     assumed_gpu,
+    available_ram,
+    device_memory,
     meta_model,
     model_shapes,
     plan_memory,
@@ -219,3 +223,25 @@ def test_the_readme_memory_table_is_the_plans(capsys):
         assert step == f"{out['step_bytes'] / GB:.1f} GB"
     weights = f"({out['weights_bytes'] / GB:.1f} GB of text-stack weights)"
     assert weights in (ROOT / "README.md").read_text()
+
+
+def test_a_cuda_device_is_measured_after_the_weights_load(monkeypatch):
+    """CUDA's free memory after the weights: what is already taken is what the driver does not
+    report free (the weights, the CUDA context), once the allocator's idle cache is given back."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * GB, 80 * GB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    memory = device_memory(torch.device("cuda", 1))
+    assert calls == ["empty_cache"] and not memory.host
+    assert (memory.total_bytes, memory.taken_bytes) == (80 * GB, 50 * GB)
+    assert memory.usable_bytes(0.9) == 22 * GB
+    assert memory.name == "cuda:1 (NVIDIA H100 80GB HBM3)"
+
+
+def test_a_cpu_is_measured_by_its_available_ram(monkeypatch):
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < available_ram() <= physical
+    monkeypatch.setattr(engine.device.memory, "available_ram", lambda: 12 * GB)
+    memory = device_memory(torch.device("cpu"))
+    assert memory.host and (memory.total_bytes, memory.taken_bytes) == (12 * GB, 0)
