@@ -1,1 +1,1 @@
-"""Fitting the engine onto its device: the memory plan (`engine.device.memory`)."""
+"""Fitting the engine onto its device."""
