@@ -80,7 +80,8 @@ class EngineConfig:
     cpu_threads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.page_size < 1 or (self.kv_cache_tokens or self.page_size) < self.page_size:
+        tokens = self.page_size if self.kv_cache_tokens is None else self.kv_cache_tokens
+        if self.page_size < 1 or tokens < self.page_size:
             raise ValueError("page_size must be >= 1 and kv_cache_tokens >= page_size")
 
 

@@ -120,7 +120,8 @@ ENGINE_FLAGS = (
         "--max-model-len",
         "engine.memory.max_model_len",
         "longest context (prompt plus completion) of a request (default: the model's "
-        "max_position_embeddings); the memory plan fits --max-num-seqs requests of it",
+        "max_position_embeddings); the memory plan runs as many requests of it as fit, up to "
+        "--max-num-seqs",
         kind=int,
     ),
     Flag(
