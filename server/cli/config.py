@@ -100,7 +100,11 @@ CHECKPOINT_FLAGS = (
 
 # The engine's own configuration: `canvas serve`.
 ENGINE_FLAGS = (
-    Flag("--max-num-seqs", "engine.scheduler.max_num_seqs", "requests running at once"),
+    Flag(
+        "--max-num-seqs",
+        "engine.scheduler.max_num_seqs",
+        "requests running at once, at most (the memory plan may run fewer)",
+    ),
     Flag("--max-queue", "engine.scheduler.max_queue", "requests waiting before 429"),
     Flag("--max-num-batched-tokens", "engine.scheduler.max_num_batched_tokens", "tokens per step"),
     Flag(
