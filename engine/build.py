@@ -12,6 +12,7 @@ inside it). The command line maps its flags onto these fields (`server.cli.confi
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from engine.engine import Engine, EngineConfig
 from engine.inputs.tokenizer import Tokenizer
 from engine.model import DiffusionLM, load_model
 from engine.params import DecodingDefaults
+
+logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -112,8 +115,12 @@ def open_checkpoint(config: CheckpointConfig) -> Checkpoint:
 
 
 def build_engine(checkpoint: Checkpoint, config: EngineConfig | None = None) -> Engine:
-    """The engine that runs `checkpoint` as `config` (None: the defaults) describes."""
-    return Engine(checkpoint.model, checkpoint.defaults, config, checkpoint.tokenizer)
+    """The engine that runs `checkpoint` as `config` (None: the defaults) describes, sized by
+    its memory plan (logged; `engine.device.memory`: MemoryPlanError naming the flags when the
+    device cannot hold one canvas)."""
+    engine = Engine(checkpoint.model, checkpoint.defaults, config, checkpoint.tokenizer)
+    logger.info("%s", engine.plan.describe())
+    return engine
 
 
 def build(config: BuildConfig) -> tuple[Checkpoint, Engine]:

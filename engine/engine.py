@@ -24,15 +24,16 @@ import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine.batched_sampler import new_seed
 from engine.cpu_threads import make_tuner
+from engine.device.memory import MemoryConfig, device_memory, model_shapes, plan_memory
 from engine.inputs.images import PreparedImage, image_spans, image_token_positions
 from engine.inputs.tokenizer import Tokenizer
-from engine.kv_pages import KVPages, PageGeometry
+from engine.kv_pages import KVPages
 from engine.model import DiffusionLM, PagedKVCache
 from engine.model.config import LayerType
 from engine.params import DecodingDefaults, ParamError, ResolvedParams
@@ -62,7 +63,9 @@ CHECK_INVARIANTS = os.environ.get("CANVAS_CHECK_INVARIANTS", "") == "1"
 class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     page_size: int = 16
-    kv_cache_tokens: int = 131_072  # positions of full-attention KV across all sequences
+    # Positions of full-attention KV across all sequences (None: the memory plan's).
+    kv_cache_tokens: int | None = None
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     # Verify the scheduler's accounting after every step (`Scheduler.check`): the tests
     # (CANVAS_CHECK_INVARIANTS=1) and `canvas serve --check-invariants` turn it on; it costs
     # O(pages) per step.
@@ -81,7 +84,8 @@ class EngineConfig:
     warmup: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
+        tokens = self.page_size if self.kv_cache_tokens is None else self.kv_cache_tokens
+        if self.page_size < 1 or tokens < self.page_size:
             raise ValueError("page_size must be >= 1 and kv_cache_tokens >= page_size")
 
 
@@ -99,21 +103,20 @@ class Engine:
         self.canvas_length = model.config.canvas_length
         self.device = model.embed_tokens.weight.device
         cfg = model.cfg
-        sched = self.config.scheduler
-        geometry = PageGeometry(
-            page_size=self.config.page_size,
-            sliding_window=cfg.sliding_window,
-            max_pass_tokens=max(sched.max_prefill_chunk, self.canvas_length),
-            has_full=any(not s.is_sliding for s in cfg.layers),
-            has_sliding=any(s.is_sliding for s in cfg.layers),
+        # What the device holds (`engine.device.memory`): the pools, slots and step it sizes.
+        shapes = model_shapes(model, model.kernels.exact)
+        self.plan = plan = plan_memory(shapes, self.config, device_memory(self.device))
+        sched = replace(
+            self.config.scheduler,
+            max_num_seqs=plan.max_running_requests,
+            max_num_batched_tokens=plan.tokens_per_step,
         )
-        num_full = self.config.kv_cache_tokens // self.config.page_size
-        num_sliding = sched.max_num_seqs * geometry.sliding_ring(cfg.max_position_embeddings)
+        num_full, num_sliding = plan.full_pages, plan.sliding_pages
         # Exact numerics never reuse a prefix: their values depend on how a prompt is cut into
         # passes (GEMMs under SMALL_ROWS rows, per-request expert groups), so a reused prefix
         # could not give the tokens recomputing it gives (docs/prefix-caching.md).
         caching = self.config.prefix_caching and not model.kernels.exact
-        self.pages = KVPages(geometry, num_full, num_sliding, caching)
+        self.pages = KVPages(plan.geometry, num_full, num_sliding, caching)
         # Everything besides the tokens that the KV depends on and that is fixed per engine.
         adapter = "adapter" if model.adapter is not None else "no adapter"
         salt = f"{model.kernels.describe()}|{model.embed_tokens.weight.dtype}|{adapter}"
@@ -156,7 +159,7 @@ class Engine:
     def _limits(self) -> EngineLimits:
         """What a request may ask of this engine: model config, scheduler config, KV pages."""
         cfg, sched = self.model.cfg, self.scheduler.config
-        max_pos = cfg.max_position_embeddings
+        max_pos = self.plan.max_model_len
         lo, hi = 0, max_pos  # the largest context an empty cache holds (fits_ever is monotone)
         while lo < hi:
             mid = (lo + hi + 1) // 2

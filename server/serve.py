@@ -198,7 +198,7 @@ def banner(
         f"  decoder adapter: {'attached' if model.adapter is not None else 'none'}, "
         f"prefix caching {'on' if state.engine.limits.prefix_caching else 'off'}, "
         f"image input {'on' if state.media is not None else 'off'}",
-        f"  max-num-seqs {args.max_num_seqs}, max-queue {args.max_queue}, "
+        f"  max-num-seqs {engine.limits.max_num_seqs}, max-queue {args.max_queue}, "
         f"auth {'on' if state.api_keys else 'off'}, "
         f"CORS {', '.join(state.cors.origins) if state.cors else 'off'}, "
         f"request bodies up to {state.http.max_body_bytes} bytes",

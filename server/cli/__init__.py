@@ -1,8 +1,8 @@
-"""The `canvas` command line, one module per command: serve (HTTP) and generate (offline), and
-the tooling commands (convert, train, eval, make-tiny) in `server.cli.tools`. Every flag that
-describes a build is defined once, in the configuration tree (`server.cli.config`), and every
-command maps its arguments onto config objects whose defaults are written once, in the config
-dataclasses."""
+"""The `canvas` command line, one module per command: serve (HTTP), generate (offline) and plan
+(the memory plan), and the tooling commands (convert, train, eval, make-tiny) in
+`server.cli.tools`. Every flag that describes a build is defined once, in the configuration
+tree (`server.cli.config`), and every command maps its arguments onto config objects whose
+defaults are written once, in the config dataclasses."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class CommandParser(argparse.ArgumentParser):
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     """The parser and each subcommand's handler."""
     from server.cli.generate import add_generate_arguments, cmd_generate
+    from server.cli.plan import add_plan_arguments, cmd_plan
     from server.cli.serve import add_serve_arguments, cmd_serve
     from server.cli.tools import add_parsers
 
@@ -47,7 +48,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
         sub.add_parser("generate", help="generate offline for one prompt and print stats")
     )
     add_serve_arguments(sub.add_parser("serve", help="start the OpenAI-compatible HTTP server"))
-    return parser, {"generate": cmd_generate, "serve": cmd_serve, **add_parsers(sub)}
+    add_plan_arguments(
+        sub.add_parser("plan", help="print the memory plan at a model's shapes on an H100/H200")
+    )
+    commands = {"generate": cmd_generate, "serve": cmd_serve, "plan": cmd_plan}
+    return parser, {**commands, **add_parsers(sub)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -109,10 +109,34 @@ CHECKPOINT_FLAGS = (
 
 # The engine's own configuration: `canvas serve`.
 ENGINE_FLAGS = (
-    Flag("--max-num-seqs", "engine.scheduler.max_num_seqs", "requests running at once"),
+    Flag(
+        "--max-num-seqs",
+        "engine.scheduler.max_num_seqs",
+        "requests running at once, at most (the memory plan may run fewer)",
+    ),
     Flag("--max-queue", "engine.scheduler.max_queue", "requests waiting before 429"),
     Flag("--max-num-batched-tokens", "engine.scheduler.max_num_batched_tokens", "tokens per step"),
-    Flag("--kv-cache-tokens", "engine.kv_cache_tokens", "full-attention KV positions"),
+    Flag(
+        "--kv-cache-tokens",
+        "engine.kv_cache_tokens",
+        "full-attention KV positions (default: what the memory plan leaves; on a CPU at most "
+        "131,072 or --max-model-len)",
+        kind=int,
+    ),
+    Flag(
+        "--gpu-memory-utilization",
+        "engine.memory.gpu_memory_utilization",
+        "share of the device's memory the engine may hold, weights included (on a CPU: of the "
+        "RAM available at start); the KV cache, sampler and step are sized to fit",
+    ),
+    Flag(
+        "--max-model-len",
+        "engine.memory.max_model_len",
+        "longest context (prompt plus completion) of a request (default: the model's "
+        "max_position_embeddings); the memory plan runs as many requests of it as fit, up to "
+        "--max-num-seqs",
+        kind=int,
+    ),
     Flag(
         "--no-prefix-caching",
         "engine.prefix_caching",

@@ -1,0 +1,361 @@
+"""The memory plan: what the KV pools, the sampler and one step may take of the device.
+
+After the weights load, the memory left (`device_memory`: CUDA's free memory, or the host's
+available RAM) is shared out by `plan_memory`:
+
+    usable = gpu_memory_utilization × total − what is already taken (weights, CUDA context)
+    usable ≥ one step's transient  (its tokens' activations, its sampled positions' logits
+                                    and the top_k / top_p filters' workspace for one canvas)
+           + running × (a sliding-window ring + a sampler slot)
+           + the full-attention pool (enough for every running request at max_model_len)
+
+Canvases per step and running requests are chosen together: the most canvases per step such
+that every running request's canvas can join one step, then as many running requests as the
+rest holds (up to --max-num-seqs); the full-attention pool takes what is left. The engine
+allocates exactly the plan (`Engine.plan`); `canvas plan` prints it for a model built on the
+meta device and a GPU from `GPUS`, without one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.kv_pages import PageGeometry
+from engine.model import BACKBONES, DiffusionLM
+from engine.model.config import LayerType, ModelConfig, TextConfig
+
+if TYPE_CHECKING:
+    from engine.engine import EngineConfig
+
+GB = 10**9
+# On a CPU the full-attention pool is capped at this many positions unless --kv-cache-tokens
+# asks for more: host RAM is shared with everything else on the machine, and small models keep
+# the pool they always had.
+CPU_KV_CACHE_TOKENS = 131_072
+# `canvas plan` only (a live engine reads it from the device): what the CUDA context, cuBLAS
+# and Triton take before the pools are allocated.
+CUDA_CONTEXT_BYTES = 1 << 30
+# The top_k / top_p filter (`engine.filters`, `BatchedSampler.filtered`) at its peak, per
+# vocabulary entry of each position it filters, besides the fp32 logits: the gathered rows, the
+# top_k-masked copy, the sort's fp32 values and int64 indices, the cumulative sums, two masks
+# and the masked result (4 + 4 + 4 + 8 + 4 + 1 + 1 + 4); the step's clone is made after all
+# but the result are freed. The plan holds it for one canvas, not for every canvas of a step
+# (about 8 times a canvas's logits): a step whose filtered rows run out of memory is run again
+# one request at a time (`Engine._execute`), and one canvas with its filters always fits.
+FILTER_BYTES_PER_ENTRY = 30
+# Exact numerics' sampler keeps about seven fp32 copies of a canvas's logits.
+EXACT_LOGIT_COPIES = 7
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """A GPU `canvas plan` assumes: `total_bytes` is what CUDA reports as its memory."""
+
+    name: str
+    total_bytes: int
+
+
+GPUS = {
+    "h100": Gpu("H100 80 GB (81,559 MiB)", 81_559 << 20),
+    "h200": Gpu("H200 141 GB (143,771 MiB)", 143_771 << 20),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryConfig:
+    """`gpu_memory_utilization`: the share of the device's memory the engine may hold in all
+    (weights included; on a CPU, of the RAM available at start). `max_model_len`: the longest
+    context a request may have (None: the model's max_position_embeddings)."""
+
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+
+
+class MemoryPlanError(ValueError):
+    """The device cannot hold what the flags ask for; the message names the flags."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """The memory a plan shares out: `usable_bytes` (the device's total times
+    --gpu-memory-utilization, less what was taken before the plan) of `total_bytes`."""
+
+    name: str
+    total_bytes: int
+    taken_bytes: int  # before the plan: the weights, the CUDA context (CPU: already left out)
+    host: bool = False  # host RAM: the full-attention pool is capped (CPU_KV_CACHE_TOKENS)
+
+    def usable_bytes(self, utilization: float) -> int:
+        return int(utilization * self.total_bytes) - self.taken_bytes
+
+
+def available_ram() -> int:
+    """The host's available RAM: /proc/meminfo's MemAvailable, else free pages (sysconf)."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_memory(device: torch.device) -> DeviceMemory:
+    """What `device` has now: CUDA's total and free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks the caching allocator keeps unused count as free
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceMemory(f"{device} ({torch.cuda.get_device_name(device)})", total, total - free)
+    return DeviceMemory("cpu (available RAM)", available_ram(), 0, host=True)
+
+
+def assumed_gpu(gpu: str, weights_bytes: int) -> DeviceMemory:
+    """A GPU of `GPUS` after `weights_bytes` of weights and the CUDA context loaded."""
+    spec = GPUS[gpu]
+    return DeviceMemory(spec.name, spec.total_bytes, weights_bytes + CUDA_CONTEXT_BYTES)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShapes:
+    """What a plan needs of a model: its weights' bytes and the sizes of what it allocates."""
+
+    weights_bytes: int
+    canvas_length: int
+    max_position: int
+    kv_bytes_per_position: dict[LayerType, int]  # K and V of every layer of the type
+    slot_bytes: int  # one running request's sampler state (canvas, draft, soft input)
+    token_bytes: int  # one token of a step: its activations
+    logit_bytes: int  # one sampled position: its logits in the sampler
+    filter_bytes: int  # the top_k / top_p filters' workspace for one canvas
+    text: TextConfig = field(repr=False)
+
+
+def model_shapes(model: DiffusionLM, exact: bool = False) -> ModelShapes:
+    """The shapes of `model` (loaded, or built on the meta device: nothing is read), with
+    `exact` numerics' sampler or the fast one."""
+    cfg = model.cfg
+    dtype = model.embed_tokens.weight.dtype
+    size = dtype.itemsize
+    tensors = [*model.parameters(), *model.buffers()]
+    kv = dict.fromkeys(LayerType, 0)
+    for spec in cfg.layers:
+        kv[spec.layer_type] += 2 * spec.num_kv_heads * spec.head_dim * size
+    length = model.config.canvas_length
+    vocab = cfg.vocab_size
+    # The fp32 logits (exact numerics' copies of them) and the head's output while it is cast.
+    sampler = (4 * (EXACT_LOGIT_COPIES if exact else 1) + size) * vocab
+    return ModelShapes(
+        weights_bytes=sum(t.numel() * t.element_size() for t in tensors),
+        canvas_length=length,
+        max_position=cfg.max_position_embeddings,
+        kv_bytes_per_position=kv,
+        slot_bytes=length * (2 * 8 + cfg.hidden_size * size),
+        token_bytes=activation_bytes_per_token(cfg, size),
+        logit_bytes=sampler,
+        filter_bytes=length * FILTER_BYTES_PER_ENTRY * vocab,
+        text=cfg,
+    )
+
+
+def activation_bytes_per_token(cfg: TextConfig, size: int) -> int:
+    """An upper bound on one token's live tensors within a layer (a layer's are freed before
+    the next): the residual, its norms and branch outputs, q and the attention output at the
+    widest head, k and v, the dense MLP's gate, up and product, each of its top_k expert pairs'
+    input, gate, up, product and output, and the fp32 router logits."""
+    head = max(spec.head_dim for spec in cfg.layers)
+    kv = max(2 * spec.num_kv_heads * spec.head_dim for spec in cfg.layers)
+    hidden, moe = cfg.hidden_size, cfg.moe_intermediate_size
+    elements = 6 * hidden + 2 * cfg.num_heads * head + kv + 3 * cfg.intermediate_size
+    elements += cfg.top_k_experts * (2 * hidden + 3 * moe)
+    return elements * size + 4 * cfg.num_experts
+
+
+def meta_model(config: ModelConfig, dtype: torch.dtype) -> DiffusionLM:
+    """The engine's model for `config` on the meta device: shapes and sizes, no memory."""
+    with torch.device("meta"):
+        model = BACKBONES[config.model_type](config)
+    return model.to(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """What the engine allocates: `max_running_requests` sliding-window rings and sampler slots,
+    a full-attention pool of `full_pages`, and room for one step of `tokens_per_step` tokens
+    (at most `canvases_per_step` canvases). `limited_by`: what bounds the running requests
+    (--max-num-seqs, or memory)."""
+
+    device: str
+    total_bytes: int
+    usable_bytes: int
+    weights_bytes: int
+    gpu_memory_utilization: float
+    max_model_len: int
+    geometry: PageGeometry
+    full_pages: int
+    sliding_pages: int
+    max_running_requests: int
+    tokens_per_step: int
+    canvases_per_step: int
+    kv_bytes: int
+    slot_bytes: int
+    step_bytes: int
+    limited_by: str
+
+    @property
+    def kv_positions(self) -> dict[str, int]:
+        """KV positions per pool (a sliding ring's positions are reused as it advances)."""
+        size = self.geometry.page_size
+        return {"full": self.full_pages * size, "sliding": self.sliding_pages * size}
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "total_bytes": self.total_bytes,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "usable_bytes": self.usable_bytes,
+            "weights_bytes": self.weights_bytes,
+            "max_model_len": self.max_model_len,
+            "kv_positions": self.kv_positions,
+            "kv_bytes": self.kv_bytes,
+            "max_running_requests": self.max_running_requests,
+            "running_limited_by": self.limited_by,
+            "canvases_per_step": self.canvases_per_step,
+            "tokens_per_step": self.tokens_per_step,
+            "step_bytes": self.step_bytes,
+            "slot_bytes": self.slot_bytes,
+        }
+
+    def describe(self) -> str:
+        kv = self.kv_positions
+        return (
+            f"Memory plan on {self.device}: {self.usable_bytes / GB:.1f} GB for the KV cache and "
+            f"the step, of {self.total_bytes / GB:.1f} GB at --gpu-memory-utilization "
+            f"{self.gpu_memory_utilization} (weights {self.weights_bytes / GB:.1f} GB); "
+            f"{self.max_running_requests} running requests at --max-model-len "
+            f"{self.max_model_len} (bounded by {self.limited_by}); KV {self.kv_bytes / GB:.1f} GB: "
+            f"{kv['full']:,} full-attention positions, {kv['sliding']:,} sliding-window "
+            f"positions in rings; {self.canvases_per_step} canvases per step "
+            f"({self.tokens_per_step:,} tokens, {self.step_bytes / GB:.1f} GB of activations "
+            f"and sampler logits); sampler slots {self.slot_bytes / GB:.2f} GB"
+        )
+
+
+def plan_memory(shapes: ModelShapes, config: EngineConfig, memory: DeviceMemory) -> MemoryPlan:
+    """The plan for a model of `shapes` run as `config` describes on `memory`. Raises
+    MemoryPlanError, naming the flags, when not even one running request with one canvas per
+    step fits, or --max-model-len exceeds the model's positions."""
+    mem, sched, cfg = config.memory, config.scheduler, shapes.text
+    length = mem.max_model_len or shapes.max_position
+    if length > shapes.max_position:
+        raise MemoryPlanError(
+            f"--max-model-len {length} exceeds the model's max_position_embeddings "
+            f"({shapes.max_position})"
+        )
+    geometry = PageGeometry(
+        page_size=config.page_size,
+        sliding_window=cfg.sliding_window,
+        max_pass_tokens=max(sched.max_prefill_chunk, shapes.canvas_length),
+        has_full=any(not s.is_sliding for s in cfg.layers),
+        has_sliding=any(s.is_sliding for s in cfg.layers),
+    )
+    page = config.page_size
+    full_page_bytes = shapes.kv_bytes_per_position[LayerType.FULL] * page
+    ring = geometry.sliding_ring(length)
+    request_bytes = ring * page * shapes.kv_bytes_per_position[LayerType.SLIDING]
+    request_bytes += shapes.slot_bytes
+    cap = max(CPU_KV_CACHE_TOKENS, length) if memory.host else None
+
+    def full_pages(running: int) -> int:  # what the pool must hold for `running` requests
+        if config.kv_cache_tokens is not None:
+            return config.kv_cache_tokens // page
+        positions = running * length if cap is None else min(running * length, cap)
+        return -(-positions // page)
+
+    def most_running(free: int) -> int:
+        return largest(
+            sched.max_num_seqs,
+            lambda n: n * request_bytes + full_pages(n) * full_page_bytes <= free,
+        )
+
+    usable = memory.usable_bytes(mem.gpu_memory_utilization)
+    tokens, length_of_canvas = sched.max_num_batched_tokens, shapes.canvas_length
+    most_canvases = max(1, min(tokens // length_of_canvas, sched.max_num_seqs))
+    for canvases in range(most_canvases, 0, -1):
+        if canvases < most_canvases:  # fewer canvases per step: a smaller step
+            tokens = canvases * length_of_canvas
+        step_bytes = step_transient(shapes, max(tokens, length_of_canvas), sched.max_num_seqs)
+        running = most_running(usable - step_bytes)
+        if running >= canvases:
+            break
+    if running < 1:
+        need = step_bytes + request_bytes + full_pages(1) * full_page_bytes
+        raise no_room(config, memory, length, need)
+    free = usable - step_bytes - running * request_bytes
+    if config.kv_cache_tokens is None and full_page_bytes:
+        most = free // full_page_bytes
+        full = most if cap is None else min(most, cap // page)
+    else:
+        full = full_pages(running)
+    return MemoryPlan(
+        device=memory.name,
+        total_bytes=memory.total_bytes,
+        usable_bytes=usable,
+        weights_bytes=shapes.weights_bytes,
+        gpu_memory_utilization=mem.gpu_memory_utilization,
+        max_model_len=length,
+        geometry=geometry,
+        full_pages=full,
+        sliding_pages=running * ring,
+        max_running_requests=running,
+        tokens_per_step=tokens,
+        canvases_per_step=min(canvases, running),
+        kv_bytes=full * full_page_bytes + running * (request_bytes - shapes.slot_bytes),
+        slot_bytes=running * shapes.slot_bytes,
+        step_bytes=step_bytes,
+        limited_by="--max-num-seqs" if running == sched.max_num_seqs else "memory",
+    )
+
+
+def step_transient(shapes: ModelShapes, tokens: int, max_rows: int) -> int:
+    """One step of `tokens` tokens in at most `max_rows` rows: every token's activations, the
+    logits of the positions sampled (at most a canvas per row), the filters' workspace."""
+    sampled = min(tokens, max_rows * shapes.canvas_length)
+    return tokens * shapes.token_bytes + sampled * shapes.logit_bytes + shapes.filter_bytes
+
+
+def no_room(config: EngineConfig, memory: DeviceMemory, length: int, need: int) -> MemoryPlanError:
+    """The error of a plan that cannot hold one running request with one canvas per step,
+    which takes `need` bytes."""
+    utilization = config.memory.gpu_memory_utilization
+    usable = memory.usable_bytes(utilization)
+    lower = "--kv-cache-tokens" if config.kv_cache_tokens is not None else "--max-model-len"
+    return MemoryPlanError(
+        f"the memory plan cannot hold one canvas on {memory.name}: "
+        f"{max(usable, 0) / GB:.2f} GB are left at --gpu-memory-utilization {utilization} of "
+        f"{memory.total_bytes / GB:.2f} GB ({memory.taken_bytes / GB:.2f} GB taken by the "
+        f"weights and the CUDA context), and one running request at --max-model-len {length} "
+        f"with one canvas per step needs {need / GB:.2f} GB (--max-num-seqs "
+        f"{config.scheduler.max_num_seqs}): raise --gpu-memory-utilization or lower {lower}"
+    )
+
+
+def largest(most: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in [0, most] with fits(n), for a `fits` true up to some n and false after."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo

@@ -1,0 +1,71 @@
+"""The engine allocates what its memory plan says (`Engine.plan`), and a start whose plan
+cannot hold one canvas fails naming the flags."""
+
+from __future__ import annotations
+
+import pytest
+
+import engine.engine
+from engine.build import BuildConfig, CheckpointConfig, build
+from engine.device.memory import CPU_KV_CACHE_TOKENS, DeviceMemory, MemoryConfig, MemoryPlanError
+from engine.engine import EngineConfig
+from engine.model.config import LayerType
+from server.cli import main
+
+
+def checkpoint(path) -> CheckpointConfig:
+    return CheckpointConfig(path, device="cpu", kernels="twins", adapter=False)
+
+
+def pool_bytes(engine_: engine.engine.Engine) -> int:
+    cache = engine_.runner.cache
+    return sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
+
+
+def test_the_engine_allocates_what_its_plan_says(tiny_checkpoint, monkeypatch):
+    path = tiny_checkpoint("c16")
+    _, roomy = build(BuildConfig(checkpoint(path)))
+    per_request = roomy.plan.kv_bytes // 64  # the tiny model's rings and full KV, per request
+    # A device with room for a few running requests only: the plan, not the flags, sizes it.
+    small = DeviceMemory("test device", 10 * per_request + roomy.plan.step_bytes, 0)
+    monkeypatch.setattr(engine.engine, "device_memory", lambda device: small)
+    config = EngineConfig(memory=MemoryConfig(gpu_memory_utilization=1.0, max_model_len=1024))
+    _, built = build(BuildConfig(checkpoint(path), config))
+    plan = built.plan
+    assert 1 <= plan.max_running_requests < 64 and plan.limited_by == "memory"
+    assert built.scheduler.config.max_num_seqs == plan.max_running_requests
+    assert built.scheduler.slots.num_pages == plan.max_running_requests
+    assert built.scheduler.config.max_num_batched_tokens == plan.tokens_per_step
+    assert built.pages.full.num_pages == plan.full_pages
+    assert built.pages.sliding.num_pages == plan.sliding_pages
+    assert pool_bytes(built) == plan.kv_bytes
+    assert [t.shape[0] for t in built.runner.cache.keys] == [
+        plan.full_pages if kind is LayerType.FULL else plan.sliding_pages
+        for kind in built.runner.cache.layer_types
+    ]
+    assert built.limits.max_context_positions == 1024 == plan.max_model_len
+    assert built.limits.max_num_seqs == plan.max_running_requests
+
+
+def test_a_cpu_engine_keeps_todays_pools_for_a_small_model(tiny_checkpoint):
+    _, built = build(BuildConfig(checkpoint(tiny_checkpoint("c16"))))
+    assert built.scheduler.config == EngineConfig().scheduler
+    assert built.pages.full.num_pages * 16 == CPU_KV_CACHE_TOKENS
+    assert built.limits.max_context_positions == built.model.cfg.max_position_embeddings
+
+
+def test_an_engine_whose_plan_cannot_hold_one_canvas_does_not_start(tiny_checkpoint):
+    config = EngineConfig(memory=MemoryConfig(gpu_memory_utilization=1e-12))
+    with pytest.raises(MemoryPlanError, match="cannot hold one canvas") as info:
+        build(BuildConfig(checkpoint(tiny_checkpoint("c16")), config))
+    for flag in ("--gpu-memory-utilization", "--max-model-len", "--max-num-seqs"):
+        assert flag in str(info.value)
+
+
+def test_serve_stops_at_start_naming_the_flags(tiny_checkpoint, capsys):
+    args = ["serve", "--model", str(tiny_checkpoint("c16")), "--port", "0", "--threads", "1"]
+    args += ["--device", "cpu", "--kernels", "twins", "--gpu-memory-utilization", "1e-12"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("canvas serve: error: the memory plan cannot hold one canvas")
+    assert "--gpu-memory-utilization" in err and "--max-model-len" in err
