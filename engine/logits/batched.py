@@ -49,10 +49,11 @@ def process_rows_(
     Which processors run comes from the requests on the host: no device sync."""
     view = logits.view(-1, length, logits.shape[-1])  # [R, length, V]
     for r, req in enumerate(reqs):
-        params, slot = req.params, slots[r]
+        # [1], not a 0-d index: indexing by a 0-d tensor reads it on the host (a sync)
+        params, slot = req.params, slots[r : r + 1]
         if params.logit_bias:
             num = len(params.logit_bias)
-            add_bias_(view[r], bias_ids[slot, :num], knobs["logit_bias"][slot, :num])
+            add_bias_(view[r], bias_ids[slot, :num][0], knobs["logit_bias"][slot, :num][0])
         if penalises(params):
             penalise_(
                 view[r],

@@ -109,7 +109,7 @@ def token_counts(
     )
 
 
-Scalar = float | torch.Tensor  # a host number, or a 0-d tensor on the logits' device
+Scalar = float | torch.Tensor  # a host number, or a [1] tensor on the logits' device
 
 
 def add_bias_(logits: torch.Tensor, ids: torch.Tensor, biases: torch.Tensor) -> None:
