@@ -173,6 +173,17 @@ def test_a_large_logit_bias_forces_a_token_and_a_negative_one_bans_it(llms, exac
 
 @NUMERICS
 @pytest.mark.parametrize("mode", [DecodeMode.DIFFUSION, DecodeMode.AR])
+def test_log_probabilities_stay_those_of_the_raw_logits(llms, exact, mode) -> None:
+    base = dict(max_tokens=4, seed=1, mode=mode, max_denoising_steps=2, logprobs=0)
+    params = SamplingParams(**base, logit_bias={"77": 100}, ignore_eos=True)  # type: ignore[arg-type]
+    (out,) = llms(exact).generate([5, 6, 7, 8], params)
+    assert out.output_ids == [77] * 4 and out.logprobs is not None
+    # processed, 77 would be certain (log-probability ~0); the model alone finds it unlikely
+    assert out.logprobs[0].logprob < -1
+
+
+@NUMERICS
+@pytest.mark.parametrize("mode", [DecodeMode.DIFFUSION, DecodeMode.AR])
 def test_min_p_of_one_keeps_only_the_most_likely_token(llms, exact, mode) -> None:
     llm = llms(exact)
     base = dict(max_tokens=16, seed=2, mode=mode, temperature=1.0, max_denoising_steps=3)
