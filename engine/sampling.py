@@ -275,8 +275,9 @@ class ReferenceSampling:
         states = [forks[j].canvas for j in good]
         with processing(logits, self.canvas_length, denoise) as processed:
             rows = logits if len(good) == num_rows else logits[good]
-            for i in (i for i, j in enumerate(good) if j in processed):
-                process_(rows[i], denoise[good[i]])  # in place
+            for i, j in enumerate(good):
+                if j in processed:
+                    process_(rows[i], denoise[j])  # in place
             scaled, probs = denoise_update(rows, states, [denoise[j].params for j in good])  # type: ignore[arg-type]
         soft = self.model.soft_embed(scaled, probs)
         for i, j in enumerate(good):
