@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.filters import filter_logits, top_p_floor
+from engine.logits.filters import top_p_floor
 from engine.modes import policy
-from engine.params import FLOAT_KNOBS, KNOB_NAMES, ResolvedParams
+from engine.params import FLOAT_KNOBS, KNOB_NAMES, MAX_LOGIT_BIAS, ResolvedParams
 from kernels import KernelSet
 from kernels.reference import philox_uniform
 
@@ -57,7 +57,8 @@ def new_seed() -> int:
 class SlotState:
     """Per-slot denoising state and parameters of up to `num_slots` running requests: `knobs`
     holds one tensor per decoding knob (`engine.params.DecodingKnobs`), named after it (top_p's
-    holds `top_p_floor(top_p)`; temperature's is 0 where the mode samples no tokens)."""
+    holds `top_p_floor(top_p)`; temperature's is 0 where the mode samples no tokens; logit_bias's
+    holds the biases, their token ids are `bias_ids`)."""
 
     def __init__(
         self,
@@ -82,6 +83,9 @@ class SlotState:
             name: zeros(num_slots, dtype=torch.float32 if name in FLOAT_KNOBS else torch.long)
             for name in KNOB_NAMES
         }
+        # logit_bias: a request's (token id, bias) pairs, in order, zero-padded
+        self.knobs["logit_bias"] = zeros(num_slots, MAX_LOGIT_BIAS, dtype=torch.float32)
+        self.bias_ids = zeros(num_slots, MAX_LOGIT_BIAS)
 
 
 @dataclass(slots=True)
@@ -130,11 +134,16 @@ class BatchedSampler:
         """Write a newly running request's parameters into its slot (idempotent)."""
         s = self.state
         values = {name: getattr(params, name) for name in KNOB_NAMES}
-        values["top_p"] = top_p_floor(params.top_p)  # what `filter_logits` compares with
+        values["top_p"] = top_p_floor(params.top_p)  # what `filter_logits_` compares with
         # The mode decides whether the slot's temperature draws AR tokens.
         values["temperature"] = policy(params.mode).token_temperature(params)
+        bias = values.pop("logit_bias")
         for name, value in values.items():
             s.knobs[name][slot] = value
+        if bias:  # the rest of the row is never read (`engine.logits.batched`)
+            ids, biases = zip(*bias, strict=True)
+            s.bias_ids[slot, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            s.knobs["logit_bias"][slot, : len(ids)] = torch.tensor(biases, dtype=torch.float32)
         s.seed[slot] = seed
         s.canvas_no[slot] = -1
 
@@ -145,27 +154,6 @@ class BatchedSampler:
         for name in _ROW_FIELDS:
             value = getattr(rows, name)
             getattr(s, name)[slots] = value if keep is None else value[keep]
-
-    def filtered(
-        self, logits: torch.Tensor, slots: torch.Tensor, rows: list[int], length: int,
-        max_k: int, any_p: bool,
-    ) -> torch.Tensor:  # fmt: skip
-        """logits [R * length, V] with the top_k / top_p filters of the rows listed (those
-        that asked; `engine.filters`) applied: a copy when there are any, so the raw logits
-        stay for log-probabilities; `logits` itself otherwise. `max_k`, `any_p`: the listed
-        rows' largest top_k and whether any has top_p < 1 (host values: no sync)."""
-        if not rows:
-            return logits
-        s, vocab = self.state, logits.shape[-1]
-        index = torch.tensor(rows, dtype=torch.long).to(logits.device)
-        picked = slots[index]
-        view = logits.view(-1, length, vocab)
-        top_k = s.knobs["top_k"][picked].repeat_interleave(length)
-        floor = s.knobs["top_p"][picked].repeat_interleave(length)  # the floors
-        sub = filter_logits(view[index].reshape(-1, vocab), top_k, floor, max_k, any_p)
-        out = view.clone()
-        out[index] = sub.view(-1, length, vocab)
-        return out.view(-1, vocab)
 
     # -- inputs -------------------------------------------------------------------------------
 

@@ -200,7 +200,7 @@ class Engine:
         hashes are added to it, so only requests with the same images share cached pages."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.validator.check_prompt(prompt_ids)  # callers validated: a cheap second look
+        self.validator.check_prompt(prompt_ids, params)  # callers validated: a cheap second look
         self.validator.check_context(len(prompt_ids), params)
         vision = self.model.config.vision
         image_positions = image_token_positions(prompt_ids, images, vision)

@@ -58,6 +58,14 @@ FLOAT_BOUNDS = {
 MAX_DENOISING_STEPS = 1024
 MAX_TOP_K = 2**31 - 1  # larger than any vocabulary; the sampler clamps it to the vocabulary
 MAX_STABILITY_THRESHOLD = 64
+# vLLM's bounds of the processors' knobs: (low, high, whether low itself is allowed).
+PROCESSOR_RANGES = {
+    "min_p": (0.0, 1.0, True),
+    "repetition_penalty": (0.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, True),
+    "presence_penalty": (-2.0, 2.0, True),
+}
+MAX_LOGIT_BIAS, MAX_BIAS = 300, 100.0  # OpenAI's: entries, and |bias| of each
 
 
 def _checkpoint_key(default: Any, *path: str) -> Any:
@@ -87,10 +95,18 @@ class DecodingKnobs:
     # Resolved, the AR sampling temperature (0 = greedy), which diffusion ignores; a request's
     # means what its mode says (engine.validation.apply_temperature).
     temperature: float = 0.0
-    # Candidate filters on the raw logits (both modes, `engine.filters`): the top_k most likely
-    # tokens (0: all), then the smallest set holding top_p of the probability (1: all).
+    # The logits processors, on the raw logits in this order (both modes, `engine.logits`):
+    # logit_bias ((token id, bias) pairs, ascending ids), the penalties (over the prompt and the
+    # committed tokens: repetition 1, frequency and presence 0 = off), then the candidate
+    # filters: the top_k most likely tokens (0: all), the smallest set holding top_p of the
+    # probability (1: all), the tokens at least min_p times as likely as the most likely.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
 
 KNOB_NAMES = tuple(f.name for f in fields(DecodingKnobs))
@@ -121,6 +137,12 @@ class SamplingParams:
     temperature: float | None = None
     top_k: int | None = None  # None, 0 or -1: all tokens
     top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    # token id (int, or its decimal string as JSON keys are) -> bias; held as DecodingKnobs does
+    logit_bias: Mapping[int | str, float] | tuple[tuple[int, float], ...] | None = None
     # Structured output: the text must be a JSON document valid under this JSON schema (a JSON
     # string; '{"type": "object"}' for OpenAI's json_object). Enforced by a grammar per request.
     json_schema: str | None = None
@@ -179,6 +201,12 @@ class SamplingParams:
             "softmax)",
         )
         _check(self.top_p is None or 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        for name, (low, high, closed) in PROCESSOR_RANGES.items():
+            value = getattr(self, name)
+            inside = value is None or (low <= value if closed else low < value) and value <= high
+            _check(inside, name, f"must be in {'[' if closed else '('}{low:g}, {high:g}]")
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         _check(
             self.top_k is None or -1 <= self.top_k <= MAX_TOP_K,
             "top_k",
@@ -204,11 +232,6 @@ class ResolvedParams(DecodingKnobs):
 
     def __post_init__(self) -> None:
         _check(self.t_max > self.t_min, "t_max", f"must be > t_min ({self.t_max} <= {self.t_min})")
-
-    @property
-    def filtered(self) -> bool:
-        """top_k or top_p restricts the candidates."""
-        return self.top_k > 0 or self.top_p < 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,6 +327,23 @@ class DecodingDefaults(DecodingKnobs):
             logprobs=params.logprobs,
             **knobs,
         )
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """A logit_bias as (token id, bias) pairs in ascending ids; ParamError unless it maps at
+    most MAX_LOGIT_BIAS token ids (ints or decimal strings) to numbers in [-MAX_BIAS,
+    MAX_BIAS]. Whether the ids are in the vocabulary is `engine.validation`'s to check."""
+    pairs = list(value.items() if isinstance(value, Mapping) else value)
+    _check(len(pairs) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} token ids")
+    out: dict[int, float] = {}
+    for key, bias in pairs:
+        ok = _is_int(key) and key >= 0 or isinstance(key, str) and key.isascii() and key.isdigit()
+        _check(ok, "logit_bias", f"keys must be token ids, not {key!r}")
+        number = (_is_int(bias) or isinstance(bias, float)) and math.isfinite(bias)
+        bound = f"[-{MAX_BIAS:g}, {MAX_BIAS:g}]"
+        _check(number and abs(bias) <= MAX_BIAS, "logit_bias", f"biases must be in {bound}")
+        out[int(key)] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _config_value(raw: dict[str, Any], path: tuple[str, ...]) -> Any:

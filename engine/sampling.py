@@ -9,17 +9,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
 from engine.batched_sampler import BatchedSampler, CounterDraws, RowStates, to_host
+from engine.logits.batched import process_rows_
+from engine.logits.processors import process_, processes, processing
 from engine.model import DiffusionLM
 from engine.model.base import SoftEmbeds
 from engine.request import RequestState
 from engine.sampler import CanvasState, denoise_update, start_canvas
-from engine.verify import Draws, filter_one
+from engine.verify import Draws
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +73,13 @@ class Sampling(Protocol):
     def sample_canvases(
         self, canvas: CanvasBatch, logits: torch.Tensor, reqs: list[RequestState]
     ) -> CanvasSample:
-        """One denoising update of `reqs`' canvases (logits [R * L, V] fp32)."""
+        """One denoising update of `reqs`' canvases (logits [R * L, V] fp32, which the
+        requests' processors (`engine.logits`) overwrite in place, except the rows whose raw
+        logits are read afterwards: `keeps_raw`)."""
 
     def sample_tokens(self, logits: torch.Tensor, reqs: list[RequestState]) -> TokenSample:
-        """The next token of each of `reqs` (logits [R, V] fp32)."""
+        """The next token of each of `reqs` (logits [R, V] fp32, processed in place as in
+        `sample_canvases`)."""
 
     def install(self, sampled: CanvasSample | TokenSample, keep: list[bool]) -> None:
         """Store the new state of the rows whose step succeeded (`keep`)."""
@@ -128,8 +135,8 @@ class BatchedSampling:
         self, canvas: CanvasBatch, logits: torch.Tensor, reqs: list[RequestState]
     ) -> CanvasSample:
         assert isinstance(canvas.state, RowStates)
-        logits = self._filtered(logits, canvas.state.slots, reqs, self.canvas_length)
-        staged, parts = self.sampler.denoise(logits, canvas.state)
+        with self._processing(logits, canvas.state.slots, reqs, self.canvas_length):
+            staged, parts = self.sampler.denoise(logits, canvas.state)
         finished, steps, flat, failed = to_host(parts)
         length = self.canvas_length
         drafts: list[list[int] | None] = [
@@ -145,17 +152,21 @@ class BatchedSampling:
         index = index.to(self.device, non_blocking=True)
         # The slots' temperatures as `BatchedSampler.bind` sets them, read on the host.
         greedy = all(r.policy.token_temperature(r.params) <= 0 for r in reqs)
-        logits = self._filtered(logits, slots, reqs, 1)
-        tokens, failed = to_host(self.sampler.sample_ar(logits, slots, index, all_greedy=greedy))
+        with self._processing(logits, slots, reqs, 1):
+            drawn = self.sampler.sample_ar(logits, slots, index, all_greedy=greedy)
+        tokens, failed = to_host(drawn)
         return TokenSample(tokens, [bool(f) for f in failed])  # stateless: counter = position
 
-    def _filtered(
+    @contextmanager
+    def _processing(
         self, logits: torch.Tensor, slots: torch.Tensor, reqs: list[RequestState], length: int
-    ) -> torch.Tensor:
-        rows = [j for j, r in enumerate(reqs) if r.params.filtered]
-        max_k = max((reqs[j].params.top_k for j in rows), default=0)
-        any_p = any(reqs[j].params.top_p < 1 for j in rows)
-        return self.sampler.filtered(logits, slots, rows, length, max_k, any_p)
+    ) -> Iterator[None]:
+        """The rows' logits processors applied in place inside (`engine.logits`)."""
+        with processing(logits, length, reqs) as rows:
+            if rows:
+                state = self.sampler.state
+                process_rows_(logits, length, reqs, slots, state.knobs, state.bias_ids)
+            yield
 
     def install(self, sampled: CanvasSample | TokenSample, keep: list[bool]) -> None:
         if not isinstance(sampled.staged, RowStates) or not any(keep):
@@ -241,10 +252,11 @@ class ReferenceSampling:
     def sample_tokens(self, logits: torch.Tensor, reqs: list[RequestState]) -> TokenSample:
         forks = [self._fork(req) for req in reqs]
         failed: list[bool] = (~_finite_rows(logits)).tolist()
-        tokens = [
-            -1 if bad else self._ar_token(req, logits[k], fork.generator)
-            for k, (req, fork, bad) in enumerate(zip(reqs, forks, failed, strict=True))
-        ]
+        with processing(logits, 1, reqs):
+            tokens = [
+                -1 if bad else self._ar_token(req, logits[k : k + 1], fork.generator)
+                for k, (req, fork, bad) in enumerate(zip(reqs, forks, failed, strict=True))
+            ]
         return TokenSample(tokens, failed, _Staged(reqs, forks))
 
     def _denoise(
@@ -261,12 +273,12 @@ class ReferenceSampling:
         if not good:
             return finished, steps, drafts, failed
         states = [forks[j].canvas for j in good]
-        rows = logits if len(good) == num_rows else logits[good]
-        if any(denoise[j].params.filtered for j in good):
-            rows = torch.stack(
-                [filter_one(denoise[j].params, r) for j, r in zip(good, rows, strict=True)]
-            )
-        scaled, probs = denoise_update(rows, states, [denoise[j].params for j in good])  # type: ignore[arg-type]
+        with processing(logits, self.canvas_length, denoise) as processed:
+            rows = logits if len(good) == num_rows else logits[good]
+            for i, j in enumerate(good):
+                if j in processed:
+                    process_(rows[i], denoise[j])  # in place
+            scaled, probs = denoise_update(rows, states, [denoise[j].params for j in good])  # type: ignore[arg-type]
         soft = self.model.soft_embed(scaled, probs)
         for i, j in enumerate(good):
             state = states[i]
@@ -297,7 +309,10 @@ class ReferenceSampling:
 
     @staticmethod
     def _ar_token(req: RequestState, logits: torch.Tensor, generator: torch.Generator) -> int:
-        logits = filter_one(req.params, logits[None])[0]
+        """The next token from its logits [1, V] (processed in place first)."""
+        if processes(req.params):
+            process_(logits, req)
+        logits = logits[0]
         temperature = req.params.temperature
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)

@@ -76,7 +76,7 @@ class RequestValidator:
         """The resolved parameters of a request, or ParamError naming what is wrong
         (ContextLengthError when prompt plus completion exceed the model's context)."""
         resolved = self.resolve(len(prompt_ids), params)
-        self.check_prompt(prompt_ids)
+        self.check_prompt(prompt_ids, resolved)
         return resolved
 
     def resolve(self, num_prompt: int, params: SamplingParams) -> ResolvedParams:
@@ -137,8 +137,14 @@ class RequestValidator:
                 f"{limits.max_fit_positions}; raise --kv-cache-tokens)",
             )
 
-    def check_prompt(self, prompt_ids: list[int]) -> None:
+    def check_prompt(self, prompt_ids: list[int], params: ResolvedParams | None = None) -> None:
+        """The prompt's token ids (and `params`' logit_bias ids) are in the vocabulary."""
         vocab = self.limits.vocab_size
+        bad_bias = next((t for t, _ in params.logit_bias if t >= vocab), None) if params else None
+        if bad_bias is not None:
+            raise ParamError(
+                "logit_bias", f"token id {bad_bias} is outside the vocabulary [0, {vocab})"
+            )
         if not prompt_ids:
             raise ParamError("prompt", "must contain at least one token")
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)

@@ -12,7 +12,8 @@ walk. It is the new pending token: its KV is written by the next canvas's verify
 extra forward is ever run. Every verify pass commits at least one token, as AR would.
 
 The rule per position, with p the distribution AR sampling would draw from (the request's
-top_k / top_p, then its temperature; a grammar's mask first):
+logits processors (`engine.logits`: with the penalties of the tokens committed before the
+pass), then its temperature; a grammar's mask first):
 - greedy (temperature 0): the token is argmax p — AR greedy's token, whatever was drafted;
 - sampling: speculative sampling with q the drafter's distribution of the proposal. The draft
   is the argmax canvas of the drafter's last step, a deterministic function of the drafter's
@@ -36,9 +37,8 @@ from typing import Protocol
 
 import torch
 
-from engine.filters import filter_logits, top_p_floor
+from engine.logits.processors import processed
 from engine.logprobs import token_logprobs
-from engine.params import ResolvedParams
 from engine.request import RequestState
 from engine.types import TokenLogprob
 
@@ -70,17 +70,6 @@ class Draws(Protocol):
         """A draw from `weights` [V] (non-negative, not necessarily normalised)."""
 
 
-def filter_one(params: ResolvedParams, logits: torch.Tensor) -> torch.Tensor:
-    """One request's logits [N, V] through its top_k / top_p (`engine.filters`; a copy, or
-    `logits` itself when the request filters nothing)."""
-    if not params.filtered:
-        return logits
-    num = logits.shape[0]
-    top_k = torch.full((num,), params.top_k, dtype=torch.long, device=logits.device)
-    floor = torch.full((num,), top_p_floor(params.top_p), dtype=torch.float32, device=logits.device)
-    return filter_logits(logits, top_k, floor, params.top_k, params.top_p < 1)
-
-
 @torch.inference_mode()
 def verify_draft(
     req: RequestState, draft: list[int], logits: torch.Tensor, draws: Draws
@@ -96,7 +85,7 @@ def verify_draft(
     greedy = params.temperature <= 0
     chosen = None
     if constraint is None:  # every position's distribution at once
-        chosen = _unconstrained_choices(params, draft, logits, draws, first, greedy)
+        chosen = _unconstrained_choices(req, draft, logits, draws, first, greedy)
     tokens: list[int] = []
     coins = draws.coins(first, len(draft)) if not greedy and constraint is not None else []
     for i in range(min(len(draft), budget)):
@@ -107,7 +96,7 @@ def verify_draft(
             assert constraint is not None
             row = logits[i].clone()
             constraint.mask_logits(row)
-            token = _choose(params, row, proposal, coins[i] if coins else 0.0, draws, first + i)
+            token = _choose(req, row, proposal, coins[i] if coins else 0.0, draws, first + i)
             token = constraint.commit_ar(token, budget - i)
             if token < 0:
                 return Verified([], error=GRAMMAR_REFUSED)
@@ -132,7 +121,7 @@ def _agreeing(tokens: list[int], draft: list[int]) -> list[int]:
 
 
 def _unconstrained_choices(
-    params: ResolvedParams,
+    req: RequestState,
     draft: list[int],
     logits: torch.Tensor,
     draws: Draws,
@@ -141,7 +130,7 @@ def _unconstrained_choices(
 ) -> Callable[[int, int | None], int]:
     """Without a grammar every position's p is known up front: one argmax (greedy) or one
     softmax and one gather (sampling) for the whole draft. Returns choose(i, proposal)."""
-    filtered = filter_one(params, logits)
+    params, filtered = req.params, processed(req, logits)
     if greedy:
         best = filtered.argmax(-1).tolist()
         return lambda i, proposal: best[i]
@@ -159,7 +148,7 @@ def _unconstrained_choices(
 
 
 def _choose(
-    params: ResolvedParams,
+    req: RequestState,
     row: torch.Tensor,
     proposal: int | None,
     coin: float,
@@ -168,7 +157,7 @@ def _choose(
 ) -> int:
     """One position's token from its (masked) logits [V]: AR greedy's, or the speculative
     rule's with a point-mass q on `proposal` (module docstring)."""
-    filtered = filter_one(params, row[None])[0]
+    params, filtered = req.params, processed(req, row[None])[0]
     if params.temperature <= 0:
         return int(filtered.argmax())
     probs = torch.softmax(filtered / params.temperature, dim=-1)

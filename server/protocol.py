@@ -21,13 +21,9 @@ from server.text import TextOptions
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
-    "logit_bias": (None, {}),
     "echo": (False,),
     "suffix": (None,),
     "best_of": (1,),
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "repetition_penalty": (1.0,),
     "min_tokens": (0,),
     "audio": (None,),
     "modalities": (None,),
@@ -109,8 +105,13 @@ class CommonParams(BaseModel):
     model: str
     max_tokens: Int | None = None
     temperature: Float | None = None
-    top_p: Float | None = None  # (0, 1]; both modes (engine.filters)
+    top_p: Float | None = None  # (0, 1]; both modes (engine.logits)
     top_k: Int | None = None  # vLLM's extra: -1 or 0 = all tokens
+    min_p: Float | None = None  # vLLM's extra; the logits processors' bounds: SamplingParams
+    repetition_penalty: Float | None = None  # vLLM's extra
+    frequency_penalty: Float | None = None
+    presence_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None  # token id (a JSON key) -> bias
     seed: Int | None = None
     stop: str | list[str] | None = None
     n: Int = 1
@@ -139,13 +140,9 @@ class CommonParams(BaseModel):
     # `unsupported()` unless neutral, so the message can name the parameter.
     functions: Any = _neutral("functions")
     function_call: Any = _neutral("function_call")
-    logit_bias: Any = _neutral("logit_bias")
     echo: Any = _neutral("echo")
     suffix: Any = _neutral("suffix")
     best_of: Any = _neutral("best_of")
-    presence_penalty: Any = _neutral("presence_penalty")
-    frequency_penalty: Any = _neutral("frequency_penalty")
-    repetition_penalty: Any = _neutral("repetition_penalty")
     min_tokens: Any = _neutral("min_tokens")
     audio: Any = _neutral("audio")
     modalities: Any = _neutral("modalities")

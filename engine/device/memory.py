@@ -5,7 +5,7 @@ available RAM) is shared out by `plan_memory`:
 
     usable = gpu_memory_utilization × total − what is already taken (weights, CUDA context)
     usable ≥ one step's transient  (its tokens' activations, its sampled positions' logits
-                                    and the top_k / top_p filters' workspace for one canvas)
+                                    and the logits filters' workspace)
            + running × (a sliding-window ring + a sampler slot)
            + the full-attention pool (enough for every running request at max_model_len)
 
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.kv_pages import PageGeometry
+from engine.logits.filters import FILTER_CHUNK_ELEMENTS
 from engine.model import BACKBONES, DiffusionLM
 from engine.model.config import LayerType, ModelConfig, TextConfig
 
@@ -41,14 +42,13 @@ CPU_KV_CACHE_TOKENS = 131_072
 # `canvas plan` only (a live engine reads it from the device): what the CUDA context, cuBLAS
 # and Triton take before the pools are allocated.
 CUDA_CONTEXT_BYTES = 1 << 30
-# The top_k / top_p filter (`engine.filters`, `BatchedSampler.filtered`) at its peak, per
-# vocabulary entry of each position it filters, besides the fp32 logits: the gathered rows, the
-# top_k-masked copy, the sort's fp32 values and int64 indices, the cumulative sums, two masks
-# and the masked result (4 + 4 + 4 + 8 + 4 + 1 + 1 + 4); the step's clone is made after all
-# but the result are freed. The plan holds it for one canvas, not for every canvas of a step
-# (about 8 times a canvas's logits): a step whose filtered rows run out of memory is run again
-# one request at a time (`Engine._execute`), and one canvas with its filters always fits.
-FILTER_BYTES_PER_ENTRY = 30
+# The top_k / top_p / min_p filter (`engine.logits.filters`) works in place on at most
+# FILTER_CHUNK_ELEMENTS logits at once, whatever the step: per element, top_p's sort (fp32
+# values, int64 indices), its softmax and cumulative sums, and the masks (4 + 8 + 4 + 4 + 1 + 1
+# and a little). Beside it a filtered row whose raw logits are read later (log-probabilities, a
+# grammar's repair) keeps a copy of them: held here for one canvas; a step with more such rows
+# that runs out of memory is run again one request at a time (`Engine._execute`).
+FILTER_BYTES_PER_ENTRY = 25
 # Exact numerics' sampler keeps about seven fp32 copies of a canvas's logits.
 EXACT_LOGIT_COPIES = 7
 
@@ -139,7 +139,7 @@ class ModelShapes:
     slot_bytes: int  # one running request's sampler state (canvas, draft, soft input)
     token_bytes: int  # one token of a step: its activations
     logit_bytes: int  # one sampled position: its logits in the sampler
-    filter_bytes: int  # the top_k / top_p filters' workspace for one canvas
+    filter_bytes: int  # the filters' workspace and one canvas's raw logits kept beside it
     text: TextConfig = field(repr=False)
 
 
@@ -165,7 +165,8 @@ def model_shapes(model: DiffusionLM, exact: bool = False) -> ModelShapes:
         slot_bytes=length * (2 * 8 + cfg.hidden_size * size),
         token_bytes=activation_bytes_per_token(cfg, size),
         logit_bytes=sampler,
-        filter_bytes=length * FILTER_BYTES_PER_ENTRY * vocab,
+        filter_bytes=FILTER_BYTES_PER_ENTRY * min(FILTER_CHUNK_ELEMENTS, length * vocab)
+        + 4 * length * vocab,
         text=cfg,
     )
 

@@ -1,4 +1,4 @@
-"""top_k / top_p in both decoding modes and both numerics (`engine.filters`)."""
+"""top_k / top_p in both decoding modes and both numerics (`engine.logits.filters`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from transformers.generation.logits_process import (
 )
 
 from engine import LLM, DecodeMode, ParamError, SamplingParams
-from engine.filters import filter_logits, top_p_floor
+from engine.logits.batched import process_rows_
+from engine.logits.filters import top_p_floor
+from tests.e2e.filter_cases import filter_logits, request
 from tests.e2e.parity_cases import expected_prefix, prompts_for, reference_generate
 
 
@@ -98,7 +100,9 @@ def test_fast_top_k_1_draws_the_argmax_at_every_position() -> None:
     logits = torch.randn(2 * length, vocab, generator=torch.Generator().manual_seed(0))
     flags = torch.ones(2, dtype=torch.bool)
     _, _, rows = sampler.canvas_inputs(slots, flags)
-    filtered = sampler.filtered(logits, slots, [0], length, 1, False)
+    reqs = [request(p, canvas_length=length) for p in params]
+    filtered = logits.clone()
+    process_rows_(filtered, length, reqs, slots, sampler.state.knobs, sampler.state.bias_ids)
     new, _ = sampler.denoise(filtered, rows)
     assert torch.equal(new.canvas[0], new.draft[0])
     assert torch.equal(new.draft[0], logits[:length].argmax(-1))

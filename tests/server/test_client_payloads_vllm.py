@@ -3,10 +3,7 @@ shape the client reads) or refused by name (a 400 naming the field) where Canvas
 it. Bodies as the clients build them: issue 43's fields, the `openai` SDK, LangChain's
 ChatOpenAI (invoke, stream with usage, bind_tools round trip, with_structured_output) and
 LiteLLM's OpenAI-compatible provider; then the SDK's own flows (the chat agent loop with
-`message.model_dump()`, `client.responses.create` plain, streamed and in an agent loop).
-
-Fields another branch makes Canvas honour are marked xfail(strict) with that branch's name:
-they must start passing when it merges (then the mark goes)."""
+`message.model_dump()`, `client.responses.create` plain, streamed and in an agent loop)."""
 
 from __future__ import annotations
 
@@ -28,7 +25,6 @@ CALLED = {"role": "assistant", "content": None, "tool_calls": [CALL]}
 ANSWERED = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 PNG_URL = "data:image/png;base64,iVBORw0KGgo="
-LOGITS = "lands with branch logits"
 
 
 @dataclass(frozen=True)
@@ -42,7 +38,6 @@ class Payload:
     refused: str | None = None
     answer: str = "Hello."
     check: Callable[[SdkServer, Any], None] | None = None
-    lands: str | None = None  # the branch that makes Canvas serve it
 
 
 def chat(*messages: dict[str, Any], **body: Any) -> dict[str, Any]:
@@ -97,11 +92,11 @@ PAYLOADS = [
         CHAT,
         chat(ASK, {**CALLED, "reasoning_content": "Ask."}, ANSWERED),
     ),
-    Payload("min_p", CHAT, chat(min_p=0.1), lands=LOGITS),
-    Payload("logit_bias", CHAT, chat(logit_bias={"50": -100}), lands=LOGITS),
-    Payload("presence_penalty", CHAT, chat(presence_penalty=0.5), lands=LOGITS),
-    Payload("frequency_penalty", CHAT, chat(frequency_penalty=0.5), lands=LOGITS),
-    Payload("repetition_penalty", CHAT, chat(repetition_penalty=1.2), lands=LOGITS),
+    Payload("min_p", CHAT, chat(min_p=0.1)),
+    Payload("logit_bias", CHAT, chat(logit_bias={"50": -100})),
+    Payload("presence_penalty", CHAT, chat(presence_penalty=0.5)),
+    Payload("frequency_penalty", CHAT, chat(frequency_penalty=0.5)),
+    Payload("repetition_penalty", CHAT, chat(repetition_penalty=1.2)),
     Payload("stop_token_ids", CHAT, chat(stop_token_ids=[50])),
     Payload(
         "include_stop_str_in_output",
@@ -284,11 +279,6 @@ def served(tiny_checkpoint) -> Iterator[SdkServer]:
         yield server
 
 
-def marked(payload: Payload) -> Any:
-    marks = [pytest.mark.xfail(strict=True, reason=payload.lands)] if payload.lands else []
-    return pytest.param(payload, id=payload.name, marks=marks)
-
-
 def stream_data(text: str) -> list[Any]:
     """A stream's data lines, parsed, up to [DONE] (which must end it)."""
     lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
@@ -299,7 +289,7 @@ def stream_data(text: str) -> list[Any]:
 OBJECTS = {CHAT: "chat.completion", COMPLETIONS: "text_completion", RESPONSES: "response"}
 
 
-@pytest.mark.parametrize("payload", [marked(p) for p in PAYLOADS])
+@pytest.mark.parametrize("payload", PAYLOADS, ids=[p.name for p in PAYLOADS])
 def test_a_client_payload_is_served_as_vllm_serves_it_or_refused_by_name(served, payload):
     served.answer(payload.answer)
     r = served.client.post(f"/v1{payload.path}", json={"model": "fake", **payload.body})

@@ -36,7 +36,7 @@ def error_of(r, status: int) -> dict:
         ({"top_p": 0}, "top_p", "top_p: must be in (0, 1]"),
         ({"top_p": "NaN"}, "top_p", "top_p"),
         ({"top_k": -2}, "top_k", "top_k: must be -1 or 0"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty: must be in [-2, 2]"),
         ({"bogus_field": 1}, "bogus_field", "Unrecognized request argument supplied"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop strings"),
         ({"stop": [""]}, "stop", "1 to 256 characters"),

@@ -158,7 +158,7 @@ def test_stream_drafts_ride_in_an_extra_field(client):
             "response_format.json_schema.schema",
             "dictionary",
         ),
-        ({"logit_bias": {"5": 1}}, "logit_bias", "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "logit_bias"),
         ({"bogus_field": 1}, "bogus_field", "bogus_field"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "stop"),
         ({"t_min": 0.9, "t_max": 0.5}, "t_max", "t_max"),

@@ -12,7 +12,7 @@ import torch
 
 import kernels
 from engine.batched_sampler import BatchedSampler
-from engine.filters import top_p_floor
+from engine.logits.filters import top_p_floor
 from engine.params import (
     KNOB_NAMES,
     DecodeMode,
@@ -26,9 +26,14 @@ from server.protocol import ChatCompletionRequest, CompletionRequest
 DEFAULTS = DecodingDefaults()
 
 
-def other_value(name: str) -> int | float:
+BIAS = ((5, 2.0),)  # a logit_bias as the knob holds it
+
+
+def other_value(name: str) -> object:
     """A valid value of knob `name` that differs from its default (t_max stays above t_min)."""
     default = next(f.default for f in fields(DecodingKnobs) if f.name == name)
+    if name == "logit_bias":
+        return BIAS
     if isinstance(default, int):
         return default + 1
     return default * 0.75 if default else 0.5
@@ -38,15 +43,25 @@ def knobs_of(params: ResolvedParams | DecodingDefaults) -> dict[str, object]:
     return {name: getattr(params, name) for name in KNOB_NAMES}
 
 
-def slot_values(sampler: BatchedSampler, slot: int) -> dict[str, float]:
-    return {name: sampler.state.knobs[name][slot].item() for name in KNOB_NAMES}
+def slot_values(sampler: BatchedSampler, slot: int) -> dict[str, object]:
+    state = sampler.state
+    values: dict[str, object] = {
+        name: state.knobs[name][slot].item() for name in KNOB_NAMES if name != "logit_bias"
+    }
+    biases = state.knobs["logit_bias"][slot].tolist()
+    pairs = zip(state.bias_ids[slot].tolist(), biases, strict=True)
+    values["logit_bias"] = tuple((token, bias) for token, bias in pairs if bias)
+    return values
 
 
-def as_slot(knobs: dict[str, object]) -> dict[str, float]:
-    """What the slots hold for these (AR mode) knobs, rounded as the slot tensors round them."""
+def as_slot(knobs: dict[str, object]) -> dict[str, object]:
+    """What the slots hold for these (AR mode) knobs, rounded as the slot tensors round them
+    (logit_bias: its pairs, as `slot_values` reads them)."""
     held = {**knobs, "top_p": top_p_floor(float(knobs["top_p"]))}  # type: ignore[arg-type]
     return {
-        name: torch.tensor(
+        name: value
+        if name == "logit_bias"
+        else torch.tensor(
             value, dtype=torch.float32 if isinstance(value, float) else torch.long
         ).item()
         for name, value in held.items()
@@ -93,7 +108,8 @@ def test_every_knob_is_a_request_field_carried_into_sampling_params(request_mode
         del body["messages"]
     else:
         del body["prompt"]
-    params = request_model(**body, **{name: value}).sampling_params(None)
+    sent = {"5": 2.0} if name == "logit_bias" else value  # JSON keys are strings
+    params = request_model(**body, **{name: sent}).sampling_params(None)
     assert {n: getattr(params, n) for n in KNOB_NAMES} == {
         n: value if n == name else None for n in KNOB_NAMES
     }
