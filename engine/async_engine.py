@@ -338,7 +338,9 @@ class AsyncEngine:
         self._fail_all(RuntimeError(f"internal engine error ({self._failure})"))
 
     def _died_error(self) -> RuntimeError:
-        return RuntimeError(f"step loop died ({self._failure})" if self._failure else "step loop died")
+        return RuntimeError(
+            f"step loop died ({self._failure})" if self._failure else "step loop died"
+        )
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.device.cuda import to_device
 from engine.kv_pages import PageTables
 from engine.model import DiffusionLM, ForwardBatch, Mode, PagedKVCache
 from engine.model.base import ImageEmbeds, SoftEmbeds
 from engine.model.config import LayerType
-from engine.device.cuda import to_device
 from engine.model.kv_cache import DevicePageTables, Row
 from engine.vision_cache import ImageTokens, VisionEncoder
 
