@@ -73,7 +73,7 @@ def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
     `torch.from_numpy` gives it (no copy)."""
     host = torch.from_numpy(np.ascontiguousarray(array))
     if torch.device(device).type != "cuda":
-        return host.to(device)
+        return host.to(device, non_blocking=True)
     staged = host_buffer(tuple(host.shape), host.dtype, device)
     staged.copy_(host)
     return staged.to(device, non_blocking=True)
