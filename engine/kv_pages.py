@@ -98,10 +98,6 @@ class PageTables:
     _sliding: list[int] | None = None
     version: int = 0
 
-    def num_sliding(self) -> int:
-        """The length of the sliding pool's table (`sliding()`), without building it."""
-        return self.num_logical if self.ring else 0
-
     def sliding(self) -> list[int]:
         """The sliding pool's table, logical page -> ring slot."""
         if self._sliding is None:

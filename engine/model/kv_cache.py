@@ -353,4 +353,7 @@ class DevicePageTables:
 
 
 def _length(tables: PageTables, pool: LayerType) -> int:
-    return len(tables.full) if pool is LayerType.FULL else tables.num_sliding()
+    """The length of a pool's table (the sliding one's without building it)."""
+    if pool is LayerType.FULL:
+        return len(tables.full)
+    return tables.num_logical if tables.ring else 0

@@ -1,24 +1,14 @@
-"""The first run on a GPU machine: what a first deployment needs to know, stage by stage, each
-stage's result written (and flushed) as soon as it ends, so a run cut short keeps what it found.
+"""The first run on a GPU machine (docs/gpu.md, "First run on a GPU"), stage by stage
+(`STAGES`), each stage's result written and flushed as it ends (`<NN>_<stage>.json` in --out,
+and `first_run.md` rewritten after each), so that a run cut short keeps what it found.
 
     make gpu-first-run GPU_OUT=dir                # on the GPU machine, under 8 minutes
     python3 -m loadtest.gpu.first_run --dry-run   # every stage's plumbing on CPU, toy shapes
 
-Stages (one `<NN>_<stage>.json` each in --out, and `first_run.md` rewritten after each):
-env (versions, GPU, memory); launch (host µs per call of each bound kernel inside an engine
-step while the GPU is kept busy); pageable (does a `non_blocking` copy from pageable memory
-wait for the GPU? from pinned?); parity (every kernel the step calls, against its PyTorch twin
-on the same inputs, at real shapes in bf16); attention (canvas attention at 16 canvases after
-2k/8k/32k cached positions: ms and bytes-once GB/s); load (a synthetic bf16 safetensors file,
-per tensor to the device, GB/s); profile (torch.profiler chrome traces of denoise steps at 1
-and 16 canvases on the real 26B-A4B stack, random weights); census (Triton kernels compiled by
-this run, per kernel, and TRITON_CACHE_DIR's entries); check (`loadtest.gpu.check`, that is
-`make gpu-check`, with the time left).
-
-Each stage has a time budget (an alarm ends it) and a failure is recorded in its file; the next
-stage runs anyway. The launch, parity and attention stages use the first layers of the real
-stack (through its first full-attention layer); the profile, the whole stack. The dry run
-uses the benchmark's toy shapes, fp32 and the twins: its numbers mean nothing.
+Each stage has a time budget (an alarm ends it); a failure is recorded in its file and the next
+stage runs. The launch, parity and attention stages use the real stack's first layers (through
+its first full-attention layer), the profile the whole stack, both with random weights. The
+dry run uses the benchmark's toy shapes, fp32 and the twins: its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import platform
 import signal
@@ -43,7 +34,7 @@ from typing import Any
 
 import torch
 
-from engine.model import DiffusionLM, ModelConfig
+from engine.model import DiffusionLM
 from kernels import KernelSet, resolve_kernels
 from loadtest.gpu.bench import build_model, make_engine, model_config, run_round
 from loadtest.gpu.kernel_timing import time_kernels
@@ -87,19 +78,17 @@ class Run:
     load_bytes: int
     deadline: float
     summary: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # the current stage's
+    partial: dict[str, Any] = field(default_factory=dict)  # its results so far
     small: DiffusionLM | None = None
-
-    def config(self, layers: int | None = None) -> ModelConfig:
-        config = model_config(toy=self.dry_run)
-        if layers is None:
-            return config
-        first_full = next(i for i, s in enumerate(config.text.layers) if not s.is_sliding)
-        return with_layers(config, max(layers, first_full + 1))
 
     def small_model(self) -> DiffusionLM:
         """The first layers of the stack through its first full layer (both attention kinds)."""
         if self.small is None:
-            self.small = build_model(self.config(1), self.device, self.dtype, self.backend)
+            config = model_config(toy=self.dry_run)
+            full = next(i for i, s in enumerate(config.text.layers) if not s.is_sliding)
+            config = with_layers(config, full + 1)
+            self.small = build_model(config, self.device, self.dtype, self.backend)
         return self.small
 
 
@@ -136,6 +125,24 @@ def bound(model: DiffusionLM, ks: KernelSet) -> Iterator[None]:
         yield
     finally:
         model.bind_kernels(own)
+
+
+@contextmanager
+def caught(run: Run, label: str = "") -> Iterator[None]:
+    """Collect into `run.errors` (which fail the stage, after it ran) what the engine logs as
+    failed inside the block: its fault isolation turns a kernel's exception into failed
+    requests. With a `label`, an exception in the block is recorded too, and swallowed."""
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: run.errors.append(record.getMessage()[:300])  # type: ignore[method-assign]
+    logging.getLogger("engine.engine").addHandler(handler)
+    try:
+        yield
+    except Exception as exc:
+        if not label:
+            raise
+        run.errors.append(f"{label}: {type(exc).__name__}: {str(exc)[:300]}")
+    finally:
+        logging.getLogger("engine.engine").removeHandler(handler)
 
 
 def run_steps(run: Run, model: DiffusionLM, canvases: int, steps: int = 2) -> None:
@@ -232,7 +239,8 @@ def stage_launch(run: Run) -> dict[str, Any]:
 
         return call
 
-    with bound(model, wrapped(ks, kernel_names(ks), timed)):
+    run_steps(run, model, 1)  # warm: every kernel compiled
+    with bound(model, wrapped(ks, kernel_names(ks), timed)), caught(run):
         run_steps(run, model, 1)
     per_call = {n: statistics.median(s) * 1e6 for n, s in seconds.items()}
     worst = max(per_call.items(), key=lambda kv: kv[1], default=("none", 0.0))
@@ -267,37 +275,35 @@ def stage_parity(run: Run) -> dict[str, Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             copies = _clone(list(args))
             out = fn(*args, **kwargs)
-            ref = getattr(twin, name)(*copies, **kwargs)
-            got = _tensors(out) + (_tensors(list(args)) if out is None else [])
-            want = _tensors(ref) + (_tensors(copies) if out is None else [])
-            seen = compare(got, want)
             mine = result.setdefault(
                 name, {"calls": 0, "max_rel_error": 0.0, "int_mismatch_share": 0.0}
             )
             mine["calls"] += 1
-            for key, value in seen.items():
-                mine[key] = max(mine[key], value)
+            with caught(run, f"{name} against its twin"):
+                ref = getattr(twin, name)(*copies, **kwargs)
+                got = _tensors(out) + (_tensors(list(args)) if out is None else [])
+                want = _tensors(ref) + (_tensors(copies) if out is None else [])
+                for key, value in compare(got, want).items():
+                    mine[key] = max(mine[key], value)
             return out
 
         return call
 
-    with bound(model, wrapped(fast, kernel_names(fast), shadowed)):
+    with bound(model, wrapped(fast, kernel_names(fast), shadowed)), caught(run):
         run_steps(run, model, run.canvases)
     bad = [n for n, r in result.items() if r["max_rel_error"] > TOLERANCE]
+    run.errors += [f"{n}: off its twin by {result[n]['max_rel_error']:.3g} (relative)" for n in bad]
     run.summary.append(f"parity: {len(result)} kernels compared, over tolerance: {bad or 'none'}")
     return {"kernels": result, "tolerance": TOLERANCE, "over_tolerance": bad}
 
 
 def stage_attention(run: Run) -> dict[str, Any]:
-    model, out = run.small_model(), []
+    model, out = run.small_model(), run.partial.setdefault("timings", [])
     for prefix in run.prefixes:
-        errors: list[str] = []
-        timings = time_kernels(model, run.canvases, prefix, 1 if run.dry_run else 5, errors)
-        for t in timings:
-            if "attention" in t.name:
-                gb_s = t.bytes / t.ms / 1e6
-                out.append({"prefix": prefix, "kernel": t.name, "ms": t.ms, "gb_per_s": gb_s})
-        out += [{"prefix": prefix, "error": e} for e in errors]
+        timings = time_kernels(model, run.canvases, prefix, 1 if run.dry_run else 5, run.errors)
+        for t in (t for t in timings if "attention" in t.name):
+            gb_s = t.bytes / t.ms / 1e6
+            out.append({"prefix": prefix, "kernel": t.name, "ms": t.ms, "gb_per_s": gb_s})
     run.summary.append(f"attention: {len(out)} timings at prefixes {list(run.prefixes)}")
     return {"canvases": run.canvases, "timings": out}
 
@@ -335,7 +341,7 @@ def stage_profile(run: Run) -> dict[str, Any]:
     gc.collect()
     if run.device.type == "cuda":
         torch.cuda.empty_cache()
-    model = build_model(run.config(), run.device, run.dtype, run.backend)
+    model = build_model(model_config(run.dry_run), run.device, run.dtype, run.backend)
     activities = [ProfilerActivity.CPU]
     if run.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -356,19 +362,16 @@ def stage_profile(run: Run) -> dict[str, Any]:
 def stage_census(run: Run) -> dict[str, Any]:
     """Triton kernels this process compiled (per @triton.jit function) and the cache's entries."""
     compiled: dict[str, int] = {}
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("kernels.triton_"):
-            continue
+    modules = [(n, m) for n, m in list(sys.modules.items()) if n.startswith("kernels.triton_")]
+    for name, module in modules:
         for attr, obj in vars(module).items():
             jit = obj if hasattr(obj, "device_caches") else getattr(obj, "fn", None)  # autotuned
             caches = getattr(jit, "device_caches", None) or {}
             count = sum(len(c[0]) if isinstance(c, tuple) else len(c) for c in caches.values())
             if count:
                 compiled[f"{name.removeprefix('kernels.')}.{attr}"] = count
-    cache_dir = os.environ.get("TRITON_CACHE_DIR")
-    entries = (
-        len(list(Path(cache_dir).iterdir())) if cache_dir and Path(cache_dir).is_dir() else None
-    )
+    cache = os.environ.get("TRITON_CACHE_DIR", "")
+    entries = len(os.listdir(cache)) if cache and os.path.isdir(cache) else None
     run.summary.append(f"census: {sum(compiled.values())} compiled, cache entries {entries}")
     return {"compiled": compiled, "total": sum(compiled.values()), "cache_entries": entries}
 
@@ -420,10 +423,11 @@ def run_stage(run: Run, number: int, name: str) -> bool:
     """Run one stage within its budget and write its file; False if it failed."""
     budget = BUDGETS.get(name, run.deadline - time.monotonic()) * (10 if run.dry_run else 1)
     start, record = time.monotonic(), {"stage": name, "budget_s": budget}
+    run.errors, run.partial = [], {}
     try:
         with alarm(budget if name != "check" else run.deadline - start + 60):
             record["result"] = STAGES[name](run)
-        record["ok"] = True
+        record["ok"] = not run.errors  # errors recorded and carried on: not a clean run
     except Exception as exc:  # recorded; the next stage runs
         record |= {
             "ok": False,
@@ -432,6 +436,8 @@ def run_stage(run: Run, number: int, name: str) -> bool:
         }
         run.summary.append(f"{name}: FAILED ({type(exc).__name__}: {str(exc)[:200]})")
     record["seconds"] = time.monotonic() - start
+    record |= {"errors": run.errors} if run.errors else {}
+    record |= {"partial": run.partial} if run.partial and not record["ok"] else {}
     write(run.out / f"{number:02d}_{name}.json", json.dumps(record, indent=2, default=str) + "\n")
     write(
         run.out / "first_run.md", "# First GPU run\n\n" + "".join(f"- {s}\n" for s in run.summary)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,21 @@ def test_a_failing_or_overlong_stage_is_recorded_and_the_next_one_runs(
 def test_unknown_stages_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert first_run.main(["--dry-run", "--out", str(tmp_path), "--stages", "env,warp"]) == 2
     assert "--stages: unknown ['warp']" in capsys.readouterr().err
+
+
+def test_a_kernel_that_disagrees_with_its_twin_fails_the_parity_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    twins = first_run.resolve_kernels("cpu", "twins")
+
+    def off_by_one(*args: object, **kwargs: object) -> object:
+        return twins.softcap(*args, **kwargs) + 1  # type: ignore[operator]
+
+    monkeypatch.setattr(first_run, "resolve_kernels", lambda *a: replace(twins, softcap=off_by_one))
+    args = ["--dry-run", "--out", str(tmp_path), "--stages", "parity"]
+    assert first_run.main(args) == 1
+    record = _stage_files(tmp_path)["parity"]
+    assert not record["ok"] and "softcap: off its twin" in str(record["errors"])
+    parity = record["result"]
+    assert parity["over_tolerance"] == ["softcap"]  # type: ignore[index]
+    assert parity["kernels"]["softcap"]["max_rel_error"] > 0.3  # type: ignore[index]
