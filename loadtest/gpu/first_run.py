@@ -145,14 +145,15 @@ def caught(run: Run, label: str = "") -> Iterator[None]:
         logging.getLogger("engine.engine").removeHandler(handler)
 
 
-def run_steps(run: Run, model: DiffusionLM, canvases: int, steps: int = 2) -> None:
-    """`canvases` requests of one canvas, `steps` denoising steps, every step behind a busy
-    GPU (so that host timings measure launches)."""
+def run_steps(run: Run, model: DiffusionLM, canvases: int, queued: bool = False) -> None:
+    """`canvases` requests of one canvas, two denoising steps; `queued`: every forward queued
+    behind a busy GPU (so that host timings measure launches, not a wait)."""
     engine = make_engine(model, canvases, run.prompt_len)
     inner = engine.runner.execute
 
     def execute(step: Any) -> Any:
-        busy(run.device)
+        if queued:
+            busy(run.device)
         return inner(step)
 
     engine.runner.execute = execute  # type: ignore[method-assign]
@@ -160,7 +161,7 @@ def run_steps(run: Run, model: DiffusionLM, canvases: int, steps: int = 2) -> No
     gen = torch.Generator().manual_seed(canvases)
     vocab = model.cfg.vocab_size
     prompts = [torch.randint(0, vocab, (run.prompt_len,), generator=gen).tolist()] * canvases
-    run_round(engine, prompts, steps, forward, "first-run")
+    run_round(engine, prompts, 2, forward, "first-run")
     sync(run.device)
 
 
@@ -241,7 +242,7 @@ def stage_launch(run: Run) -> dict[str, Any]:
 
     run_steps(run, model, 1)  # warm: every kernel compiled
     with bound(model, wrapped(ks, kernel_names(ks), timed)), caught(run):
-        run_steps(run, model, 1)
+        run_steps(run, model, 1, queued=True)
     per_call = {n: statistics.median(s) * 1e6 for n, s in seconds.items()}
     worst = max(per_call.items(), key=lambda kv: kv[1], default=("none", 0.0))
     run.summary.append(f"launch: slowest host call {worst[0]} {worst[1]:.1f} µs")
@@ -342,17 +343,17 @@ def stage_profile(run: Run) -> dict[str, Any]:
     if run.device.type == "cuda":
         torch.cuda.empty_cache()
     model = build_model(model_config(run.dry_run), run.device, run.dtype, run.backend)
-    activities = [ProfilerActivity.CPU]
-    if run.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    out: dict[str, Any] = {}
+    cuda = run.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    out = run.partial  # a trace written before a timeout is kept
     for canvases in (1, 16):
         run_steps(run, model, canvases)  # warm: every kernel compiled
         with profile(activities=activities) as prof:
             run_steps(run, model, canvases)
         trace = run.out / f"trace_r{canvases}.json"
         prof.export_chrome_trace(str(trace))
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+        by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=by, row_limit=15)
         out[f"r{canvases}"] = {"trace": trace.name, "top": table.splitlines()}
     del model
     run.summary.append("profile: traces trace_r1.json, trace_r16.json")
