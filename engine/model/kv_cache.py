@@ -46,7 +46,8 @@ class Row:
     mode: Mode
     start: int  # prefix length: position of the first new token
     num_tokens: int
-    pages: dict[LayerType, list[int]]  # page table per pool (-1 = page released)
+    # page table per pool (-1 = page released); empty when the batch has `page_tables`
+    pages: dict[LayerType, list[int]]
     # ENCODE rows: (first, last) positions of each run of new tokens that attend to each other
     # both ways (an image, on a checkpoint with use_bidirectional_attention "vision")
     spans: tuple[tuple[int, int], ...] = ()
