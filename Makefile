@@ -136,8 +136,8 @@ gpu-check:
 # A first run on a GPU machine (loadtest/gpu/first_run.py; docs/gpu.md, "First GPU run"):
 # environment, launch cost per kernel, pageable copies, bf16 parity of every kernel against
 # its twin, attention at 2k/8k/32k prefixes, load speed, profiler traces of 1 and 16 canvases,
-# a census of the Triton kernels compiled from a cold cache, then gpu-check with the time
-# left: under 8 minutes, one file per stage in $(GPU_OUT)/first-run, written as it goes.
+# a census of the Triton kernels compiled from a cold cache (8 minutes together), then
+# gpu-check (its own 9); one file per stage in $(GPU_OUT)/first-run, written as it goes.
 # CPU dry run: make gpu-first-run PY=.venv/bin/python GPU_ARGS=--dry-run
 FIRST_RUN_CACHE ?= /tmp/canvas-first-run-triton
 gpu-first-run:
