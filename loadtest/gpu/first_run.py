@@ -2,7 +2,7 @@
 (`STAGES`), each stage's result written and flushed as it ends (`<NN>_<stage>.json` in --out,
 and `first_run.md` rewritten after each), so that a run cut short keeps what it found.
 
-    make gpu-first-run GPU_OUT=dir                # on the GPU machine, under 8 minutes
+    make gpu-first-run GPU_OUT=dir                # on the GPU machine: 8 minutes, then gpu-check
     python3 -m loadtest.gpu.first_run --dry-run   # every stage's plumbing on CPU, toy shapes
 
 Each stage has a time budget (an alarm ends it); a failure is recorded in its file and the next
