@@ -124,7 +124,7 @@ GPU_OUT  ?= gpu-results
 GPU_ARGS ?=
 GPU_ENV  := PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1
 
-.PHONY: gpu-bench gpu-check gpu-train gpu-train-pack
+.PHONY: gpu-bench gpu-check gpu-first-run gpu-train gpu-train-pack
 
 gpu-bench:
 	$(GPU_ENV) $(PY) -m loadtest.gpu.bench --json $(GPU_OUT)/gpu_bench.json \
@@ -132,6 +132,18 @@ gpu-bench:
 
 gpu-check:
 	$(GPU_ENV) $(PY) -m loadtest.gpu.check --out $(GPU_OUT) $(GPU_ARGS)
+
+# A first run on a GPU machine (loadtest/gpu/first_run.py; docs/gpu.md, "First GPU run"):
+# environment, launch cost per kernel, pageable copies, bf16 parity of every kernel against
+# its twin, attention at 2k/8k/32k prefixes, load speed, profiler traces of 1 and 16 canvases,
+# a census of the Triton kernels compiled from a cold cache (8 minutes together), then
+# gpu-check (its own 9); one file per stage in $(GPU_OUT)/first-run, written as it goes.
+# CPU dry run: make gpu-first-run PY=.venv/bin/python GPU_ARGS=--dry-run
+FIRST_RUN_CACHE ?= /tmp/canvas-first-run-triton
+gpu-first-run:
+	rm -rf $(FIRST_RUN_CACHE)
+	$(GPU_ENV) TRITON_CACHE_DIR=$(FIRST_RUN_CACHE) $(PY) -m loadtest.gpu.first_run \
+		--out $(GPU_OUT)/first-run $(GPU_ARGS)
 
 # The decoder adapter's recipe on the lent GPU (docs/decoding-modes.md, "Decoder adapter"):
 # convert, distill, train within the budget, evaluate; the adapter, loss log, eval and summary

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+from engine.device.cuda import fatal_device_error, select_device
 from engine.device.warmup import wants_warmup, warm_up
 from engine.engine import Engine
 from engine.inputs.images import PreparedImage
@@ -107,6 +108,7 @@ class AsyncEngine:
         self.on_step: list[StepListener] = []
         self._inflight = 0  # touched on the event loop only
         self._died = False  # the loop thread ended on a fault (set once, by that thread)
+        self._failure = ""  # why it ended: a fatal CUDA error (set once, by that thread)
         self._warming = wants_warmup(engine) if warmup is None else warmup  # cleared by the loop
 
     # -- lifecycle --
@@ -125,7 +127,7 @@ class AsyncEngine:
     @property
     def stats(self) -> EngineStats:
         """A snapshot; `healthy`: alive, and stepping whenever there is work (no stall longer
-        than stall_seconds)."""
+        than stall_seconds); `failure`: why the engine stopped for good, if it did."""
         c = self._counters
         alive = self._thread is not None and self._thread.is_alive()
         idle = c.num_running == 0 and c.num_waiting == 0 and self._inflight == 0
@@ -133,7 +135,7 @@ class AsyncEngine:
         stepping = idle or warming or time.monotonic() - c.last_step_time < self.stall_seconds
         return EngineStats(
             alive=alive,
-            healthy=alive and stepping,
+            healthy=alive and stepping and not self._failure,
             num_running=c.num_running,
             num_waiting=c.num_waiting,
             num_inflight=self._inflight,
@@ -143,6 +145,7 @@ class AsyncEngine:
             prefix_cache_queries=c.prefix_cache_queries,
             prefix_cache_hits=c.prefix_cache_hits,
             prefix_cache_usage=c.prefix_cache_usage,
+            failure=self._failure,
             warming_up=warming,
         )
 
@@ -177,7 +180,7 @@ class AsyncEngine:
             else None
         )
         if self._died:  # nothing would ever answer it
-            raise RuntimeError("step loop died")
+            raise self._died_error()
         out_queue: asyncio.Queue[StepOutput | EngineFailure] = asyncio.Queue()
         self._queues[request_id] = out_queue
         self._inflight += 1
@@ -230,6 +233,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            select_device(self.engine.device)  # this thread launches every kernel
             if self._warming:
                 try:
                     warm_up(self.engine, self._stop.is_set)
@@ -242,9 +246,7 @@ class AsyncEngine:
             if not self._stop.is_set():  # a fault escaped the loop: fail what is in flight
                 self._died = True
                 if loop is not None and not loop.is_closed():
-                    loop.call_soon_threadsafe(
-                        self.fail_all_inflight, RuntimeError("step loop died")
-                    )
+                    loop.call_soon_threadsafe(self.fail_all_inflight, self._died_error())
 
     def _step_loop(self) -> None:
         engine = self.engine
@@ -254,7 +256,10 @@ class AsyncEngine:
                 break
             try:
                 result = engine.step()
-            except Exception:  # a model fault fails the running requests, not the server
+            except Exception as exc:  # a model fault fails the running requests, not the server
+                if fatal_device_error(exc):  # ... unless the GPU cannot run anything any more
+                    self._fail_device(exc)
+                    return
                 logger.exception("engine step failed; failing the running requests")
                 self._fail_all(RuntimeError("internal engine error"))
                 continue
@@ -334,6 +339,20 @@ class AsyncEngine:
         c.prefix_cache_queries = sched.num_queried_tokens
         c.prefix_cache_hits = sched.num_cached_tokens
         c.prefix_cache_usage = self.engine.pages.cache_usage()
+
+    def _fail_device(self, exc: Exception) -> None:
+        """A CUDA error the context does not survive: fail every request with it and mark the
+        engine failed (`stats.failure`; /health 503), so that the server exits and is
+        restarted (`server.serve.serve`) instead of failing every request that follows."""
+        text = " ".join(str(exc).split())[:300]
+        self._failure = f"CUDA error, the GPU context is lost: {type(exc).__name__}: {text}"
+        logger.critical("the engine stops: %s", self._failure, exc_info=exc)
+        self._fail_all(RuntimeError(f"internal engine error ({self._failure})"))
+
+    def _died_error(self) -> RuntimeError:
+        return RuntimeError(
+            f"step loop died ({self._failure})" if self._failure else "step loop died"
+        )
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):

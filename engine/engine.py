@@ -30,6 +30,7 @@ import torch
 
 from engine.batched_sampler import new_seed
 from engine.cpu_threads import make_tuner
+from engine.device.cuda import fatal_device_error
 from engine.device.memory import MemoryConfig, device_memory, model_shapes, plan_memory
 from engine.inputs.images import PreparedImage, image_spans, image_token_positions
 from engine.inputs.tokenizer import Tokenizer
@@ -129,7 +130,7 @@ class Engine:
             model.embed_tokens.weight.dtype,
             self.device,
         )
-        self.runner = ModelRunner(model, cache)
+        self.runner = ModelRunner(model, cache, sched.max_num_seqs)
         cpu = self.device.type == "cpu"
         self.threads = make_tuner(self.config.cpu_threads, model.kernels.exact) if cpu else None
         self.sampling = make_sampling(model, sched.max_num_seqs)
@@ -276,12 +277,15 @@ class Engine:
     def _execute(self, plan: StepPlan, stats: StepStats) -> list[RowEffect]:
         """Each row's effect, computed without writing request state. A failure re-runs the
         rows one at a time (safe: nothing was written); a row that fails again gets an error
-        effect, which ends only its own request."""
+        effect, which ends only its own request. A CUDA error that the context does not
+        survive (`fatal_device_error`) is raised at once: nothing can run after it."""
         if not plan.rows:
             return []
         try:
             return self._run(list(plan.rows), stats)
-        except Exception:
+        except Exception as exc:
+            if fatal_device_error(exc):
+                raise
             logger.exception("a step of %d rows failed; running them one at a time", len(plan.rows))
         effects: list[RowEffect] = []
         # A request's rows stay together (a canvas's first step reads the KV that the commit
@@ -291,6 +295,8 @@ class Engine:
             try:
                 effects += self._run(rows, stats)
             except Exception as exc:
+                if fatal_device_error(exc):
+                    raise
                 logger.warning("request %s failed alone: %r", seq_id, exc)
                 error = f"internal engine error ({type(exc).__name__})"
                 effects += [RowEffect(error=error) for _ in rows]

@@ -86,14 +86,17 @@ class PageGeometry:
         return min(span, ceil_div(context, self.page_size))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class PageTables:
-    """A sequence's page tables: logical page index -> physical page, per pool."""
+    """A sequence's page tables: logical page index -> physical page, per pool. `version`
+    changes whenever a table does (a ring slot's page swapped, the pages released), so a copy
+    of the tables made at one version (the runner's device tables) knows when it is stale."""
 
     full: list[int]
     ring: list[int]
     num_logical: int
     _sliding: list[int] | None = None
+    version: int = 0
 
     def sliding(self) -> list[int]:
         """The sliding pool's table, logical page -> ring slot."""
@@ -105,6 +108,7 @@ class PageTables:
     def set_ring_page(self, slot: int, page: int) -> None:
         self.ring[slot] = page
         self._sliding = None
+        self.version += 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +300,7 @@ class KVPages:
             else:
                 self.sliding.release([page])
         tables.full, tables.ring, tables._sliding = [], [], []
+        tables.version += 1
 
     # -- the cache as a whole -------------------------------------------------------------------
 

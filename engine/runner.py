@@ -22,13 +22,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from engine.device.cuda import to_device
 from engine.kv_pages import PageTables
 from engine.model import DiffusionLM, ForwardBatch, Mode, PagedKVCache
 from engine.model.base import ImageEmbeds, SoftEmbeds
 from engine.model.config import LayerType
-from engine.model.kv_cache import Row
+from engine.model.kv_cache import DevicePageTables, Row
 from engine.vision_cache import ImageTokens, VisionEncoder
 
 
@@ -66,11 +68,15 @@ class RunOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DiffusionLM, cache: PagedKVCache) -> None:
+    def __init__(self, model: DiffusionLM, cache: PagedKVCache, max_rows: int = 1) -> None:
+        """`max_rows`: the sequences expected to run at once (the device page tables' rows;
+        they grow past it when a step needs more)."""
         self.model = model
         self.cache = cache
         self.device = model.embed_tokens.weight.device
         self.canvas_length = model.config.canvas_length
+        max_pages = -(-model.cfg.max_position_embeddings // cache.page_size)
+        self.tables = DevicePageTables(cache.layer_types, self.device, max_rows, max_pages)
         self.vision = VisionEncoder(model.vision, self.device) if model.vision is not None else None
 
     @torch.inference_mode()
@@ -85,8 +91,7 @@ class ModelRunner:
         encode_ids = [t for e in step.encode for t in e.tokens]
         parts = [] if step.canvas_ids is None else [step.canvas_ids]
         if encode_ids:
-            ids_host = torch.tensor(encode_ids, dtype=torch.long)
-            parts.append(ids_host.to(self.device, non_blocking=True))
+            parts.append(to_device(np.array(encode_ids, dtype=np.int64), self.device))
         ids = torch.cat(parts) if len(parts) > 1 else parts[0]
         num_canvas = len(step.denoise_starts) * self.canvas_length
         offsets = self._encode_offsets(step, num_canvas)
@@ -95,8 +100,7 @@ class ModelRunner:
         last += [i for first, n in spans for i in range(first, first + n)]
         # Every host-made tensor moves before the forward is queued: no copy inside it waits.
         batch.prepare(self.device, self.cache.layer_types)
-        index = torch.tensor(last, dtype=torch.long).to(self.device, non_blocking=True)
-        # (a non-blocking copy from pageable memory is staged at once: nothing waits)
+        index = to_device(np.array(last, dtype=np.int64), self.device)
         start = time.perf_counter()
         images = self._image_embeds(offsets)
         hidden = self.model(ids, step.soft_embeds, batch, self.cache, images)  # [N, H]
@@ -135,7 +139,7 @@ class ModelRunner:
         assert self.vision is not None, "image tokens reach only a model with a vision tower"
         features = self.vision.features([tokens for _, tokens in rows])  # [M, H]
         index = [offset + i for offset, tokens in rows for i in tokens.index]
-        return torch.tensor(index, dtype=torch.long).to(self.device, non_blocking=True), features
+        return to_device(np.array(index, dtype=np.int64), self.device), features
 
     @staticmethod
     def _encode_offsets(step: StepInputs, first: int) -> list[tuple[int, EncodeInput]]:
@@ -146,19 +150,17 @@ class ModelRunner:
         return out
 
     def _batch(self, step: StepInputs) -> ForwardBatch:
-        rows = [
-            Row(Mode.DECODE, start, self.canvas_length, _tables(pages))
-            for start, pages in zip(step.denoise_starts, step.denoise_pages, strict=True)
-        ]
+        """The step's rows, their page tables gathered from the device tables."""
+        length = self.canvas_length
+        rows = [Row(Mode.DECODE, start, length, {}) for start in step.denoise_starts]
+        held = list(step.denoise_pages)  # the page tables of each row, in row order
         split = self.model.kernels.exact  # verify passes as one-token rows (module docstring)
         for e in step.encode:
-            tables = _tables(e.pages)
             if split and e.verify:
-                rows += [Row(Mode.ENCODE, e.start + i, 1, tables) for i in range(len(e.tokens))]
+                rows += [Row(Mode.ENCODE, e.start + i, 1, {}) for i in range(len(e.tokens))]
+                held += [e.pages] * len(e.tokens)
             else:
-                rows.append(Row(Mode.ENCODE, e.start, len(e.tokens), tables, e.spans))
-        return ForwardBatch(rows, self.model.cfg.sliding_window, self.cache.page_size)
-
-
-def _tables(pages: PageTables) -> dict[LayerType, list[int]]:
-    return {LayerType.FULL: pages.full, LayerType.SLIDING: pages.sliding()}
+                rows.append(Row(Mode.ENCODE, e.start, len(e.tokens), {}, e.spans))
+                held.append(e.pages)
+        tables = self.tables.gather(held)
+        return ForwardBatch(rows, self.model.cfg.sliding_window, self.cache.page_size, tables)

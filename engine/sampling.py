@@ -14,9 +14,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine.batched_sampler import BatchedSampler, CounterDraws, RowStates, to_host
+from engine.device.cuda import to_device
 from engine.logits.batched import process_rows_
 from engine.logits.processors import process_, processes, processing
 from engine.model import DiffusionLM
@@ -113,15 +115,14 @@ class BatchedSampling:
             self.sampler.bind(_slot(req), req.seed, req.params)
 
     def _slots(self, reqs: list[RequestState]) -> torch.Tensor:
-        slots = torch.tensor([_slot(r) for r in reqs], dtype=torch.long)
-        return slots.to(self.device, non_blocking=True)  # staged at once: nothing waits
+        return to_device(np.array([_slot(r) for r in reqs], dtype=np.int64), self.device)
 
     def canvas_inputs(self, reqs: list[RequestState], starting: list[bool]) -> CanvasBatch:
-        flags = torch.tensor(starting, dtype=torch.bool).to(self.device, non_blocking=True)
+        flags = to_device(np.array(starting, dtype=np.bool_), self.device)
         pinned = None
         tokens = [r.pinned_token for r in reqs]
         if any(token >= 0 for token in tokens):
-            pinned = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+            pinned = to_device(np.array(tokens, dtype=np.int64), self.device)
         ids, soft, rows = self.sampler.canvas_inputs(self._slots(reqs), flags, pinned)
         return CanvasBatch(ids, soft, rows)
 
@@ -148,8 +149,7 @@ class BatchedSampling:
 
     def sample_tokens(self, logits: torch.Tensor, reqs: list[RequestState]) -> TokenSample:
         slots = self._slots(reqs)
-        index = torch.tensor([len(r.output_ids) for r in reqs])
-        index = index.to(self.device, non_blocking=True)
+        index = to_device(np.array([len(r.output_ids) for r in reqs], dtype=np.int64), self.device)
         # The slots' temperatures as `BatchedSampler.bind` sets them, read on the host.
         greedy = all(r.policy.token_temperature(r.params) <= 0 for r in reqs)
         with self._processing(logits, slots, reqs, 1):
@@ -173,7 +173,7 @@ class BatchedSampling:
             return  # token draws are stateless (counter = output position)
         mask = None
         if not all(keep):
-            mask = torch.tensor(keep, dtype=torch.bool).to(self.device, non_blocking=True)
+            mask = to_device(np.array(keep, dtype=np.bool_), self.device)
         self.sampler.write(sampled.staged, mask)
 
 

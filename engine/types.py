@@ -285,6 +285,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
     prefix_cache_usage: float = 0.0  # 0..1: pages cached and idle (reclaimable)
+    failure: str = ""  # why the engine stopped for good (a fatal CUDA error); "" while it runs
     warming_up: bool = False  # compiling kernels before ready (engine.device.warmup)
 
 

@@ -70,38 +70,47 @@ class PagedRows:
         starts: list[int],
         num_tokens: list[int],
         decode: list[bool],
-        page_tables: list[list[int]],
+        page_tables: list[list[int]] | torch.Tensor,
         device: torch.device | str = "cpu",
         span: torch.Tensor | None = None,
     ) -> PagedRows:
         """Pack per-row Python lists (as the engine's rows hold them) into device tensors;
-        `span`: [N, 2] (first, last) of each packed new token, or None (class docstring)."""
+        `page_tables`: each row's list, or the [R, max_pages] int32 table already on `device`
+        (the engine's device page tables); `span`: [N, 2] (first, last) of each packed new
+        token, or None (class docstring)."""
         offsets = [0, *itertools.accumulate(num_tokens[:-1])]
-        width = max(1, max(len(t) for t in page_tables))
-        table = [p for t in page_tables for p in (*t, *[-1] * (width - len(t)))]
+        table: list[int] = []
+        if not isinstance(page_tables, torch.Tensor):
+            width = max(1, max(len(t) for t in page_tables))
+            table = [p for t in page_tables for p in (*t, *[-1] * (width - len(t)))]
         # One host tensor of every column, moved in one copy that does not wait (five blocking
         # `torch.tensor(..., device=)` copies were five host syncs per pool kind on a GPU); made
-        # by numpy, faster than `torch.tensor` from a list.
+        # by numpy, faster than `torch.tensor` from a list; pinned for a GPU, where a copy from
+        # pageable memory may wait for the stream.
         columns = [*starts, *offsets, *num_tokens, *map(int, decode), *table]
+        cuda = torch.device(device).type == "cuda"
         host = torch.from_numpy(np.array(columns, dtype=np.int32))
-        packed = host.to(device, non_blocking=True)
+        packed = (host.pin_memory() if cuda else host).to(device, non_blocking=True)
         num_rows = len(starts)
         start, offset, count, flags, pages = packed.split([num_rows] * 4 + [len(table)])
+        if isinstance(page_tables, torch.Tensor):
+            pages = page_tables
+        if span is not None:
+            span = span.to(torch.int32).contiguous()
+            span = (span.pin_memory() if cuda else span).to(device, non_blocking=True)
         return PagedRows(
             start=start,
             offset=offset,
             num_tokens=count,
             decode=flags,
-            page_table=pages.view(num_rows, width),
+            page_table=pages.view(num_rows, -1),
             max_tokens=max(num_tokens),
             max_start=max(starts),
             uniform=min(num_tokens) == max(num_tokens),
             min_start=min(starts),
             all_decode=all(decode),
             no_decode=not any(decode),
-            span=None
-            if span is None
-            else span.to(device, torch.int32, non_blocking=True).contiguous(),
+            span=span,
         )
 
 

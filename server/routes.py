@@ -38,8 +38,11 @@ def ops_router(state: ServerState) -> APIRouter:
 
     @router.get("/health")
     async def health() -> Response:
-        ok = state.engine.stats.healthy
-        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+        stats = state.engine.stats
+        body = {"status": "ok" if stats.healthy else "unhealthy"}
+        if stats.failure:  # the engine stopped for good: the process exits (`server.serve`)
+            body["reason"] = stats.failure
+        return JSONResponse(body, status_code=200 if stats.healthy else 503)
 
     def is_ready() -> bool:
         stats = state.engine.stats

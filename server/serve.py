@@ -32,6 +32,9 @@ API_KEY = re.compile(r"[\x21-\x7e]+")
 # After the drain: how long the requests it ended get to send their last chunks before the
 # connections still open are dropped.
 FORCE_EXIT_GRACE_SECONDS = 1.0
+# `canvas serve`'s exit status when the engine failed for good (a CUDA error the GPU context
+# does not survive): a restart is the only way back.
+EXIT_ENGINE_FAILED = 3
 
 
 class StartupError(Exception):
@@ -243,6 +246,9 @@ def draining_server(
             await super().startup(sockets)
 
         async def on_tick(self, counter: int) -> bool:
+            if state.engine.stats.failure and not self.should_exit:
+                logger.critical("exiting (status %d) to be restarted", EXIT_ENGINE_FAILED)
+                self.should_exit = True
             if state.draining and not self.should_exit:
                 if self.drain_deadline is not None and not self.announced:
                     self.announced = True
@@ -322,8 +328,9 @@ def freeze_heap() -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Serve until a signal ends the drain (returns 0); raises StartupError when it cannot
-    start."""
+    """Serve until a signal ends the drain (returns 0) or the engine fails for good (a CUDA
+    error: returns EXIT_ENGINE_FAILED, so that Kubernetes restarts the pod); raises
+    StartupError when it cannot start."""
     from engine.cpu_threads import confine_to_steps
     from engine.device.warmup import triton_cache_dir
     from engine.model.loader import resolve_device
@@ -349,4 +356,4 @@ def serve(args: argparse.Namespace) -> int:
         draining_server(state, config, args.drain_seconds, confined).run(sockets=[sock])
     finally:
         state.engine.shutdown()  # idempotent; a forced exit skips the app's own shutdown
-    return 0
+    return EXIT_ENGINE_FAILED if state.engine.stats.failure else 0

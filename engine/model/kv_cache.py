@@ -19,7 +19,7 @@ canvas-attention call over all rows. Page tables come from the scheduler's alloc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -27,6 +27,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from engine.device.cuda import host_buffer, to_device
+from engine.kv_pages import PageTables
 from engine.model.config import LayerType, TextConfig
 from kernels import KernelSet
 from kernels.reference import PagedRows
@@ -44,7 +46,8 @@ class Row:
     mode: Mode
     start: int  # prefix length: position of the first new token
     num_tokens: int
-    pages: dict[LayerType, list[int]]  # page table per pool (-1 = page released)
+    # page table per pool (-1 = page released); empty when the batch has `page_tables`
+    pages: dict[LayerType, list[int]]
     # ENCODE rows: (first, last) positions of each run of new tokens that attend to each other
     # both ways (an image, on a checkpoint with use_bidirectional_attention "vision")
     spans: tuple[tuple[int, int], ...] = ()
@@ -57,6 +60,9 @@ class ForwardBatch:
     rows: list[Row]
     sliding_window: int
     page_size: int
+    # The rows' page tables on the device, [R, width] int32 per pool (`DevicePageTables`); None:
+    # built from each row's `pages` lists
+    page_tables: dict[LayerType, torch.Tensor] | None = None
     offsets: list[int] = field(default_factory=list)  # packed token offset of each row
     _cache: dict[object, object] = field(default_factory=dict)
 
@@ -84,7 +90,7 @@ class ForwardBatch:
         """[N] the row of each packed token."""
         return self._cached(
             ("row_of_token", device),
-            lambda: torch.from_numpy(self._row_of_token()).to(device, non_blocking=True),
+            lambda: to_device(self._row_of_token(), device),
         )
 
     def _row_of_token(self) -> np.ndarray:
@@ -97,7 +103,7 @@ class ForwardBatch:
             shift = np.array([r.start - o for r, o in zip(self.rows, self.offsets, strict=True)])
             row = self._row_of_token()
             positions = shift[row] + np.arange(row.shape[0], dtype=np.int64)
-            return torch.from_numpy(positions).to(device, non_blocking=True)
+            return to_device(positions, device)
 
         return self._cached(("positions", device), build)
 
@@ -105,27 +111,24 @@ class ForwardBatch:
         """[num_decode_tokens] packed indices of the DECODE rows' tokens (built on the host)."""
         return self._cached(
             ("decode_index", device),
-            lambda: (
-                self.decode_tokens(torch.device("cpu"))
-                .nonzero()[:, 0]
-                .to(device, non_blocking=True)
-            ),
+            lambda: to_device(np.flatnonzero(self._decode_tokens()), device),
         )
 
     def decode_tokens(self, device: torch.device) -> torch.Tensor:
         """[N] bool: the token belongs to a DECODE row."""
-        flags = torch.tensor([r.mode is Mode.DECODE for r in self.rows], dtype=torch.bool)
         return self._cached(
-            ("decode_tokens", device),
-            lambda: flags[self.row_of_token(torch.device("cpu"))].to(device, non_blocking=True),
+            ("decode_tokens", device), lambda: to_device(self._decode_tokens(), device)
         )
+
+    def _decode_tokens(self) -> np.ndarray:
+        flags = np.array([r.mode is Mode.DECODE for r in self.rows], dtype=np.bool_)
+        return flags[self._row_of_token()]
 
     def prepare(self, device: torch.device, layer_types: Iterable[LayerType]) -> None:
         """Build, and start moving to `device`, every tensor a forward asks of this batch (the
         positions, the DECODE rows' index and flags, the paged rows of each pool), so that the
-        forward makes no host-to-device copy. Copies made on the host are non-blocking; the
-        paged rows' are blocking, and a blocking copy waits for every queued kernel (a host
-        synchronisation), so they are made here, before the step's forward is queued."""
+        forward makes no host-to-device copy. Every copy is non-blocking, from pinned memory
+        on a GPU (`engine.device.cuda.to_device`), and is queued here, before the forward."""
         self.positions(device)
         modes = {row.mode for row in self.rows}
         if len(modes) > 1:  # a mixed batch: DECODE rows are gathered and flagged
@@ -143,11 +146,12 @@ class ForwardBatch:
         """The rows as the paged attention kernels see them, with one pool's page tables."""
         key = ("paged_rows", layer_type, device)
         if key not in self._cache:
+            tables = self.page_tables
             self._cache[key] = PagedRows.build(
                 [r.start for r in self.rows],
                 [r.num_tokens for r in self.rows],
                 [r.mode is Mode.DECODE for r in self.rows],
-                [r.pages[layer_type] for r in self.rows],
+                tables[layer_type] if tables else [r.pages[layer_type] for r in self.rows],
                 device,
                 self.span(),
             )
@@ -237,3 +241,120 @@ class PagedKVCache:
             if kind is layer_type:
                 for pool in (self.keys[layer], self.values[layer]):
                     pool.index_copy_(0, dst_index, pool.index_select(0, src_index))
+
+
+class DevicePageTables:
+    """The page tables of the sequences a runner sees, kept on the device: per pool one
+    [num_rows, max_pages] int32 table (-1 = no page) and its host mirror (pinned on a GPU).
+    A sequence's `PageTables` keeps one row while it runs; the row is written again (on the
+    host, then copied) only when the tables change (`PageTables.version`) or another sequence
+    takes the row, so a step's host work grows with its rows, not with their context. Rows and
+    columns grow when a step needs more; a row that no step used for longest is taken first."""
+
+    def __init__(
+        self,
+        layer_types: Iterable[LayerType],
+        device: torch.device,
+        num_rows: int = 1,
+        max_pages: int = 1,
+    ) -> None:
+        self.device = device
+        self.pools = sorted(set(layer_types), key=lambda t: t.value)
+        self.host: dict[LayerType, torch.Tensor] = {}  # [num_rows, max_pages] per pool
+        self.table: dict[LayerType, torch.Tensor] = {}  # the same, on the device
+        self._row_of: dict[PageTables, int] = {}
+        self._held: list[tuple[PageTables, int] | None] = []  # row -> (tables, version)
+        self._lengths: list[dict[LayerType, int]] = []  # row -> entries written per pool
+        self._last_used: list[int] = []  # row -> the step that last used it
+        self._step = 0
+        self._copied: torch.cuda.Event | None = None  # after the last copies from the mirror
+        self.rows_written = 0  # rows (re)written so far: a step's share is its tables' changes
+        self._resize(num_rows, max_pages)
+
+    def gather(self, pages: Sequence[PageTables]) -> dict[LayerType, torch.Tensor]:
+        """The page tables of a step's rows (row i has `pages[i]`; a sequence may have several
+        rows), per pool: [R, width] int32 on the device, width the longest table (at least 1),
+        -1 past a row's end: the values `PagedRows.build` packs from the rows' lists."""
+        self._step += 1
+        lengths = [{t: _length(p, t) for t in self.pools} for p in pages]
+        widest = max((n for row in lengths for n in row.values()), default=1)
+        unique = list(dict.fromkeys(pages))
+        num_rows, max_pages = len(self._held), self.max_pages
+        if widest > max_pages or len(unique) > num_rows:
+            rows = num_rows if len(unique) <= num_rows else max(len(unique), 2 * num_rows)
+            self._resize(rows, max_pages if widest <= max_pages else max(widest, 2 * max_pages))
+        if self._copied is not None:  # the last copies read the mirror: let them finish
+            self._copied.synchronize()
+            self._copied = None
+        for p in unique:  # this step's rows are not taken from under it
+            if p in self._row_of:
+                self._last_used[self._row_of[p]] = self._step
+        written = [self._row(p) for p in unique]
+        if any(written):
+            self._record_copies()
+        index = to_device(np.array([self._row_of[p] for p in pages], dtype=np.int64), self.device)
+        out = {}
+        for t in self.pools:
+            width = max(1, max(row[t] for row in lengths))
+            out[t] = self.table[t][:, :width].index_select(0, index)  # [R, width]
+        return out
+
+    @property
+    def max_pages(self) -> int:
+        return self.host[self.pools[0]].shape[1]
+
+    def _row(self, tables: PageTables) -> bool:
+        """Give `tables` its row, up to date; returns whether it was written."""
+        row = self._row_of.get(tables)
+        if row is None:
+            row = min(range(len(self._held)), key=self._last_used.__getitem__)
+            held = self._held[row]
+            if held is not None:
+                del self._row_of[held[0]]
+            self._row_of[tables] = row
+        self._last_used[row] = self._step
+        if self._held[row] == (tables, tables.version):
+            return False
+        self._held[row] = (tables, tables.version)
+        self.rows_written += 1
+        for t in self.pools:
+            values = tables.full if t is LayerType.FULL else tables.sliding()
+            old, new = self._lengths[row][t], len(values)
+            mirror = self.host[t].numpy()
+            mirror[row, :new] = values
+            mirror[row, new:old] = -1
+            self._lengths[row][t] = new
+            end = max(old, new)
+            if self.table[t] is not self.host[t] and end:
+                self.table[t][row, :end].copy_(self.host[t][row, :end], non_blocking=True)
+        return True
+
+    def _record_copies(self) -> None:
+        """Mark the copies queued from the mirror so far (a GPU's: they run later)."""
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _resize(self, num_rows: int, max_pages: int) -> None:
+        """Grow to `num_rows` x `max_pages`, keeping every row written (the mirror is copied
+        whole)."""
+        cpu = self.device.type == "cpu"  # a CPU engine reads the mirror itself
+        for t in self.pools:
+            host = host_buffer((num_rows, max_pages), torch.int32, self.device).fill_(-1)
+            if t in self.host:
+                old = self.host[t]
+                host[: old.shape[0], : old.shape[1]] = old
+            self.host[t] = host
+            self.table[t] = host if cpu else host.to(self.device, non_blocking=True)
+        self._record_copies()
+        grown = num_rows - len(self._held)
+        self._held += [None] * grown
+        self._lengths += [dict.fromkeys(self.pools, 0) for _ in range(grown)]
+        self._last_used += [0] * grown
+
+
+def _length(tables: PageTables, pool: LayerType) -> int:
+    """The length of a pool's table (the sliding one's without building it)."""
+    if pool is LayerType.FULL:
+        return len(tables.full)
+    return tables.num_logical if tables.ring else 0

@@ -24,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from engine.device.cuda import select_device
 from engine.model.adapter import ADAPTER_SUBDIR, CONFIG_FILE, load_adapter
 from engine.model.base import DiffusionLM
 from engine.model.config import CheckpointError, ModelConfig, parse_model_config
@@ -165,6 +166,7 @@ def load_model(
     device = resolve_device(str(device))
     if torch.device(device).type == "cpu":
         keep_freed_memory()
+    select_device(device)  # Triton launches on the current device: make it this one
     config = load_model_config(model_dir)
     target = resolve_dtype(dtype, config)
     with ExitStack() as stack:

@@ -129,6 +129,7 @@ class FakeEngine:
     delay: float = 0.0
     alive: bool = False
     healthy: bool = True
+    failure: str = ""  # why the engine stopped for good (`EngineStats.failure`)
     warming_up: bool = False
     num_running: int = 0
     num_waiting: int = 0
@@ -148,7 +149,7 @@ class FakeEngine:
         full = self.limits.max_inflight if self.queue_full else 0
         return EngineStats(
             alive=self.alive,
-            healthy=self.alive and self.healthy,
+            healthy=self.alive and self.healthy and not self.failure,
             num_running=self.num_running,
             num_waiting=self.num_waiting,
             num_inflight=max(self.num_inflight, full),
@@ -156,6 +157,7 @@ class FakeEngine:
             num_steps=0,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            failure=self.failure,
             warming_up=self.warming_up,
         )
 
