@@ -33,7 +33,7 @@ from tests.media import encode, noise_image
 PROMPT_LENGTHS = (1, 5, 40, 70, 133)
 MODES = (DecodeMode.DIFFUSION, DecodeMode.AR, DecodeMode.HYBRID)
 NUM_REQUESTS = 1000  # the Goal's count
-CPU_REQUESTS = 30  # on the twins: every kind of request of the mix, in seconds
+CPU_REQUESTS = 20  # on the twins: every kind of request of the mix (images, schemas), in seconds
 # (height, width): padded to the patch budget, exactly the budget (no mask in the tower),
 # upscaled, a long strip, downscaled (tests/e2e/test_vision.py's sizes).
 IMAGE_SIZES = ((50, 90), (84, 120), (13, 17), (12, 300), (300, 240))
@@ -71,6 +71,7 @@ def mixed_requests(length: int, count: int) -> list[MixedRequest]:
         )
         params = SamplingParams(
             max_tokens=3 if i % 2 else length + 5,
+            max_denoising_steps=2 + i % 4,  # canvases of several step counts, in few steps
             mode=mode,
             seed=i,
             ignore_eos=schema is None,  # a document ends with an end token
@@ -122,16 +123,19 @@ def serve_mixed(engine: Engine, requests: list[MixedRequest]) -> set[str]:
     return finished
 
 
-def vision_engine(path: Path, sched: SchedulerConfig, **checkpoint: Any) -> Engine:
+def vision_engine(path: Path, **checkpoint: Any) -> Engine:
+    """The vision checkpoint's engine, as `canvas serve` builds it (its image processor
+    threaded), running up to 16 requests in steps of up to 8 canvases."""
     opened = open_checkpoint(CheckpointConfig(path, **checkpoint))
+    canvas = opened.model.config.canvas_length
+    sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=8 * canvas)
     return build_engine(opened, EngineConfig(sched, 16, 1024 * 16))
 
 
 def test_the_mixed_traffic_is_served_on_the_twins(vision_checkpoint: Path) -> None:
     """Where no GPU is: the mix's requests are valid and served after a warm-up (images, JSON
     schemas and all), on the PyTorch twins."""
-    sched = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64)
-    engine = vision_engine(vision_checkpoint, sched, kernels="twins")
+    engine = vision_engine(vision_checkpoint, kernels="twins")
     report = warm_up(engine)
     assert report.num_failed == 0 and report.num_images == 2 and report.num_structured == 3
     requests = mixed_requests(engine.canvas_length, CPU_REQUESTS)
@@ -154,8 +158,7 @@ def test_serving_after_the_warm_up_compiles_no_kernel(request: pytest.FixtureReq
             "(loadtest/README.md, GPU check)"
         )
     path = request.getfixturevalue("vision_checkpoint")
-    sched = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64)
-    engine = vision_engine(path, sched, dtype="bfloat16", device="cuda", kernels="triton")
+    engine = vision_engine(path, dtype="bfloat16", device="cuda", kernels="triton")
     report = warm_up(engine)
     assert report.num_failed == 0 and report.num_steps > 0
     assert report.num_images == 2 and report.num_structured == len(MODES)
