@@ -3,9 +3,10 @@ server says ready, so that the first step of each kind of row, which JIT-compile
 kernels (seconds each at the real shapes), never runs inline under traffic, where it would
 stall the first requests and could outlast a liveness probe.
 
-    warm_up(engine):  for each step size (`step_buckets`), for each mode: add its requests,
-                      step until they end (at most ROUND_STEPS steps), abort what is left;
-                      then one round per mode of a request with a JSON schema
+    warm_up(engine):  for each step size (`step_buckets`), for each mode: add its requests
+                      (the first mode's first with an image), step until they end (at most
+                      ROUND_STEPS steps), abort what is left; at size 1, then a round per
+                      mode of one request with a JSON schema
 
 Sizes: every integer that varies per step is left unspecialised and block sizes are fixed
 (`kernels.triton_*`, checked by tests/kernels/test_specialisation.py), so a kernel compiles once
@@ -18,8 +19,8 @@ vision checkpoint built by `engine.build`), the first request of the first mode 
 carries an image: a gray picture made in memory, encoded, decoded and preprocessed by that
 processor and placed in its prompt by `expand_image_tokens`, exactly as a client's image is. So
 the vision tower runs, and the prefill compiles attention's variant for image spans (`HAS_SPAN`:
-an image's tokens attend to the whole image), before ready. Without a processor no image is
-sent (the log says so): an engine built from a bare model takes images only as prepared ones.
+an image's tokens attend to the whole image), before ready. An engine built from a model alone
+(`LLM(model, ...)`, the GPU benchmark's) has no processor and sends no image (logged).
 
 Structured outputs: the grammar compiles no kernel. llguidance runs on the host, and what the
 device does for it is eager PyTorch (an AR row's masked_fill, a repaired position's argmax,

@@ -1,14 +1,15 @@
 """After the warm-up, serving compiles nothing new: issue 42's Goal, "1,000 mixed requests
 (diffusion, AR, hybrid; prompts of varied length; JSON schema; images) compile and build nothing
-new (counted)". The tiny vision checkpoint (`engine.checkpoints.tiny`, `vision=True`: the real
-model's layer pattern at a toy scale, a working vision tower, a tokenizer for the grammar) in
-bf16 on the Triton kernels: `engine.device.warmup` runs, then 1,000 mixed requests (every mode,
-prompts of 1 to 133 tokens, one or two images of several sizes, JSON schemas, logprobs, top-k
-and top-p, requests joining mid-flight, so steps of every mix and row count) are served while
-Triton's `jit_cache_hook` counts every kernel it has to compile or load (each new
-specialisation, whether its binary is on disk or not). Marked gpu (`make gpu-check` runs it;
-skipped elsewhere). On the CPU, the first requests of the same mix are served on the PyTorch
-twins after a warm-up, so the traffic it builds is checked where no GPU is."""
+new (counted)". The tiny vision checkpoint (`engine.checkpoints.tiny`, `vision=True`: sliding
+and full attention layers (k_eq_v) with experts at a toy scale, a working vision tower, a
+tokenizer for the grammar) in bf16 on the Triton kernels: `engine.device.warmup` runs, then
+1,000 mixed requests (every mode, prompts of 1 to 133 tokens, one or two images of several
+sizes, JSON schemas, logprobs, top-k and top-p, requests joining mid-flight, so steps of every
+mix and row count) are served while Triton's `jit_cache_hook` counts every kernel it has to
+compile or load (each new specialisation, whether its binary is on disk or not). Marked gpu
+(`make gpu-check` runs it; skipped elsewhere). On the CPU, the first requests of the same mix
+are served on the PyTorch twins after a warm-up (a few seconds: an engine, its warm-up, 20
+requests), so the traffic it builds is checked where no GPU is."""
 
 from __future__ import annotations
 
