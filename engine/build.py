@@ -20,6 +20,7 @@ from typing import Any
 from engine.checkpoints.default import default_model_dir
 from engine.checkpoints.hub import locate
 from engine.engine import Engine, EngineConfig
+from engine.inputs.images import ImageProcessor
 from engine.inputs.tokenizer import Tokenizer
 from engine.model import DiffusionLM, load_model
 from engine.params import DecodingDefaults
@@ -67,13 +68,15 @@ class Checkpoint:
     checkpoint has none, prompts are token ids) and its decoding defaults. `model_dir`: where
     it was read from (None: a model built without one, as the GPU benchmark's); `name`: what
     clients call it unless told otherwise, the hub id without its revision or the directory's
-    name."""
+    name; `image_processor`: its image preprocessing, where it has a vision tower and a
+    processor config (the engine's warm-up prepares its image with it, as a client's)."""
 
     model: DiffusionLM
     tokenizer: Tokenizer | None
     defaults: DecodingDefaults
     model_dir: Path | None = None
     name: str | None = None
+    image_processor: ImageProcessor | None = None
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:
@@ -111,14 +114,26 @@ def open_checkpoint(config: CheckpointConfig) -> Checkpoint:
         config.generation_config,
         config.override_generation_config,
     )
-    return Checkpoint(model, tokenizer, defaults, model_dir, name)
+    images = image_processor(model_dir) if model.vision is not None else None
+    return Checkpoint(model, tokenizer, defaults, model_dir, name, images)
+
+
+def image_processor(model_dir: Path) -> ImageProcessor | None:
+    """The image preprocessing of a checkpoint with a vision tower; None (logged) when it has
+    no usable processor config."""
+    try:
+        return ImageProcessor(model_dir)
+    except ValueError as exc:
+        logger.info("no image preprocessing (the warm-up sends no image): %s", exc)
+        return None
 
 
 def build_engine(checkpoint: Checkpoint, config: EngineConfig | None = None) -> Engine:
     """The engine that runs `checkpoint` as `config` (None: the defaults) describes, sized by
     its memory plan (logged; `engine.device.memory`: MemoryPlanError naming the flags when the
     device cannot hold one canvas)."""
-    engine = Engine(checkpoint.model, checkpoint.defaults, config, checkpoint.tokenizer)
+    model, images = checkpoint.model, checkpoint.image_processor
+    engine = Engine(model, checkpoint.defaults, config, checkpoint.tokenizer, images)
     logger.info("%s", engine.plan.describe())
     return engine
 

@@ -32,7 +32,7 @@ from engine.batched_sampler import new_seed
 from engine.cpu_threads import make_tuner
 from engine.device.cuda import fatal_device_error
 from engine.device.memory import MemoryConfig, device_memory, model_shapes, plan_memory
-from engine.inputs.images import PreparedImage, image_spans, image_token_positions
+from engine.inputs.images import ImageProcessor, PreparedImage, image_spans, image_token_positions
 from engine.inputs.tokenizer import Tokenizer
 from engine.kv_pages import KVPages
 from engine.model import DiffusionLM, PagedKVCache
@@ -97,6 +97,7 @@ class Engine:
         defaults: DecodingDefaults,
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
+        image_processor: ImageProcessor | None = None,
     ) -> None:
         self.model = model
         self.defaults = defaults
@@ -140,6 +141,8 @@ class Engine:
         self._tokenizer = tokenizer
         self._grammar: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+        # The checkpoint's image preprocessing: the warm-up prepares its image as a client's.
+        self.image_processor = image_processor
 
     def build_constraint(self, params: ResolvedParams) -> Constraint | None:
         """The grammar state of a structured-output request (None for the others). Compiles

@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.build import BuildConfig, Checkpoint, CheckpointConfig, build_engine, open_checkpoint
 from engine.engine import EngineConfig
-from engine.inputs.images import PreparedImage
+from engine.inputs.images import ImageProcessor, PreparedImage
 from engine.inputs.tokenizer import Tokenizer
 from engine.model import DiffusionLM
 from engine.params import DecodingDefaults, ParamError, SamplingParams
@@ -55,11 +55,13 @@ class LLM:
         tokenizer: Tokenizer | None,
         defaults: DecodingDefaults,
         config: EngineConfig | None = None,
+        image_processor: ImageProcessor | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.defaults = defaults
-        self.engine = build_engine(Checkpoint(model, tokenizer, defaults), config)
+        checkpoint = Checkpoint(model, tokenizer, defaults, image_processor=image_processor)
+        self.engine = build_engine(checkpoint, config)
         self.validator = self.engine.validator
         self.canvas_length = model.config.canvas_length
         self._next_id = 0
@@ -67,8 +69,8 @@ class LLM:
     @classmethod
     def from_config(cls, config: BuildConfig) -> LLM:
         """Open `config`'s checkpoint and build its engine (`engine.build`)."""
-        checkpoint = open_checkpoint(config.checkpoint)
-        return cls(checkpoint.model, checkpoint.tokenizer, checkpoint.defaults, config.engine)
+        c = open_checkpoint(config.checkpoint)
+        return cls(c.model, c.tokenizer, c.defaults, config.engine, c.image_processor)
 
     @classmethod
     def from_pretrained(

@@ -53,6 +53,14 @@ class VisionEncoder:
         self.dtype = tower.projection.embedding_projection.weight.dtype
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
 
+    def __len__(self) -> int:
+        """Images whose soft tokens are kept."""
+        return len(self._cache)
+
+    def clear(self) -> None:
+        """Forget every image's soft tokens (the warm-up leaves none behind)."""
+        self._cache.clear()
+
     def features(self, chunks: list[ImageTokens]) -> torch.Tensor:
         """The soft tokens of every chunk's image tokens, chunk after chunk: [M, H]."""
         spans = [span for chunk in chunks for span in chunk.spans()]

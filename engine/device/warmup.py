@@ -3,8 +3,10 @@ server says ready, so that the first step of each kind of row, which JIT-compile
 kernels (seconds each at the real shapes), never runs inline under traffic, where it would
 stall the first requests and could outlast a liveness probe.
 
-    warm_up(engine):  for each step size (`step_buckets`), for each mode: add its requests,
-                      step until they end (at most ROUND_STEPS steps), abort what is left
+    warm_up(engine):  for each step size (`step_buckets`), for each mode: add its requests
+                      (the first mode's first with an image), step until they end (at most
+                      ROUND_STEPS steps), abort what is left; at size 1, then a round per
+                      mode of one request with a JSON schema
 
 Sizes: every integer that varies per step is left unspecialised and block sizes are fixed
 (`kernels.triton_*`, checked by tests/kernels/test_specialisation.py), so a kernel compiles once
@@ -12,16 +14,36 @@ per constexpr set whatever the step's size. Two sizes then cover them: one reque
 as many as one step runs; the largest also takes the step's peak memory before ready, and crosses
 to 64-bit element counts where a launch's size needs them.
 
+Images: where the engine has its checkpoint's image processor (`Engine.image_processor`, a
+vision checkpoint built by `engine.build`), the first request of the first mode at each size
+carries an image: a gray picture made in memory, encoded, decoded and preprocessed by that
+processor and placed in its prompt by `expand_image_tokens`, exactly as a client's image is. So
+the vision tower runs, and the prefill compiles attention's variant for image spans (`HAS_SPAN`:
+an image's tokens attend to the whole image), before ready. An engine built from a model alone
+(`LLM(model, ...)`, the GPU benchmark's) has no processor and sends no image (logged).
+
+Structured outputs: the grammar compiles no kernel. llguidance runs on the host, and what the
+device does for it is eager PyTorch (an AR row's masked_fill, a repaired position's argmax,
+a hybrid verification's per-position mask), kernels PyTorch ships built. Its first use has a
+cost all the same: the grammar compiler (llguidance's view of the tokenizer's whole vocabulary,
+built once per engine) and the schema's grammar. One request with a small JSON schema per mode
+(AR masking, diffusion repair, hybrid verification) builds the compiler and runs each path once,
+so the first structured request does not wait for it. An engine without a tokenizer serves no
+structured output and skips these rounds.
+
 What it leaves behind: nothing a request or a metric sees. Its requests end (aborted when still
-running), so their KV pages and sampler slots are free; the prefix cache forgets every page;
-the scheduler forgets its step-cost fit, acceptance prior and prefix-cache counters
-(`Scheduler.forget_history`); the async engine counts none of its steps and calls no step
-listener (metrics). What stays is what it is for: compiled kernels (in memory and in
-TRITON_CACHE_DIR, `triton_cache_dir`) and the allocator's pool grown to the largest step.
+running), so their KV pages and sampler slots are free; the prefix cache forgets every page, the
+vision cache every image; the scheduler forgets its step-cost fit, acceptance prior and
+prefix-cache counters (`Scheduler.forget_history`); the async engine counts none of its steps
+and calls no step listener (metrics). What stays is what it is for: compiled kernels (in memory
+and in TRITON_CACHE_DIR, `triton_cache_dir`), the allocator's pool grown to the largest step,
+and the grammar compiler (with its schema's compiled grammar, which changes no other request).
 """
 
 from __future__ import annotations
 
+import io
+import json
 import logging
 import os
 import time
@@ -32,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.checkpoints.default import cache_dir
+from engine.inputs.images import ImageProcessor, PreparedImage, expand_image_tokens
 from engine.modes import mode_names
 from engine.params import ParamError, SamplingParams
 from engine.rows import ROW_KINDS
@@ -51,6 +74,14 @@ PROMPT_TOKENS = 37
 # The throwaway requests' ids (no client's request is added while the step loop warms up: its
 # commands wait in the loop's queue).
 REQUEST_PREFIX = "canvas-warmup-"
+# The image: plain gray, any size (the processor resizes every picture to its patch budget; the
+# tower is eager PyTorch, and the span attention a prefill compiles is the same for any image).
+IMAGE_SIZE = (96, 64)  # width, height
+IMAGE_GRAY = 128
+# A document of a few tokens: the closing policy ends it within one canvas.
+SCHEMA = json.dumps(
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+)
 
 Key = tuple[int, str]  # (requests per mode, row kind)
 
@@ -58,8 +89,8 @@ Key = tuple[int, str]  # (requests per mode, row kind)
 @dataclass(slots=True)
 class WarmupReport:
     """What a warm-up ran: per (requests per mode, row kind) the rows, the steps that ran that
-    kind and their seconds; in all, the steps, throwaway requests (and those that failed) and
-    seconds."""
+    kind and their seconds; in all, the steps, throwaway requests (and those that failed, those
+    with an image, those with a JSON schema) and seconds."""
 
     rows: dict[Key, int] = field(default_factory=dict)
     steps: dict[Key, int] = field(default_factory=dict)
@@ -68,6 +99,8 @@ class WarmupReport:
     num_requests: int = 0
     total_seconds: float = 0.0
     num_failed: int = 0
+    num_images: int = 0  # requests with an image
+    num_structured: int = 0  # requests with a JSON schema
 
     def kinds(self) -> set[str]:
         return {kind for _, kind in self.rows}
@@ -113,26 +146,32 @@ def triton_cache_dir() -> Path:
 
 
 def warm_up(engine: Engine, should_stop: Callable[[], bool] = lambda: False) -> WarmupReport:
-    """Run one step of every row kind at each size (`step_buckets`), logging a line per size and
-    kind, and a total; return what ran. Call it on the thread that steps the engine, before
+    """Run one step of every row kind at each size (`step_buckets`), an image request at each
+    size (a vision checkpoint's) and a JSON-schema request per mode, logging a line per size
+    and kind, and a total; return what ran. Call it on the thread that steps the engine, before
     any other request is added. A failure is logged and ends the warm-up (serving goes on:
     the first requests then compile what it did not); either way the engine is left as it
-    was: no request, no cached prefix, no scheduler history. `should_stop`: checked before each
-    step (shutdown)."""
+    was: no request, no cached prefix or image, no scheduler history. `should_stop`: checked
+    before each step (shutdown)."""
     report = WarmupReport()
     began = time.perf_counter()
-    buckets = step_buckets(engine)
+    buckets, modes = step_buckets(engine), mode_names()
     logger.info(
         "warm-up: compiling kernels before ready (%s requests per mode, modes %s)",
         " and ".join(map(str, buckets)),
-        ", ".join(mode_names()),
+        ", ".join(modes),
     )
     try:
+        image = warmup_image(engine)
         for bucket in buckets:
-            for mode in mode_names():
+            for mode in modes:
                 if should_stop():
                     return report
-                _round(engine, bucket, mode, report, should_stop)
+                first = image if mode == modes[0] else None
+                _round(engine, bucket, mode, report, should_stop, image=first)
+            for mode in modes if bucket == 1 else ():  # a JSON schema, one request at a time
+                if should_stop() or not _round(engine, 1, mode, report, should_stop, schema=SCHEMA):
+                    break  # no tokenizer (logged): no structured output to warm up
             _log_bucket(report, bucket)
     except Exception:
         logger.exception("warm-up failed; serving without it (first requests may compile)")
@@ -140,19 +179,44 @@ def warm_up(engine: Engine, should_stop: Callable[[], bool] = lambda: False) -> 
         for request_id in [r for r in engine.requests if r.startswith(REQUEST_PREFIX)]:
             engine.abort(request_id)
         engine.reset_prefix_cache()
+        _forget_images(engine)
         engine.scheduler.forget_history()
         report.total_seconds = time.perf_counter() - began
     missing = sorted(set(map(_name, ROW_KINDS)) - report.kinds())
     logger.info(
-        "warm-up: done in %.1f s, %d steps, %d row kinds%s",
+        "warm-up: done in %.1f s, %d steps, %d row kinds, %d image and %d JSON-schema requests%s",
         report.total_seconds,
         report.num_steps,
         len(report.kinds()),
+        report.num_images,
+        report.num_structured,
         f" (none ran: {', '.join(missing)})" if missing else "",
     )
     if report.num_failed:
         logger.warning("warm-up: %d throwaway requests failed (see above)", report.num_failed)
     return report
+
+
+def warmup_image(engine: Engine) -> PreparedImage | None:
+    """The warm-up's image, prepared by the engine's image processor as a client's is: a gray
+    picture, PNG-encoded in memory, decoded and preprocessed (`ImageProcessor.prepare`). None
+    (logged) where the engine has no processor or it refuses the picture."""
+    processor: ImageProcessor | None = engine.image_processor
+    if processor is None:
+        if engine.model.config.vision is not None:
+            logger.info("warm-up: no image (the engine has no image processor)")
+        return None
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", IMAGE_SIZE, (IMAGE_GRAY,) * 3).save(buffer, format="PNG")
+    try:
+        image = processor.prepare(buffer.getvalue(), "warm-up image")
+    except ParamError as exc:
+        logger.warning("warm-up: no image: %s", exc)
+        return None
+    logger.info("warm-up: an image of %d soft tokens at each size", image.num_tokens)
+    return image
 
 
 def _round(
@@ -161,30 +225,36 @@ def _round(
     mode: str,
     report: WarmupReport,
     should_stop: Callable[[], bool],
-) -> None:
-    """`bucket` throwaway requests of `mode`, stepped until they end or for ROUND_STEPS steps
-    besides those their prompts take; those still running are aborted."""
-    vocab, canvas = engine.model.cfg.vocab_size, engine.canvas_length
+    image: PreparedImage | None = None,
+    schema: str | None = None,
+) -> bool:
+    """`bucket` throwaway requests of `mode` (the first with `image`, each with `schema`, when
+    given), stepped until they end or for ROUND_STEPS steps besides those their prompts take;
+    those still running are aborted. Returns whether its requests were taken."""
     engine.scheduler.forget_history()  # each round as a fresh server (hybrid drafts first)
-    # A second canvas, so that the first is committed (diffusion) or verified (hybrid).
+    # A second canvas, so that the first is committed (diffusion) or verified (hybrid); a
+    # schema's document ends with an end token, which ignore_eos would refuse.
     params = SamplingParams(
-        max_tokens=canvas + 1, mode=mode, seed=0, ignore_eos=True, max_denoising_steps=1
+        max_tokens=engine.canvas_length + 1,
+        mode=mode,
+        seed=0,
+        ignore_eos=schema is None,
+        max_denoising_steps=1,
+        json_schema=schema,
     )
-    ids = []
+    ids, num_tokens = [], 0
     for i in range(bucket):
-        request_id = f"{REQUEST_PREFIX}{bucket}-{mode}-{i}"
-        first = report.num_requests * PROMPT_TOKENS  # distinct prompts: no shared prefix
-        prompt = [(first + t) % vocab for t in range(PROMPT_TOKENS)]
-        try:
-            resolved = engine.validator.resolve(len(prompt), params)
-            engine.add_request(request_id, prompt, resolved)
-        except (ParamError, ValueError) as exc:
-            logger.warning("warm-up: mode %s skipped: %s", mode, exc)
+        request_id = f"{REQUEST_PREFIX}{bucket}-{mode}{'-json' if schema else ''}-{i}"
+        images = (image,) if image is not None and i == 0 else ()
+        added = _add(engine, request_id, params, report, images)
+        if not added and images:  # e.g. an image longer than a prefill chunk: go on without
+            added = _add(engine, request_id, params, report, ())
+        if not added:
             break
         ids.append(request_id)
-        report.num_requests += 1
+        num_tokens += added
     budget = engine.scheduler.config.max_num_batched_tokens
-    for _ in range(ROUND_STEPS + -(-len(ids) * PROMPT_TOKENS // budget)):  # + the prompts' steps
+    for _ in range(ROUND_STEPS + -(-num_tokens // budget)):  # + the prompts' steps
         if should_stop() or not any(r in engine.requests for r in ids):
             break
         begin = time.perf_counter()
@@ -193,6 +263,53 @@ def _round(
         report.num_failed += sum(1 for out in result.outputs if out.error)
     for request_id in ids:
         engine.abort(request_id)
+    _forget_images(engine)  # so that the tower runs again at the next size
+    return bool(ids)
+
+
+def _add(
+    engine: Engine,
+    request_id: str,
+    params: SamplingParams,
+    report: WarmupReport,
+    images: tuple[PreparedImage, ...],
+) -> int:
+    """Add a throwaway request (a distinct prompt, with `images`); its prompt's length, or 0
+    (logged) when the engine refuses it."""
+    prompt = _prompt(engine, report.num_requests * PROMPT_TOKENS, images)
+    try:
+        resolved = engine.validator.resolve(len(prompt), params)
+        engine.add_request(request_id, prompt, resolved, images=images)
+    except (ParamError, ValueError) as exc:
+        what = " with a JSON schema" if params.json_schema else " with an image" if images else ""
+        logger.warning("warm-up: a request of mode %s%s skipped: %s", params.mode, what, exc)
+        return 0
+    report.num_requests += 1
+    report.num_images += len(images)
+    report.num_structured += params.json_schema is not None
+    return len(prompt)
+
+
+def _prompt(engine: Engine, first: int, images: tuple[PreparedImage, ...]) -> list[int]:
+    """PROMPT_TOKENS token ids from `first` on (distinct prompts: no shared prefix); with an
+    image, its placeholder in the middle expanded as a client's prompt is."""
+    vocab = engine.model.cfg.vocab_size
+    prompt = [(first + t) % vocab for t in range(PROMPT_TOKENS)]
+    if not images:
+        return prompt
+    vision = engine.model.config.vision
+    assert vision is not None, "images reach only a vision checkpoint's warm-up"
+    markup = (vision.boi_token_id, vision.image_token_id, vision.eoi_token_id)
+    text = [t for t in prompt if t not in markup]
+    half = len(text) // 2
+    return expand_image_tokens(
+        [*text[:half], vision.image_token_id, *text[half:]], list(images), vision
+    )
+
+
+def _forget_images(engine: Engine) -> None:
+    if engine.runner.vision is not None:
+        engine.runner.vision.clear()
 
 
 def _log_bucket(report: WarmupReport, bucket: int) -> None:

@@ -12,10 +12,12 @@ import pytest
 from engine.device import warmup
 from engine.device.warmup import step_buckets, wants_warmup, warm_up
 from engine.engine import EngineConfig
+from engine.inputs.images import expand_image_tokens
 from engine.llm import LLM
 from engine.params import DecodeMode, SamplingParams
 from engine.rows import ROW_KINDS
 from engine.scheduler import SchedulerConfig
+from tests.media import encode, noise_image
 
 
 def tiny_llm(tiny_checkpoint, **config) -> LLM:
@@ -66,6 +68,64 @@ def test_after_warm_up_a_request_gives_the_tokens_of_a_fresh_engine(tiny_checkpo
     after = warmed.generate(prompts, params)
     assert [o.output_ids for o in after] == [o.output_ids for o in fresh]
     assert len(set(fresh[0].output_ids)) > 1  # sampled (seed-dependent), not one repeated token
+
+
+def test_on_a_vision_checkpoint_the_warm_up_sends_an_image_and_a_json_schema(
+    vision_checkpoint, monkeypatch, caplog
+):
+    """The checkpoint's processor prepares the warm-up's picture: at each size the vision tower
+    runs (counted) and a prefill carries the image's span (the attention variant the first
+    image request would otherwise compile); a JSON-schema request runs per mode. Afterwards no
+    image is cached (nor a request, page or prefix), and an image request draws the tokens of
+    an engine that never warmed up."""
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=2))
+    fresh = LLM.from_pretrained(vision_checkpoint, config=config)
+    processor = fresh.engine.image_processor
+    assert processor is not None  # threaded from the checkpoint (`engine.build`)
+    image = processor.prepare(encode(noise_image(50, 90)), "image")
+    prompts = [
+        expand_image_tokens(
+            [5, 6, processor.vision.image_token_id, 7, last], [image], processor.vision
+        )
+        for last in (8, 9)
+    ]
+    params = [
+        SamplingParams(max_tokens=20, seed=7, mode=mode, temperature=1.0)
+        for mode in (DecodeMode.DIFFUSION, DecodeMode.HYBRID)
+    ]
+    want = fresh.generate(prompts, params, images=[[image]] * 2)
+
+    warmed = LLM.from_pretrained(vision_checkpoint, config=config)
+    engine, tower = warmed.engine, warmed.engine.model.vision
+    towers, spans = [], []
+    monkeypatch.setattr(
+        tower, "forward", lambda *a: towers.append(1) or type(tower).forward(tower, *a)
+    )
+    execute = engine.runner.execute
+    monkeypatch.setattr(
+        engine.runner,
+        "execute",
+        lambda step: spans.extend(e.spans for e in step.encode if e.spans) or execute(step),
+    )
+    with caplog.at_level(logging.INFO, logger="engine.device.warmup"):
+        report = warm_up(engine)
+    assert report.num_images == 2 and len(towers) == 2 and len(spans) == 2  # sizes 1 and 2
+    assert report.num_structured == 3 and report.num_failed == 0
+    assert report.kinds() == set(ROW_KINDS)
+    assert "warm-up: an image of" in caplog.text
+    assert len(engine.runner.vision) == 0
+    assert_clean(warmed)
+    monkeypatch.undo()
+    after = warmed.generate(prompts, params, images=[[image]] * 2)
+    assert [o.output_ids for o in after] == [o.output_ids for o in want]
+
+    # Built from a bare model: no processor, no tokenizer, so neither an image nor a schema.
+    bare = LLM(warmed.model, None, warmed.defaults, config)
+    with caplog.at_level(logging.INFO, logger="engine.device.warmup"):
+        report = warm_up(bare.engine)
+    assert report.num_images == report.num_structured == 0 and report.num_failed == 0
+    assert report.kinds() == set(ROW_KINDS)
+    assert "no image (the engine has no image processor)" in caplog.text
 
 
 def test_a_failing_warm_up_is_logged_and_leaves_the_engine_clean(
