@@ -11,6 +11,12 @@ peak rates (`Hardware`): max(FLOPs / peak, bytes / bandwidth) + a per-launch cos
   host and the device. On the meta device they cannot run: the accountant records them and
   returns a stand-in (an upper-bound shape, a zero), so the step runs on.
 - Ops on host tensors (the inputs a step builds on the CPU) are host work, not kernels.
+- Host-to-device copies by source memory: pinned when the source was staged by
+  `engine.device.cuda` (a `host_buffer`, pinned on CUDA, or what `to_device` moves, which CUDA
+  stages in one: told through `STAGING_OBSERVERS`), pageable otherwise (a tensor made from a
+  list or a numpy array and moved with `.to`, `torch.tensor(..., device=)`). On the meta device
+  nothing is pinned: the accountant counts what CUDA would do. A copy from pageable memory may
+  wait for the stream (CUDA stages it through a pinned buffer of its own).
 
 `phase(name)` labels what follows (inputs, forward, sampler, publish) for the sync checks.
 """
@@ -29,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from engine.device import cuda as device_cuda
 from kernels.reference import ALIGN_CHUNK, align_capacity
 from kernels.reference_sampler import PROBS_CHUNK_BYTES
 from loadtest.gpu.call_sites import in_prepare, project_frame
@@ -77,7 +84,9 @@ _SDPA_CPU = {aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_a
 @dataclass(slots=True)
 class OpRecord:
     """One op of a step. `gemm`: counts towards the step's GEMM FLOPs; `fp32`: a GEMM in fp32;
-    `host`: ran on host tensors (no kernel); `sync`: the kind of host synchronisation, if any."""
+    `host`: ran on host tensors (no kernel); `sync`: the kind of host synchronisation, if any;
+    `copy`: "pinned" or "pageable" for a host-to-device copy (its source memory on CUDA);
+    `host_bytes`: the host memory it reads (a host op's inputs and outputs, a copy's source)."""
 
     name: str
     phase: str
@@ -91,6 +100,8 @@ class OpRecord:
     sync: str = ""
     where: str = ""
     wall_s: float = 0.0  # the op's own run time here (meaningful on a real device only)
+    copy: str = ""
+    host_bytes: float = 0.0
 
     def seconds(self, hw: Hardware) -> float:
         if self.host:
@@ -137,6 +148,19 @@ class Accountant(TorchDispatchMode):
         self.rows = rows or StepRows()
         self.records: list[OpRecord] = []
         self.current = "step"
+        # Host memory staged for copies while active (module docstring): the storages are
+        # held, so that no pageable tensor made later can take a staged one's address.
+        self._staged: list[torch.UntypedStorage] = []
+        self._staged_ptrs: set[int] = set()
+
+    def _observe(self, staged: torch.Tensor) -> None:
+        storage = staged.untyped_storage()
+        self._staged.append(storage)
+        self._staged_ptrs.add(storage.data_ptr())
+
+    def pinned(self, host: torch.Tensor) -> bool:
+        """Whether a copy from `host` would read pinned memory on CUDA (module docstring)."""
+        return host.untyped_storage().data_ptr() in self._staged_ptrs
 
     def __enter__(self) -> Accountant:
         # `torch.tensor(data, device=...)` copies without reaching the dispatcher (on CUDA a
@@ -147,13 +171,16 @@ class Accountant(TorchDispatchMode):
             out = make(data, *args, **kwargs)
             if out.device.type == self.device_type != "cpu":
                 self.sync("tensor", "blocking host to device copy", _nbytes([out]))
+                self.records[-1].copy, self.records[-1].host_bytes = "pageable", _nbytes([out])
             return out
 
         torch.tensor = tensor  # type: ignore[assignment]
+        device_cuda.STAGING_OBSERVERS.append(self._observe)
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *exc: object) -> None:
         torch.tensor = self._tensor  # type: ignore[assignment]
+        device_cuda.STAGING_OBSERVERS.remove(self._observe)
         super().__exit__(*exc)
 
     @contextmanager
@@ -211,13 +238,31 @@ class Accountant(TorchDispatchMode):
             record.gemm = packet in GEMMS
             record.fp32 = record.gemm and tensors[0].dtype == torch.float32
             record.attention = "scaled_dot_product" in str(packet)
-        if sync:
+        source = self._host_source(func, args, kwargs) if on_device else None
+        if source is not None:
+            record.copy = "pinned" if self.pinned(source) else "pageable"
+            record.host_bytes = _nbytes([source])
+        elif record.host:
+            record.host_bytes = record.bytes
+        if sync or source is not None:
             record.where = project_frame()
-            if self.current == "forward" and in_prepare():
-                record.phase = "inputs"
-        if on_device or sync:
-            self.records.append(record)
+        if self.current == "forward" and (
+            (sync and in_prepare()) or (record.host_bytes and in_prepare(runner_calls=True))
+        ):
+            record.phase = "inputs"
+        self.records.append(record)
         return out
+
+    def _host_source(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> torch.Tensor | None:
+        """The host tensor a copy to the step's device reads, or None (not such a copy)."""
+        if func.overloadpacket not in _COPIES or self.device_type == "cpu":
+            return None
+        named = _named(func, args, kwargs)
+        src = named.get("src", named.get("self"))
+        dst = named["self"].device if "src" in named else named.get("device")
+        if src.device.type != "cpu" or dst is None:
+            return None
+        return src if torch.device(dst).type == self.device_type else None
 
     @staticmethod
     def _sync_kind(func: Any, args: tuple[Any, ...], kwargs: Any, tensors: list[Any]) -> str:
@@ -253,6 +298,20 @@ class Accountant(TorchDispatchMode):
 
     def syncs(self, phases: tuple[str, ...] | None = None) -> list[OpRecord]:
         return [r for r in self.records if r.sync and (phases is None or r.phase in phases)]
+
+    def pageable_copies(self, phases: tuple[str, ...] | None = None) -> list[OpRecord]:
+        """The host-to-device copies from pageable memory (module docstring)."""
+        return [
+            r
+            for r in self.records
+            if r.copy == "pageable" and (phases is None or r.phase in phases)
+        ]
+
+    def host_work(self, phase: str) -> tuple[int, float]:
+        """(ops, bytes) of the host work of `phase`: ops on host tensors and host-to-device
+        copies (numpy work before them is not seen, but its results are what they copy)."""
+        work = [r for r in self.records if r.phase == phase and (r.host or r.copy)]
+        return len(work), sum(r.host_bytes for r in work)
 
     @property
     def launches(self) -> int:
