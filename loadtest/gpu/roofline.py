@@ -37,8 +37,9 @@ from engine.model.config import LayerType, ModelConfig
 from engine.model.kv_cache import PagedKVCache
 from engine.runner import EncodeInput, ModelRunner, StepInputs
 from kernels import KernelSet, resolve_kernels
-from loadtest.gpu.accountant import GPUS, Accountant, Hardware, OpRecord, StepRows, touched_experts
+from loadtest.gpu.accountant import GPUS, Accountant, Hardware, OpRecord, StepRows
 from loadtest.gpu.bench import meta_model, model_config
+from loadtest.gpu.custom_rules import touched_experts
 
 KINDS = ("denoise", "commit", "prefill", "ar")
 PREFIX_LEN = 1024
