@@ -12,7 +12,9 @@ AR sampler). Phases: inputs (host-made tensors moved, the canvas inputs), forwar
 head), sampler, publish (the step's one device-to-host copy).
 
 The floor of a step is the larger of streaming its weights once (the experts its tokens touch)
-and its GEMM FLOPs at the tensor-core peak.
+and its GEMM FLOPs at the tensor-core peak. The report also counts the steps' host-to-device
+copies from pageable memory (per phase; the goal is none) and compares a denoise step's
+inputs-phase host work at two context lengths (`--contexts`; the goal is no growth).
 """
 
 from __future__ import annotations

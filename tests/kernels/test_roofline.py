@@ -14,6 +14,8 @@ import torch
 
 from engine.device import cuda
 from engine.logits.processors import token_counts
+from engine.model.config import LayerType
+from engine.model.kv_cache import PagedKVCache
 from kernels import resolve_kernels
 from loadtest.gpu import roofline
 from loadtest.gpu.accountant import H200, Accountant
@@ -122,13 +124,17 @@ def test_copies_from_pageable_memory_are_flagged_and_staged_ones_are_not() -> No
     assert cuda.STAGING_OBSERVERS == []  # serving never pays for the accountant's hook
 
 
-def test_the_penalties_token_counts_copy_from_pinned_memory() -> None:
+def test_the_penalties_and_the_sliding_page_copies_copy_from_pinned_memory() -> None:
+    cache = PagedKVCache(
+        model_config(toy=True).text, dict.fromkeys(LayerType, 4), 16, torch.bfloat16, META
+    )
     acct = Accountant("meta")
     with acct:
         counts = token_counts([1, 2, 3], [3, 4, 4], META)
+        cache.copy_pages(LayerType.SLIDING, [0, 1], [2, 3])
     assert counts.seen.device == META and counts.counts.dtype == torch.float32
     assert acct.pageable_copies() == []
-    assert sum(r.copy == "pinned" for r in acct.records) == 3
+    assert sum(r.copy == "pinned" for r in acct.records) == 5
 
 
 def test_the_inputs_host_work_of_a_step_does_not_grow_with_its_context() -> None:
