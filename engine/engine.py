@@ -26,11 +26,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from engine.batched_sampler import new_seed
 from engine.cpu_threads import make_tuner
-from engine.device.cuda import fatal_device_error
+from engine.device.cuda import fatal_device_error, to_device
 from engine.device.memory import MemoryConfig, device_memory, model_shapes, plan_memory
 from engine.inputs.images import ImageProcessor, PreparedImage, image_spans, image_token_positions
 from engine.inputs.tokenizer import Tokenizer
@@ -376,7 +377,7 @@ def _kind_batches(
             assert out.last_logits is not None
             logits = out.last_logits
             if picked != list(range(out.last_logits.shape[0])):
-                logits = logits[torch.tensor(picked, device=logits.device)]
+                logits = logits[to_device(np.array(picked, dtype=np.int64), logits.device)]
         rows_of_kind = [rows[i] for i in positions]
         verify_logits = tuple(verify[i] for i in positions if i in verify)
         kind_canvas = canvas if spec.decode else None

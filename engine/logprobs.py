@@ -12,8 +12,10 @@ temporaries are made a few positions at a time.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from engine.device.cuda import to_device
 from engine.types import TokenLogprob
 
 CHUNK_ELEMENTS = 1 << 23  # positions x vocabulary per chunk (32 MiB of fp32)
@@ -27,7 +29,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_k: int) -> list[
         return []
     vocab = logits.shape[-1]
     chunk = max(1, CHUNK_ELEMENTS // vocab)
-    ids = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+    ids = to_device(np.array(tokens, dtype=np.int64), logits.device)
     chosen_parts, top_v_parts, top_i_parts = [], [], []
     for start in range(0, num, chunk):
         rows = logits[start : min(start + chunk, num)].float()

@@ -225,8 +225,11 @@ class Constraint:
 
     def mask_logits(self, logits: torch.Tensor) -> None:
         """Before sampling an AR token: logits [V] (any device) outside the grammar set to
-        -inf in place."""
-        logits.masked_fill_(~self.allowed().to(logits.device), float("-inf"))
+        -inf in place (the mask moves from pinned memory on a GPU: `to_device`)."""
+        from engine.device.cuda import to_device
+
+        allowed = to_device(self.allowed().numpy(), logits.device)
+        logits.masked_fill_(~allowed, float("-inf"))
 
     def commit_ar(self, sampled: int, remaining: int) -> int:
         """After sampling: the token to commit (the sampled one, or the closing policy's when

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.device.cuda import to_device
 from engine.inputs.images import PreparedImage
 from engine.model.vision import VisionTower
 
@@ -76,8 +77,8 @@ class VisionEncoder:
         todo = list({i.digest: i for i in images if i.digest not in self._cache}.values())
         if not todo:
             return
-        pixels = torch.from_numpy(np.stack([i.pixel_values for i in todo])).to(self.device)
-        positions = torch.from_numpy(np.stack([i.position_ids for i in todo])).to(self.device)
+        pixels = to_device(np.stack([i.pixel_values for i in todo]), self.device)
+        positions = to_device(np.stack([i.position_ids for i in todo]), self.device)
         soft = self.tower(pixels, positions.long())  # [sum of soft tokens, H]
         for image, features in zip(todo, soft.split([i.num_tokens for i in todo]), strict=True):
             self._cache[image.digest] = features

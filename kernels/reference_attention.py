@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,11 +74,14 @@ class PagedRows:
         page_tables: list[list[int]] | torch.Tensor,
         device: torch.device | str = "cpu",
         span: torch.Tensor | None = None,
+        stage: Callable[[np.ndarray], torch.Tensor] | None = None,
     ) -> PagedRows:
         """Pack per-row Python lists (as the engine's rows hold them) into device tensors;
         `page_tables`: each row's list, or the [R, max_pages] int32 table already on `device`
         (the engine's device page tables); `span`: [N, 2] (first, last) of each packed new
-        token, or None (class docstring)."""
+        token on the host, or None (class docstring); `stage`: moves a host array to `device`
+        without waiting (the engine's `engine.device.cuda.to_device`), or None: pinned here
+        for a GPU."""
         offsets = [0, *itertools.accumulate(num_tokens[:-1])]
         table: list[int] = []
         if not isinstance(page_tables, torch.Tensor):
@@ -88,16 +92,14 @@ class PagedRows:
         # by numpy, faster than `torch.tensor` from a list; pinned for a GPU, where a copy from
         # pageable memory may wait for the stream.
         columns = [*starts, *offsets, *num_tokens, *map(int, decode), *table]
-        cuda = torch.device(device).type == "cuda"
-        host = torch.from_numpy(np.array(columns, dtype=np.int32))
-        packed = (host.pin_memory() if cuda else host).to(device, non_blocking=True)
+        move = stage or (lambda array: _pinned_copy(array, device))
+        packed = move(np.array(columns, dtype=np.int32))
         num_rows = len(starts)
         start, offset, count, flags, pages = packed.split([num_rows] * 4 + [len(table)])
         if isinstance(page_tables, torch.Tensor):
             pages = page_tables
         if span is not None:
-            span = span.to(torch.int32).contiguous()
-            span = (span.pin_memory() if cuda else span).to(device, non_blocking=True)
+            span = move(span.to(torch.int32).contiguous().numpy())
         return PagedRows(
             start=start,
             offset=offset,
@@ -112,6 +114,13 @@ class PagedRows:
             no_decode=not any(decode),
             span=span,
         )
+
+
+def _pinned_copy(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """`array` on `device` by a copy that does not wait: from pinned memory for a GPU."""
+    host = torch.from_numpy(array)
+    cuda = torch.device(device).type == "cuda"
+    return (host.pin_memory() if cuda else host).to(device, non_blocking=True)
 
 
 def prefix_range(start: int, window: int) -> tuple[int, int]:

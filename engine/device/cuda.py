@@ -7,6 +7,8 @@ code did before it (no device selection, plain host memory).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -23,6 +25,14 @@ FATAL_ERROR_TEXTS = (
     "cublas",
     "triton error [cuda]",
 )
+
+
+# Told of each host tensor that a copy to a device reads without waiting: every `host_buffer`
+# (pinned on CUDA) and, on other devices, the host memory `to_device` moves (which CUDA would
+# stage in one). Empty when serving; the roofline's accountant (`loadtest.gpu.accountant`)
+# appends to it to tell, on the meta device where nothing can be pinned, the copies CUDA makes
+# from pinned memory from those it makes from pageable memory.
+STAGING_OBSERVERS: list[Callable[[torch.Tensor], None]] = []
 
 
 def select_device(device: torch.device | str) -> None:
@@ -64,7 +74,10 @@ def host_buffer(
     blocks come from torch's caching host allocator, which reuses a block only once the copies
     queued from it have run, so a buffer may be dropped as soon as its copy is queued."""
     pin = torch.device(device).type == "cuda"
-    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    buffer = torch.empty(shape, dtype=dtype, pin_memory=pin)
+    for observe in STAGING_OBSERVERS:
+        observe(buffer)
+    return buffer
 
 
 def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
@@ -73,6 +86,8 @@ def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
     `torch.from_numpy` gives it (no copy)."""
     host = torch.from_numpy(np.ascontiguousarray(array))
     if torch.device(device).type != "cuda":
+        for observe in STAGING_OBSERVERS:
+            observe(host)
         return host.to(device, non_blocking=True)
     staged = host_buffer(tuple(host.shape), host.dtype, device)
     staged.copy_(host)

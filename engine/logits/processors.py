@@ -26,8 +26,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from engine.device.cuda import to_device
 from engine.logits.filters import filter_logits_, top_p_floor
 from engine.params import ResolvedParams
 from engine.request import RequestState
@@ -99,13 +101,10 @@ def token_counts(
     seen = sorted(set(prompt_ids).union(counted))
     generated = list(counted)
 
-    def put(values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
     return TokenCounts(
-        seen=put(seen, torch.long),
-        generated=put(generated, torch.long),
-        counts=put([float(counted[t]) for t in generated], torch.float32),
+        seen=to_device(np.array(seen, dtype=np.int64), device),
+        generated=to_device(np.array(generated, dtype=np.int64), device),
+        counts=to_device(np.array([counted[t] for t in generated], dtype=np.float32), device),
     )
 
 
@@ -142,8 +141,8 @@ def process_(logits: torch.Tensor, req: RequestState) -> None:
         ids, biases = zip(*params.logit_bias, strict=True)
         add_bias_(
             logits,
-            torch.tensor(ids, dtype=torch.long, device=device),
-            torch.tensor(biases, dtype=torch.float32, device=device),
+            to_device(np.array(ids, dtype=np.int64), device),
+            to_device(np.array(biases, dtype=np.float32), device),
         )
     if penalises(params):
         counts = token_counts(req.prompt_ids, req.output_ids, device)

@@ -154,6 +154,7 @@ class ForwardBatch:
                 tables[layer_type] if tables else [r.pages[layer_type] for r in self.rows],
                 device,
                 self.span(),
+                lambda array: to_device(array, device),
             )
         return self._cache[key]  # type: ignore[return-value]
 
@@ -235,8 +236,8 @@ class PagedKVCache:
         """Copy pages src[i] -> dst[i] in every layer of `layer_type` (all sources are read
         before any destination is written)."""
         device = self.keys[0].device
-        src_index = torch.tensor(src, dtype=torch.long, device=device)
-        dst_index = torch.tensor(dst, dtype=torch.long, device=device)
+        src_index = to_device(np.array(src, dtype=np.int64), device)
+        dst_index = to_device(np.array(dst, dtype=np.int64), device)
         for layer, kind in enumerate(self.layer_types):
             if kind is layer_type:
                 for pool in (self.keys[layer], self.values[layer]):

@@ -3,7 +3,8 @@ bytes moved, kernel launches and host synchronisations, and predicts its time on
 peak rates (`Hardware`): max(FLOPs / peak, bytes / bandwidth) + a per-launch cost.
 
 - FLOPs: `torch.utils.flop_counter`'s formulas (matmuls, convolutions, attention); the custom
-  ops (`canvas::*`) have their own rules below, which model the Triton kernels that CUDA runs.
+  ops (`canvas::*`) have their own rules (`loadtest.gpu.custom_rules`), which model the
+  Triton kernels that CUDA runs.
 - Bytes: the sizes of an op's tensor inputs and outputs; views and allocations move nothing;
   gathers read their output's worth of rows, in-place scatters read and write their values.
 - Syncs: ops whose output shape or value the host needs (`.item()`, `nonzero`, `bincount`,
@@ -11,27 +12,31 @@ peak rates (`Hardware`): max(FLOPs / peak, bytes / bandwidth) + a per-launch cos
   host and the device. On the meta device they cannot run: the accountant records them and
   returns a stand-in (an upper-bound shape, a zero), so the step runs on.
 - Ops on host tensors (the inputs a step builds on the CPU) are host work, not kernels.
+- Host-to-device copies by source memory: pinned when the source was staged by
+  `engine.device.cuda` (a `host_buffer`, pinned on CUDA, or what `to_device` moves, which CUDA
+  stages in one: told through `STAGING_OBSERVERS`), pageable otherwise (a tensor made from a
+  list or a numpy array and moved with `.to`, `torch.tensor(..., device=)`). On the meta device
+  nothing is pinned: the accountant counts what CUDA would do. A copy from pageable memory may
+  wait for the stream (CUDA stages it through a pinned buffer of its own).
 
 `phase(name)` labels what follows (inputs, forward, sampler, publish) for the sync checks.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from kernels.reference import ALIGN_CHUNK, align_capacity
-from kernels.reference_sampler import PROBS_CHUNK_BYTES
+from engine.device import cuda as device_cuda
 from loadtest.gpu.call_sites import in_prepare, project_frame
+from loadtest.gpu.custom_rules import CUSTOM_RULES, nbytes, tensors_of
 
 aten = torch.ops.aten
 
@@ -77,7 +82,9 @@ _SDPA_CPU = {aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_a
 @dataclass(slots=True)
 class OpRecord:
     """One op of a step. `gemm`: counts towards the step's GEMM FLOPs; `fp32`: a GEMM in fp32;
-    `host`: ran on host tensors (no kernel); `sync`: the kind of host synchronisation, if any."""
+    `host`: ran on host tensors (no kernel); `sync`: the kind of host synchronisation, if any;
+    `copy`: "pinned" or "pageable" for a host-to-device copy (its source memory on CUDA);
+    `host_bytes`: the host memory it reads (a host op's inputs and outputs, a copy's source)."""
 
     name: str
     phase: str
@@ -91,6 +98,8 @@ class OpRecord:
     sync: str = ""
     where: str = ""
     wall_s: float = 0.0  # the op's own run time here (meaningful on a real device only)
+    copy: str = ""
+    host_bytes: float = 0.0
 
     def seconds(self, hw: Hardware) -> float:
         if self.host:
@@ -118,14 +127,6 @@ def sdpa_flops(q: torch.Tensor, k: torch.Tensor) -> float:
     return 4.0 * batch * q.shape[-2] * k.shape[-2] * q.shape[-1]
 
 
-def _nbytes(tensors: list[Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def _tensors(*trees: Any) -> list[torch.Tensor]:
-    return [t for tree in trees for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
 class Accountant(TorchDispatchMode):
     """Records the ops run under it (see the module docstring). `device_type`: where the
     step's kernels run ("meta" for a prediction, "cpu" for a calibration run); ops on other
@@ -137,6 +138,19 @@ class Accountant(TorchDispatchMode):
         self.rows = rows or StepRows()
         self.records: list[OpRecord] = []
         self.current = "step"
+        # Host memory staged for copies while active (module docstring): the storages are
+        # held, so that no pageable tensor made later can take a staged one's address.
+        self._staged: list[torch.UntypedStorage] = []
+        self._staged_ptrs: set[int] = set()
+
+    def _observe(self, staged: torch.Tensor) -> None:
+        storage = staged.untyped_storage()
+        self._staged.append(storage)
+        self._staged_ptrs.add(storage.data_ptr())
+
+    def pinned(self, host: torch.Tensor) -> bool:
+        """Whether a copy from `host` would read pinned memory on CUDA (module docstring)."""
+        return host.untyped_storage().data_ptr() in self._staged_ptrs
 
     def __enter__(self) -> Accountant:
         # `torch.tensor(data, device=...)` copies without reaching the dispatcher (on CUDA a
@@ -146,14 +160,17 @@ class Accountant(TorchDispatchMode):
         def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
             out = make(data, *args, **kwargs)
             if out.device.type == self.device_type != "cpu":
-                self.sync("tensor", "blocking host to device copy", _nbytes([out]))
+                self.sync("tensor", "blocking host to device copy", nbytes([out]))
+                self.records[-1].copy, self.records[-1].host_bytes = "pageable", nbytes([out])
             return out
 
         torch.tensor = tensor  # type: ignore[assignment]
+        device_cuda.STAGING_OBSERVERS.append(self._observe)
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *exc: object) -> None:
         torch.tensor = self._tensor  # type: ignore[assignment]
+        device_cuda.STAGING_OBSERVERS.remove(self._observe)
         super().__exit__(*exc)
 
     @contextmanager
@@ -175,7 +192,7 @@ class Accountant(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        tensors = _tensors(args, kwargs)
+        tensors = tensors_of(args, kwargs)
         on_device = any(t.device.type == self.device_type for t in tensors) or (
             str(kwargs.get("device", "")).startswith(self.device_type)
         )
@@ -211,13 +228,31 @@ class Accountant(TorchDispatchMode):
             record.gemm = packet in GEMMS
             record.fp32 = record.gemm and tensors[0].dtype == torch.float32
             record.attention = "scaled_dot_product" in str(packet)
-        if sync:
+        source = self._host_source(func, args, kwargs) if on_device else None
+        if source is not None:
+            record.copy = "pinned" if self.pinned(source) else "pageable"
+            record.host_bytes = nbytes([source])
+        elif record.host:
+            record.host_bytes = record.bytes
+        if sync or source is not None:
             record.where = project_frame()
-            if self.current == "forward" and in_prepare():
-                record.phase = "inputs"
-        if on_device or sync:
-            self.records.append(record)
+        if self.current == "forward" and (
+            (sync and in_prepare()) or (record.host_bytes and in_prepare(runner_calls=True))
+        ):
+            record.phase = "inputs"
+        self.records.append(record)
         return out
+
+    def _host_source(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> torch.Tensor | None:
+        """The host tensor a copy to the step's device reads, or None (not such a copy)."""
+        if func.overloadpacket not in _COPIES or self.device_type == "cpu":
+            return None
+        named = _named(func, args, kwargs)
+        src = named.get("src", named.get("self"))
+        dst = named["self"].device if "src" in named else named.get("device")
+        if src.device.type != "cpu" or dst is None:
+            return None
+        return src if torch.device(dst).type == self.device_type else None
 
     @staticmethod
     def _sync_kind(func: Any, args: tuple[Any, ...], kwargs: Any, tensors: list[Any]) -> str:
@@ -254,6 +289,20 @@ class Accountant(TorchDispatchMode):
     def syncs(self, phases: tuple[str, ...] | None = None) -> list[OpRecord]:
         return [r for r in self.records if r.sync and (phases is None or r.phase in phases)]
 
+    def pageable_copies(self, phases: tuple[str, ...] | None = None) -> list[OpRecord]:
+        """The host-to-device copies from pageable memory (module docstring)."""
+        return [
+            r
+            for r in self.records
+            if r.copy == "pageable" and (phases is None or r.phase in phases)
+        ]
+
+    def host_work(self, phase: str) -> tuple[int, float]:
+        """(ops, bytes) of the host work of `phase`: ops on host tensors and host-to-device
+        copies (numpy work before them is not seen, but its results are what they copy)."""
+        work = [r for r in self.records if r.phase == phase and (r.host or r.copy)]
+        return len(work), sum(r.host_bytes for r in work)
+
     @property
     def launches(self) -> int:
         return sum(r.launches for r in self.records if not r.host)
@@ -264,13 +313,13 @@ class Accountant(TorchDispatchMode):
 
 
 def _op_bytes(packet: Any, args: tuple[Any, ...], out: Any, tensors: list[Any]) -> float:
-    outs = _tensors(out)
+    outs = tensors_of(out)
     if packet in _GATHERS:  # reads the rows it gathers (and the index), writes them
         index = [t for t in tensors[1:] if not t.is_floating_point()]
-        return 2 * _nbytes(outs) + _nbytes(index)
+        return 2 * nbytes(outs) + nbytes(index)
     if packet in _SCATTERS_IN_PLACE:  # reads the values (and the index), writes them
-        return 2 * _nbytes(tensors[1:])
-    return _nbytes(tensors) + _nbytes(outs)
+        return 2 * nbytes(tensors[1:])
+    return nbytes(tensors) + nbytes(outs)
 
 
 def _stand_in(func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -310,180 +359,7 @@ def _named(func: Any, args: tuple[Any, ...], kwargs: Any) -> dict[str, Any]:
 def custom_records(acct: Accountant, func: Any, args: tuple[Any, ...], out: Any) -> list[OpRecord]:
     name = func.overloadpacket.__name__
     rule = CUSTOM_RULES.get(name)
-    io = _nbytes(_tensors(args, out))
+    io = nbytes(tensors_of(args, out))
     if rule is None:
         return [OpRecord(f"canvas.{name}", acct.current, bytes=io)]
     return [OpRecord(f"canvas.{r.name}", acct.current, **r.cost) for r in rule(acct, args, out)]
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    name: str
-    cost: dict[str, Any]
-
-
-Rule = Callable[["Accountant", tuple[Any, ...], Any], list[Part]]
-
-
-def _attention(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
-    q, k = args[0], args[1]
-    window = args[-2]  # the op's arguments end with (window, scale)
-    num_tokens, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    rows = acct.rows.rows or [(0, num_tokens, True)]
-    flops = kv_bytes = 0.0
-    for start, new, decode in rows:
-        prefix = min(start, window - 1) if window else start
-        keys = prefix + (new if decode else (new + 1) / 2)  # causal: half the block on average
-        flops += 4 * heads * dim * new * keys
-        kv_bytes += 2 * (prefix + new) * kv_heads * dim * k.element_size()
-    io = 2 * q.numel() * q.element_size() + kv_bytes
-    cost = {"flops": flops, "bytes": io, "gemm": True, "attention": True}
-    return [Part("canvas_attention", cost)]
-
-
-def _write_kv(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
-    k, v = args[0], args[1]
-    rows = acct.rows.rows or [(0, k.shape[0], False)]
-    share = sum(n for _, n, d in rows if not d) / max(sum(n for _, n, _ in rows), 1)
-    # No launch when every row is a DECODE row (a denoise step writes no KV).
-    return [Part("write_kv", {"bytes": 2 * share * _nbytes([k, v]), "launches": int(share > 0)})]
-
-
-def _route(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
-    hidden, proj = args[0], args[2]
-    flops = 2 * hidden.shape[0] * hidden.shape[1] * proj.shape[0]
-    io = _nbytes([hidden, proj, *out])
-    return [Part("route_experts", {"flops": flops, "bytes": io, "gemm": True})]
-
-
-def touched_experts(num_tokens: int, num_experts: int, top_k: int) -> float:
-    """Expected distinct experts that `num_tokens` tokens route to (top_k each, uniform)."""
-    return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
-
-
-def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
-    """Triton's fused_moe (kernels/triton_moe.py): align the pairs, a GEGLU grouped GEMM, a
-    weighted down GEMM writing each row of a [N*K, H] buffer (the hidden dtype) once, the slot
-    sum and the cast in one pass."""
-    hidden, gate_up, down, weights, ids = args
-    num_tokens, hid = hidden.shape
-    num_experts, two_inter, _ = gate_up.shape
-    inter, top_k = two_inter // 2, ids.shape[1]
-    pairs, el = num_tokens * top_k, hidden.element_size()
-    experts = touched_experts(num_tokens, num_experts, top_k)
-    w_bytes = experts * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
-    gemm = {
-        "flops": 2 * pairs * hid * two_inter + 2 * pairs * inter * hid,
-        "bytes": w_bytes + pairs * hid * el + 2 * pairs * inter * el + pairs * hid * el,
-        "launches": 2,
-        "gemm": True,
-    }
-    parts = [Part("fused_moe.align_pairs", cost) for cost in align_pairs_costs(ids, num_experts)]
-    pair_rows = pairs * hid * el
-    return [
-        *parts,
-        Part("fused_moe.expert_gemms", gemm),
-        Part("fused_moe.slot_sum_cast", {"bytes": pair_rows + num_tokens * hid * el}),
-    ]
-
-
-def align_pairs_costs(ids: torch.Tensor, num_experts: int) -> list[dict[str, Any]]:
-    """`triton_moe.align_pairs`: three launches and no sync (per-chunk expert counts, one
-    program's prefix sums, the placement with the block map and padding rows); it reads the
-    ids twice and the [chunks, E] counts three times, and writes the rows and the block map."""
-    num_pairs, block_m = ids.numel(), 64
-    capacity = align_capacity(num_pairs, num_experts, block_m)
-    counts = math.ceil(num_pairs / ALIGN_CHUNK) * max(16, 1 << (num_experts - 1).bit_length())
-    io = (
-        2 * num_pairs * ids.element_size() + 3 * counts * 4 + capacity * 4 + capacity // block_m * 4
-    )
-    return [{"bytes": io, "launches": 3}]
-
-
-def _sample_cost(logits: torch.Tensor, probs_size: int = 0) -> dict[str, Any]:
-    # `_sample_kernel`: one program per position, two passes over the vocabulary; with
-    # `probs_size` (bytes per probability), the second pass writes the soft embedding's.
-    return {"bytes": logits.numel() * (2 * logits.element_size() + probs_size)}
-
-
-def _probs_chunks(logits: torch.Tensor, weight: torch.Tensor) -> int:
-    positions, vocab = logits.shape
-    per_chunk = max(1, PROBS_CHUNK_BYTES // max(1, vocab * weight.element_size()))
-    return max(1, math.ceil(positions / per_chunk))
-
-
-def _soft_cost(logits: torch.Tensor, weight: torch.Tensor) -> list[Part]:
-    """The soft embedding's GEMM of `triton_sampler`: probabilities [P, V] in weight's dtype
-    (written by the sampler or `_probs_kernel`) times the embedding matrix, a chunk of
-    positions at a time (cuBLAS: the matrix read once per chunk), then the scale."""
-    positions, vocab = logits.shape
-    hidden, chunks = weight.shape[1], _probs_chunks(logits, weight)
-    el = weight.element_size()
-    gemm = {
-        "flops": 2 * positions * vocab * hidden,
-        "bytes": positions * vocab * el + chunks * weight.numel() * el + positions * hidden * el,
-        "launches": chunks,
-        "gemm": True,
-    }
-    return [
-        Part("soft_embedding.gemm", gemm),
-        Part("soft_embedding.scale", {"bytes": 2 * positions * hidden * el}),
-    ]
-
-
-def _fused_sample(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
-    return [Part("fused_sample", _sample_cost(args[0]))]
-
-
-def _soft_embedding(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
-    logits, weight = args[0], args[3]
-    probs = {
-        "bytes": logits.numel() * (logits.element_size() + weight.element_size()),
-        "launches": _probs_chunks(logits, weight),
-    }
-    return [Part("soft_embedding.probs", probs), *_soft_cost(logits, weight)]
-
-
-def _sample_and_embed(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
-    logits, weight = args[0], args[3]
-    sample = _sample_cost(logits, weight.element_size())
-    sample["launches"] = _probs_chunks(logits, weight)
-    return [Part("fused_sample", sample), *_soft_cost(logits, weight)]
-
-
-def _one_pass(name: str) -> Rule:
-    """A memory-bound kernel of one launch that reads its inputs and writes its output once:
-    `triton_norm`'s RMSNorm (x, weight, out), q/k/v norms and RoPE (q, k, v, their weights,
-    cos, sin and the three outputs) and softcap (the head's output, fp32 logits), the
-    Philox kernel (seeds, counters, uniforms), and `triton_layer`'s tails (the norms' inputs,
-    weights, residual and layer scalar; their one or two outputs)."""
-
-    def rule(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
-        return [Part(name, {"bytes": _nbytes(_tensors(args, out))})]
-
-    return rule
-
-
-def _accept(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
-    return [Part("entropy_accept", {"bytes": 2 * _nbytes([args[0], out]), "launches": 2})]
-
-
-CUSTOM_RULES: dict[str, Rule] = {
-    "rms_norm": _one_pass("rms_norm"),
-    "qkv_norm_rope": _one_pass("qkv_norm_rope"),
-    "softcap": _one_pass("softcap"),
-    "philox_uniform": _one_pass("philox_uniform"),
-    "add_rms_norm": _one_pass("add_rms_norm"),
-    "rms_norm_pair": _one_pass("rms_norm_pair"),
-    "close_layer": _one_pass("close_layer"),
-    "gated_act": _one_pass("gated_act"),
-    "canvas_attention": _attention,
-    "write_kv": _write_kv,
-    "route_experts": _route,
-    "fused_moe": _moe,
-    "fused_sample": _fused_sample,
-    "soft_embedding": _soft_embedding,
-    "sample_and_embed": _sample_and_embed,
-    "entropy_accept": _accept,
-}

@@ -16,10 +16,16 @@ def project_frame() -> str:
     return "?"
 
 
-def in_prepare() -> bool:
-    """Inside `ForwardBatch.prepare`: the runner's inputs, moved before the forward is queued
-    (the accountant cannot see where `ModelRunner.execute` starts queueing kernels)."""
-    return any(
-        f.name == "prepare" and f.filename.endswith("kv_cache.py")
+def in_prepare(runner_calls: bool = False) -> bool:
+    """Inside the runner's preparation of its inputs, before the forward is queued: its page
+    tables (`ModelRunner._batch`) or `ForwardBatch.prepare`; with `runner_calls`, also an op
+    that `ModelRunner.execute` calls itself (the host-made inputs it moves before the forward:
+    the accountant cannot see where `execute` starts queueing kernels, so only host work)."""
+    frames = [
+        (f.filename.replace("\\", "/").rsplit("/", 1)[-1], f.name)
         for f in traceback.extract_stack()
-    )
+        if "/engine/" in f.filename.replace("\\", "/") and "/engine/device/" not in f.filename
+    ]
+    if any(f in (("kv_cache.py", "prepare"), ("runner.py", "_batch")) for f in frames):
+        return True
+    return runner_calls and bool(frames) and frames[-1] == ("runner.py", "execute")

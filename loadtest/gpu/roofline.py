@@ -12,7 +12,9 @@ AR sampler). Phases: inputs (host-made tensors moved, the canvas inputs), forwar
 head), sampler, publish (the step's one device-to-host copy).
 
 The floor of a step is the larger of streaming its weights once (the experts its tokens touch)
-and its GEMM FLOPs at the tensor-core peak.
+and its GEMM FLOPs at the tensor-core peak. The report also counts the steps' host-to-device
+copies from pageable memory (per phase; the goal is none) and compares a denoise step's
+inputs-phase host work at two context lengths (`--contexts`; the goal is no growth).
 """
 
 from __future__ import annotations
@@ -26,17 +28,20 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from engine.batched_sampler import BatchedSampler, to_host
+from engine.device.cuda import to_device
 from engine.kv_pages import PageTables
 from engine.model import DiffusionLM
 from engine.model.config import LayerType, ModelConfig
 from engine.model.kv_cache import PagedKVCache
 from engine.runner import EncodeInput, ModelRunner, StepInputs
 from kernels import KernelSet, resolve_kernels
-from loadtest.gpu.accountant import GPUS, Accountant, Hardware, OpRecord, StepRows, touched_experts
+from loadtest.gpu.accountant import GPUS, Accountant, Hardware, OpRecord, StepRows
 from loadtest.gpu.bench import meta_model, model_config
+from loadtest.gpu.custom_rules import touched_experts
 
 KINDS = ("denoise", "commit", "prefill", "ar")
 PREFIX_LEN = 1024
@@ -76,38 +81,57 @@ def _pages(row: int, per_row: int) -> PageTables:
     return PageTables(full=pages, ring=list(pages), num_logical=per_row)
 
 
-def step_rows(kind: str, canvases: int, canvas: int) -> tuple[list[int], list[EncodeInput]]:
-    """(starts of the DENOISE rows, the ENCODE rows) of a step kind; pages are filled in later."""
-    per_row = math.ceil((PREFIX_LEN + 2 * canvas + PREFILL_CHUNK) / PAGE_SIZE)
+def pages_per_row(canvas: int, prefix: int = PREFIX_LEN) -> int:
+    return math.ceil((prefix + 2 * canvas + PREFILL_CHUNK) / PAGE_SIZE)
+
+
+def step_rows(
+    kind: str, canvases: int, canvas: int, prefix: int = PREFIX_LEN
+) -> tuple[list[int], list[EncodeInput]]:
+    """(starts of the DENOISE rows, the ENCODE rows) of a step kind, each row's context
+    `prefix` tokens; the DENOISE rows' pages are `_pages` of their index."""
+    per_row = pages_per_row(canvas, prefix)
     denoise, encode = [], []
     for r in range(canvases):
         pages = _pages(r, per_row)
         if kind == "denoise":
-            denoise.append(PREFIX_LEN)
+            denoise.append(prefix)
         elif kind == "commit":  # the commit pass, and the next canvas's first step after it
-            encode.append(EncodeInput(PREFIX_LEN, [5] * canvas, pages, False))
-            denoise.append(PREFIX_LEN + canvas)
+            encode.append(EncodeInput(prefix, [5] * canvas, pages, False))
+            denoise.append(prefix + canvas)
         elif kind == "prefill":
-            encode.append(EncodeInput(PREFIX_LEN, [5] * PREFILL_CHUNK, pages, False))
+            encode.append(EncodeInput(prefix, [5] * PREFILL_CHUNK, pages, False))
         else:
-            encode.append(EncodeInput(PREFIX_LEN, [5], pages, True))
+            encode.append(EncodeInput(prefix, [5], pages, True))
     return denoise, encode
 
 
 class StepHarness:
-    """One step of `kind` over `canvases` rows as the engine runs it (fast numerics): its KV
-    pools, runner and sampler built once, `run` repeatable (a calibration times it)."""
+    """One step of `kind` over `canvases` rows of `prefix` tokens of context as the engine runs
+    it (fast numerics): its KV pools, runner and sampler built once, `run` repeatable (a
+    calibration times it). The rows' sequences are already running: the runner's device page
+    tables hold their tables (written when a sequence joins or its tables change)."""
 
-    def __init__(self, model: DiffusionLM, kind: str, canvases: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: DiffusionLM,
+        kind: str,
+        canvases: int,
+        device: torch.device,
+        prefix: int = PREFIX_LEN,
+    ) -> None:
         config, self.canvas = model.config, model.config.canvas_length
         self.kind, self.device = kind, device
-        self.starts, self.encode = step_rows(kind, canvases, self.canvas)
-        self.per_row = math.ceil((PREFIX_LEN + 2 * self.canvas + PREFILL_CHUNK) / PAGE_SIZE)
+        self.starts, self.encode = step_rows(kind, canvases, self.canvas, prefix)
+        self.per_row = pages_per_row(self.canvas, prefix)
         cache = PagedKVCache(
             config.text, dict.fromkeys(LayerType, canvases * self.per_row), PAGE_SIZE,
             model.embed_tokens.weight.dtype, device,
         )  # fmt: skip
-        self.runner = ModelRunner(model, cache)
+        self.pages = [_pages(r, self.per_row) for r in range(len(self.starts))]
+        held = self.pages + [e.pages for e in self.encode]
+        self.runner = ModelRunner(model, cache, max_rows=len(held))
+        self.runner.tables.gather(held)
         embed = model.embed_tokens.weight
         scale = float(model.embed_scale)
         self.sampler = BatchedSampler(model.kernels, embed, scale, self.canvas, canvases)
@@ -125,13 +149,11 @@ class StepHarness:
     def _run(self, phase: Callable[[str], contextlib.AbstractContextManager[None]]) -> None:
         device, starts, encode, sampler = self.device, self.starts, self.encode, self.sampler
         with phase("inputs"):
-            pages = [_pages(r, self.per_row) for r in range(len(starts))]
-            inputs = StepInputs(starts, pages, None, [], encode)
+            inputs = StepInputs(starts, self.pages, None, [], encode)
             rows = None
             if starts:  # as engine.sampling.BatchedSampling builds them
-                slots = torch.tensor(list(range(len(starts)))).to(device, non_blocking=True)
-                flags = torch.tensor([self.kind == "commit"] * len(starts))
-                flags = flags.to(device, non_blocking=True)
+                slots = to_device(np.arange(len(starts), dtype=np.int64), device)
+                flags = to_device(np.full(len(starts), self.kind == "commit"), device)
                 ids, soft, rows = sampler.canvas_inputs(slots, flags)
                 inputs = replace(inputs, canvas_ids=ids, soft_embeds=soft)
         with phase("forward"):
@@ -142,8 +164,8 @@ class StepHarness:
                 new, parts = sampler.denoise(out.denoise_logits, rows)
                 sampler.write(new)
             if out.last_logits is not None:  # as engine.sampling.BatchedSampling builds them
-                slots = torch.arange(len(encode)).to(device, non_blocking=True)
-                index = torch.full((len(encode),), 7).to(device, non_blocking=True)
+                slots = to_device(np.arange(len(encode), dtype=np.int64), device)
+                index = to_device(np.full(len(encode), 7, dtype=np.int64), device)
                 parts += sampler.sample_ar(out.last_logits, slots, index)
         with phase("publish"):
             try:
@@ -175,13 +197,35 @@ def weight_bytes(model: DiffusionLM, num_tokens: int) -> float:
     return total
 
 
-def account(model: DiffusionLM, kind: str, canvases: int) -> StepAccount:
+def account(model: DiffusionLM, kind: str, canvases: int, prefix: int = PREFIX_LEN) -> StepAccount:
     meta = torch.device("meta")
     acct = Accountant("meta")
     with torch.inference_mode():
-        StepHarness(model, kind, canvases, meta).run(acct)
+        StepHarness(model, kind, canvases, meta, prefix).run(acct)
     num_tokens = sum(n for _, n, _ in acct.rows.rows)
     return StepAccount(kind, canvases, acct, weight_bytes(model, num_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class InputsWork:
+    """The host work of a step's inputs phase (`Accountant.host_work`) at one context length,
+    and the page-table rows the runner wrote on the host for it."""
+
+    prefix: int
+    ops: int
+    host_bytes: float
+    rows_written: int
+
+
+def inputs_work(model: DiffusionLM, kind: str, canvases: int, prefix: int) -> InputsWork:
+    meta = torch.device("meta")
+    acct = Accountant("meta")
+    with torch.inference_mode():
+        harness = StepHarness(model, kind, canvases, meta, prefix)
+        written = harness.runner.tables.rows_written
+        harness.run(acct)
+    ops, host_bytes = acct.host_work("inputs")
+    return InputsWork(prefix, ops, host_bytes, harness.runner.tables.rows_written - written)
 
 
 # -- reports ---------------------------------------------------------------------------------
@@ -242,12 +286,50 @@ def sync_table(step: StepAccount) -> str:
     return "\n".join(lines)
 
 
+def copies_line(steps: list[StepAccount]) -> str:
+    """The steps' host-to-device copies by source memory, the pageable ones per phase."""
+    pinned = sum(sum(r.copy == "pinned" for r in s.acct.records) for s in steps)
+    pageable = [r for s in steps for r in s.acct.pageable_copies()]
+    phases = ", ".join(
+        f"{p} {sum(r.phase == p for r in pageable)}"
+        for p in ("inputs", "forward", "sampler", "publish")
+    )
+    size = sum(r.host_bytes for r in pageable)
+    line = (
+        f"Host-to-device copies over {len(steps)} steps: {pinned} from pinned memory, "
+        f"{len(pageable)} from pageable memory ({phases}; {size:,.0f} B)"
+    )
+    where: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for r in pageable:
+        where[(r.phase, r.where)].append(r.host_bytes)
+    rows = [f"| {p} | {w} | {len(b)} | {sum(b):,.0f} |" for (p, w), b in sorted(where.items())]
+    table = ["", "| phase | where | pageable copies | bytes |", "|---|---|---|---|", *rows]
+    return line + ("\n".join(table) if rows else "")
+
+
+def context_line(kind: str, canvases: int, work: list[InputsWork]) -> str:
+    """Whether the inputs phase's host work stays the same as the context grows."""
+    cells = "; ".join(
+        f"{w.prefix:,}-token context: {w.ops} ops, {w.host_bytes:,.0f} B, "
+        f"{w.rows_written} page-table rows written"
+        for w in work
+    )
+    same = len({(w.ops, w.host_bytes, w.rows_written) for w in work}) == 1
+    verdict = "independent of context" if same else "GROWS with context"
+    return f"Inputs-phase host work, {kind} at {canvases} canvases: {cells}: {verdict}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--canvases", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--layers", type=int, default=None, help="only the first N layers")
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", default=[2048, 32768],
+        help="context lengths of the inputs-phase host work check",
+    )  # fmt: skip
+    parser.add_argument("--context-canvases", type=int, default=16)
     args = parser.parse_args(argv)
     config = with_layers(model_config(), args.layers)
     kernels = resolve_kernels("cpu", "twins").with_custom_ops()
@@ -263,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{h.bandwidth / 1e12:.2f} TB/s, {h.launch_s * 1e6:.0f} µs/launch, "
         f"{h.sync_s * 1e6:.0f} µs/sync" for h in GPUS) + "\n")  # fmt: skip
     print(summary_table(steps) + "\n")
+    print(copies_line(steps) + "\n")
+    work = [inputs_work(model, "denoise", args.context_canvases, n) for n in args.contexts]
+    print(context_line("denoise", args.context_canvases, work) + "\n")
     for s in steps:
         if s.canvases == max(args.canvases) or s.canvases == 16:
             print(top_ops(s, GPUS[0], args.top) + "\n")

@@ -1,14 +1,21 @@
 """The roofline's accountant (`loadtest.gpu.accountant`) and its dry run: FLOPs and bytes of an op,
-host synchronisations caught on the meta device, and the fast-numerics step (forward, head,
-sampler) at the real shapes on meta, whose forward and sampler must not synchronise."""
+host synchronisations and copies from pageable memory caught on the meta device, and the
+fast-numerics step (forward, head, sampler) at the real shapes on meta, whose forward and
+sampler must not synchronise, which copies from pinned memory only, and whose inputs' host
+work does not grow with the context."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
+from engine.device import cuda
+from engine.logits.processors import token_counts
+from engine.model.config import LayerType
+from engine.model.kv_cache import PagedKVCache
 from kernels import resolve_kernels
 from loadtest.gpu import roofline
 from loadtest.gpu.accountant import H200, Accountant
@@ -75,6 +82,8 @@ def test_a_fast_step_has_no_host_sync_inside_the_forward_or_the_sampler(kind: st
     model = roofline.build(model_config(toy=True), kernels, META)
     step = roofline.account(model, kind, 2)
     assert step.acct.syncs(("forward", "sampler")) == []
+    assert step.acct.pageable_copies() == []
+    assert any(r.copy == "pinned" and r.phase == "inputs" for r in step.acct.records)
     outside = [(r.phase, r.sync) for r in step.acct.syncs()]
     assert outside in ([], [("publish", "device to host copy")]), outside
     assert step.acct.launches > 0 and step.acct.gemm_flops > 0
@@ -87,6 +96,65 @@ def test_the_roofline_dry_run_prints_predictions_at_the_real_shapes(
         roofline.main(["--canvases", "1", "--layers", "6", "--kinds", "denoise", "--top", "3"]) == 0
     )
     out = capsys.readouterr().out
+    assert "from pinned memory, 0 from pageable memory" in out
+    assert "Inputs-phase host work, denoise at 16 canvases" in out
+    assert "independent of context" in out
     assert "| denoise | 1 |" in out and "×floor" in out and "Top ops" in out
     row = next(line for line in out.splitlines() if line.startswith("| denoise | 1 |"))
     assert row.endswith("(0) |"), row  # no sync inside the forward and the sampler
+
+
+def test_copies_from_pageable_memory_are_flagged_and_staged_ones_are_not() -> None:
+    """On CUDA a `host_buffer` is pinned and `to_device` stages through one; anything else a
+    copy to the device reads is pageable (CUDA may make the copy wait for the stream)."""
+    acct = Accountant("meta")
+    with acct:
+        with acct.phase("inputs"):
+            torch.tensor([1, 2, 3]).to(META, non_blocking=True)
+            torch.from_numpy(np.arange(4)).to(META)
+            torch.tensor([1.0], device=META)
+        with acct.phase("sampler"):
+            staged = cuda.host_buffer((4,), torch.int64, META).fill_(3)
+            staged.to(META, non_blocking=True)
+            torch.empty(3, dtype=torch.int64, device=META).copy_(staged[1:], non_blocking=True)
+            cuda.to_device(np.arange(5), META)
+    pageable = [(r.phase, r.host_bytes) for r in acct.pageable_copies()]
+    assert pageable == [("inputs", 24), ("inputs", 32), ("inputs", 4)]
+    assert [r.phase for r in acct.records if r.copy == "pinned"] == ["sampler"] * 3
+    assert cuda.STAGING_OBSERVERS == []  # serving never pays for the accountant's hook
+
+
+def test_the_penalties_and_the_sliding_page_copies_copy_from_pinned_memory() -> None:
+    cache = PagedKVCache(
+        model_config(toy=True).text, dict.fromkeys(LayerType, 4), 16, torch.bfloat16, META
+    )
+    acct = Accountant("meta")
+    with acct:
+        counts = token_counts([1, 2, 3], [3, 4, 4], META)
+        cache.copy_pages(LayerType.SLIDING, [0, 1], [2, 3])
+    assert counts.seen.device == META and counts.counts.dtype == torch.float32
+    assert acct.pageable_copies() == []
+    assert sum(r.copy == "pinned" for r in acct.records) == 5
+
+
+def test_the_inputs_host_work_of_a_step_does_not_grow_with_its_context() -> None:
+    """The runner's device page tables hold running sequences' tables: a step copies a row
+    of them only when a sequence's tables change (then its whole table, which grows)."""
+    kernels = resolve_kernels("cpu", "twins").with_custom_ops()
+    model = roofline.build(model_config(toy=True), kernels, META)
+    work = [roofline.inputs_work(model, "denoise", 3, n) for n in (256, 4096)]
+    assert work[0].ops == work[1].ops and work[0].host_bytes == work[1].host_bytes > 0
+    assert work[0].rows_written == work[1].rows_written == 0
+    assert "independent of context" in roofline.context_line("denoise", 3, work)
+
+    def changed(prefix: int) -> tuple[int, float]:
+        harness = roofline.StepHarness(model, "denoise", 3, META, prefix)
+        for tables in harness.pages:  # e.g. a ring slot swapped: the row is written again
+            tables.version += 1
+        acct = Accountant("meta")
+        with torch.inference_mode():
+            harness.run(acct)
+        return acct.host_work("inputs")
+
+    short, long = changed(256), changed(4096)
+    assert long[1] - short[1] >= 3 * (4096 - 256) // roofline.PAGE_SIZE * 4  # int32 entries
