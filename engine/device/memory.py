@@ -184,11 +184,18 @@ def activation_bytes_per_token(cfg: TextConfig, size: int) -> int:
     return elements * size + 4 * cfg.num_experts
 
 
-def meta_model(config: ModelConfig, dtype: torch.dtype) -> DiffusionLM:
-    """The engine's model for `config` on the meta device: shapes and sizes, no memory."""
+def meta_model(config: ModelConfig, dtype: torch.dtype, quantization: str = "auto") -> DiffusionLM:
+    """The engine's model for `config` on the meta device: shapes and sizes, no memory.
+    `quantization` "fp8": its projections and experts FP8 with their fp32 scales, as
+    `--quantization fp8` loads them (`engine.model.quant`)."""
+    from engine.model.quant import fp8_candidates, make_fp8
+
     with torch.device("meta"):
         model = BACKBONES[config.model_type](config)
-    return model.to(dtype)
+    model = model.to(dtype)
+    if quantization == "fp8":
+        make_fp8(model, [name for group in fp8_candidates(model).values() for name in group])
+    return model
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,14 @@ from engine.model.base import DiffusionLM
 from engine.model.config import CheckpointError, ModelConfig, parse_model_config
 from engine.model.diffusion_gemma import DiffusionGemma
 from engine.model.llama import LlamaDiffusion
-from engine.model.quant import SAFETENSORS_FP8, Fp8Choice, choose_fp8, make_fp8, read_layout
+from engine.model.quant import (
+    SAFETENSORS_FP8,
+    Fp8Choice,
+    choose_fp8,
+    make_fp8,
+    read_layout,
+    refuse_exact,
+)
 from kernels import resolve_kernels
 
 logger = logging.getLogger(__name__)
@@ -172,12 +179,8 @@ def load_model(
     config = load_model_config(model_dir)
     target = resolve_dtype(dtype, config)
     layout = read_layout(model_dir)
-    if exact and (layout is not None or quantization == "fp8"):
-        what = "an FP8 checkpoint" if layout is not None else "--quantization fp8"
-        raise ValueError(
-            f"--exact cannot run {what}: exact numerics are the reference's on unquantized "
-            "weights; drop --exact or --quantization fp8 (or load an unquantized checkpoint)"
-        )
+    fp8_source = "--quantization fp8" if quantization == "fp8" else None
+    refuse_exact(exact, "an FP8 checkpoint" if layout is not None else fp8_source)
     with ExitStack() as stack:
         tensors = _Tensors(weight_files(model_dir), stack)
         config = _with_vision_weights(config, tensors)

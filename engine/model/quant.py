@@ -150,6 +150,16 @@ def _expect(where: str, value: Any, want: Any) -> None:
         )
 
 
+def refuse_exact(exact: bool, fp8: str | None) -> None:
+    """ValueError naming both flags when exact numerics are asked of FP8 weights (`fp8` says
+    where they come from: "--quantization fp8", "an FP8 checkpoint"; None: none)."""
+    if exact and fp8 is not None:
+        raise ValueError(
+            f"--exact cannot run {fp8}: exact numerics are the reference's on unquantized "
+            "weights; drop --exact or --quantization fp8 (or load an unquantized checkpoint)"
+        )
+
+
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel FP8 of weight [..., out, in], on its device: (float8_e4m3fn of its
     shape, fp32 scale [..., out, 1]) with scale = amax over `in` / 448 and fp8 = weight / scale
