@@ -176,7 +176,11 @@ class TritonBackend(TwinsBackend):
         # experts' dequantized weights).
         fused_moe = batched(ops.fused_moe)
         fp8_moe = reference.fp8_moe_with(fused_moe)
-        return super().fast(ops) | {"rms_norm": ops.rms_norm, "fused_moe": fused_moe, "fp8_moe": fp8_moe}
+        return super().fast(ops) | {
+            "rms_norm": ops.rms_norm,
+            "fused_moe": fused_moe,
+            "fp8_moe": fp8_moe,
+        }
 
     def exact(self, ops: Any) -> dict[str, Callable[..., Any]]:
         return {}  # Triton's router, experts and attention are batch invariant by construction

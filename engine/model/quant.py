@@ -113,7 +113,9 @@ def parse_layout(raw: Any) -> Fp8Layout:
             try:
                 re.compile(target[3:])
             except re.error as exc:
-                raise CheckpointError(f"{where}.ignore: {target!r} is not a regex ({exc})") from None
+                raise CheckpointError(
+                    f"{where}.ignore: {target!r} is not a regex ({exc})"
+                ) from None
     return Fp8Layout(tuple(ignore))
 
 
@@ -263,8 +265,8 @@ def choose_fp8(
         return Fp8Choice(quantized=frozenset(every if quantization == "fp8" else ()))
     fp8: set[str] = set()
     for names in groups.values():
-        found = {name: stored(name) for name in names}
-        keys = {found[n][0] for n in names if found[n] and found[n][1] == SAFETENSORS_FP8}
+        found = [stored(name) for name in names]
+        keys = {f[0] for f in found if f is not None and f[1] == SAFETENSORS_FP8}
         if keys and len(keys) < len(names):
             raise CheckpointError(
                 f"tensors {sorted(keys)} are {SAFETENSORS_FP8} but not all of "

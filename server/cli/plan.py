@@ -16,7 +16,12 @@ from server.cli.config import DTYPE, ENGINE_FLAGS, EXACT, QUANTIZATION, add_flag
 
 MEMORY_FLAGS = {"--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-tokens"}
 MEMORY_FLAGS |= {"--gpu-memory-utilization", "--max-model-len"}
-PLAN_FLAGS = (DTYPE, EXACT, QUANTIZATION, *(flag for flag in ENGINE_FLAGS if flag.name in MEMORY_FLAGS))
+PLAN_FLAGS = (
+    DTYPE,
+    EXACT,
+    QUANTIZATION,
+    *(flag for flag in ENGINE_FLAGS if flag.name in MEMORY_FLAGS),
+)
 REAL_26B_A4B = "real-26b-a4b"  # google/diffusiongemma-26B-A4B-it's text stack, no checkpoint
 
 

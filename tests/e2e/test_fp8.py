@@ -101,7 +101,10 @@ def first_step_logits(model: torch.nn.Module, seed: int) -> torch.Tensor:
     12-token prompt."""
     length, vocab = model.config.canvas_length, model.cfg.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    prompt, canvas = torch.randint(0, vocab, (12,), generator=gen), torch.randint(0, vocab, (length,), generator=gen)
+    prompt, canvas = (
+        torch.randint(0, vocab, (12,), generator=gen),
+        torch.randint(0, vocab, (length,), generator=gen),
+    )
     seqs = Sequences(model, 1, 64)
     seqs.run([seqs.row(0, Mode.ENCODE, 0, 12)], prompt)
     hidden = seqs.run([seqs.row(0, Mode.DECODE, 12, length)], canvas)
@@ -151,14 +154,15 @@ def test_exact_numerics_refuse_fp8(tiny_checkpoint, tmp_path):
         load_model(tmp_path / "fp8", exact=True)
 
 
-# Measured on c16's random weights (see docs/gpu.md, "FP8"): 0.70 of the argmaxes agree at the
-# first step (random tiny stacks amplify weight noise far more than trained ones), and FP8
-# takes 5% more steps per canvas. The floors leave room for the platform's rounding.
+# The tolerances (docs/gpu.md, "FP8", has the measured figures): random tiny stacks amplify
+# weight noise far more than trained ones, so the first step's argmaxes agree well below the
+# 99% a trained model is expected to keep; convergence must stay within 10% of the steps.
 MIN_FIRST_STEP_AGREEMENT = 0.6
 MAX_STEPS_RATIO = 1.10
 
 
 def test_fp8_quality_against_the_unquantized_model(tiny_checkpoint):
+    """About 15 s: steps per canvas need a few canvases run to convergence in both models."""
     path = tiny_checkpoint("c16")
     base = load_model(path, dtype="float32", kernels="twins")
     fp8 = load_model(path, dtype="float32", kernels="twins", quantization="fp8")
@@ -171,8 +175,9 @@ def test_fp8_quality_against_the_unquantized_model(tiny_checkpoint):
     for quantization in ("auto", "fp8"):
         config = CheckpointConfig(path, dtype="float32", kernels="twins", quantization=quantization)
         llm = LLM.from_config(BuildConfig(config))
-        prompts = [[5 + i, 6, 7] for i in range(8)]
-        outs = llm.generate(prompts, SamplingParams(max_tokens=64, seed=0))
+        prompts = [[5 + i, 6, 7] for i in range(4)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=32, seed=0))
         counts = [n for out in outs for n in out.steps_per_canvas]
         steps.append(sum(counts) / len(counts))
+    print(f"first-step agreement {torch.cat(same).mean().item():.3f}, steps per canvas {steps}")
     assert steps[1] <= MAX_STEPS_RATIO * steps[0] and steps[0] <= MAX_STEPS_RATIO * steps[1]

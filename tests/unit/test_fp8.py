@@ -25,7 +25,9 @@ def test_quantize_fp8_scales_each_output_channel_by_its_amax():
     assert scale.dtype == torch.float32 and scale.shape == (3, 5, 1)
     amax = weight.float().abs().amax(-1, keepdim=True)
     nonzero = amax[..., 0] > 0
-    assert torch.equal(q.float().abs().amax(-1)[nonzero], torch.full_like(amax[..., 0], 448)[nonzero])
+    assert torch.equal(
+        q.float().abs().amax(-1)[nonzero], torch.full_like(amax[..., 0], 448)[nonzero]
+    )
     assert torch.equal(q[1, 2].float(), torch.zeros(64))
     back = dequantize_fp8(q, scale, torch.float32)
     # E4M3 keeps 3 mantissa bits: half an ulp is 2^-4 of the value, or of 2^-6 near zero
@@ -91,7 +93,9 @@ def test_other_quantization_layouts_are_refused_naming_what_is_unsupported(raw, 
 
 
 def real_config() -> ModelConfig:
-    return ModelConfig("diffusion_gemma", parse_text_config(dict(REAL_26B_A4B_TEXT_CONFIG)), 256, "bfloat16")
+    return ModelConfig(
+        "diffusion_gemma", parse_text_config(dict(REAL_26B_A4B_TEXT_CONFIG)), 256, "bfloat16"
+    )
 
 
 def test_canvas_plan_counts_fp8_weights_and_their_scales(capsys):
