@@ -52,6 +52,11 @@ def fp8_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def plan_weights(capsys: pytest.CaptureFixture[str], *args: str) -> int:
+    assert main(["plan", *args, "--gpu", "h100", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["weights_bytes"]
+
+
 def test_convert_then_load_equals_quantizing_at_load(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "fp8"
     assert main(["convert", "--from", str(tiny_checkpoint("c16")), "--to", str(out),
@@ -67,6 +72,13 @@ def test_convert_then_load_equals_quantizing_at_load(tiny_checkpoint, tmp_path, 
     assert converted["layers.1.experts.gate_up_proj_scale"].shape[-1] == 1
     for name, tensor in at_load.items():
         assert torch.equal(converted[name], tensor), name
+    # canvas plan reads an FP8 checkpoint's layout from its config.json
+    plans = [
+        plan_weights(capsys, "--model", str(out)),
+        plan_weights(capsys, "--model", str(tiny_checkpoint("c16")), "--quantization", "fp8"),
+        plan_weights(capsys, "--model", str(tiny_checkpoint("c16"))),
+    ]
+    assert plans[0] == plans[1] < plans[2]
     # --quantization fp8 on an FP8 checkpoint loads it as stored
     again = fp8_state(load_model(out, kernels="twins", quantization="fp8"))
     assert all(torch.equal(again[name], t) for name, t in converted.items())
@@ -75,15 +87,18 @@ def test_convert_then_load_equals_quantizing_at_load(tiny_checkpoint, tmp_path, 
     assert "already quantized" in capsys.readouterr().err
 
 
-def write_by_hand(source: Path, out: Path, layout: dict) -> dict[str, torch.Tensor]:
-    """`source` with its projections in FP8 (bf16 scales [out, 1]) and `layout` in config.json;
-    returns the dequantized fp32 value of every quantized tensor, by key."""
+def write_by_hand(
+    source: Path, out: Path, layout: dict, quantized: re.Pattern = QUANTIZED
+) -> dict[str, torch.Tensor]:
+    """`source` with the tensors `quantized` matches (but layer 0's MLP) in FP8 with bf16
+    scales [out, 1] and `layout` in config.json; returns the dequantized fp32 value of every
+    quantized tensor, by key."""
     shutil.copytree(source, out)
     tensors, values = {}, {}
     with safe_open(str(source / "model.safetensors"), framework="pt") as handle:
         for key in handle.keys():  # noqa: SIM118 (not a dict)
             tensor = handle.get_tensor(key)
-            if QUANTIZED.match(key) and not re.match(r".*layers\.0\.mlp\.", key):
+            if quantized.match(key) and not re.match(r".*layers\.0\.mlp\.", key):
                 w = tensor.float()
                 scale = (w.abs().amax(-1, keepdim=True) / 448).to(torch.bfloat16)
                 tensor = (w / scale.float()).clamp(-448, 448).to(FP8)
@@ -144,6 +159,14 @@ def test_fp8_checkpoints_the_loader_cannot_run_are_refused(tiny_checkpoint, tmp_
     write_by_hand(tiny_checkpoint("c16"), tmp_path / "ignored", ignored)
     with pytest.raises(CheckpointError, match="is F8_E4M3 but quantization_config.ignore lists"):
         load_model(tmp_path / "ignored")
+    router = re.compile(f"{QUANTIZED.pattern}|.*router\\.proj\\.weight$")
+    write_by_hand(tiny_checkpoint("c16"), tmp_path / "router", HAND_LAYOUT, router)
+    with pytest.raises(CheckpointError, match="but Canvas runs layers.0.router.proj.weight unq"):
+        load_model(tmp_path / "router")
+    no_k = re.compile(r"(?!.*k_proj)" + QUANTIZED.pattern)
+    write_by_hand(tiny_checkpoint("c16"), tmp_path / "no-k", HAND_LAYOUT, no_k)
+    with pytest.raises(CheckpointError, match="a module's projections all FP8 or none"):
+        load_model(tmp_path / "no-k")
 
 
 def test_exact_numerics_refuse_fp8(tiny_checkpoint, tmp_path):
