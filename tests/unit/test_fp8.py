@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.checkpoints.tiny import REAL_26B_A4B_TEXT_CONFIG
-from engine.device.memory import GB, meta_model
+from engine.device.memory import GB, meta_model, model_shapes
 from engine.model.config import CheckpointError, ModelConfig, parse_text_config
 from engine.model.quant import FP8, Fp8Layout, fp8_candidates, parse_layout, quantize_fp8
 from kernels.reference import dequantize_fp8
@@ -112,6 +112,15 @@ def test_canvas_plan_counts_fp8_weights_and_their_scales(capsys):
     # The goal: the real shapes in <= 27 GB of FP8 weights, >= 32 running canvases on one H100.
     assert plan["weights_bytes"] <= 27 * GB
     assert plan["max_running_requests"] >= 32
+
+
+def test_the_plan_holds_room_for_the_largest_dequantized_fp8_weights():
+    """Until FP8 GEMMs exist the kernels dequantize: the experts' two weights in bf16 at once,
+    beside the fp32 product of the larger (gate/up)."""
+    assert model_shapes(meta_model(real_config(), torch.bfloat16)).dequant_bytes == 0
+    shapes = model_shapes(meta_model(real_config(), torch.bfloat16, "fp8"))
+    gate_up = 128 * 2 * 704 * 2816
+    assert shapes.dequant_bytes == 2 * (gate_up + gate_up // 2) + 4 * gate_up
 
 
 def test_canvas_plan_refuses_exact_with_fp8(capsys):
