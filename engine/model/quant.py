@@ -6,11 +6,11 @@ hold): config.json's `quantization_config` has quant_method "compressed-tensors"
 "float-quantized", config groups whose `weights` are {num_bits 8, type float, strategy
 channel, symmetric, dynamic false} and whose `input_activations`, if any, are {num_bits 8,
 type float, strategy token, dynamic true} (scaled per token at run time, so no `input_scale`
-tensors), no `kv_cache_scheme`, and an `ignore` list of module names or "re:<regex>" kept
-unquantized. A quantized parameter `<name>` is stored as F8_E4M3 beside `<name>_scale`
-[..., out, 1] (fp32, bf16 or fp16): `q_proj.weight` and `q_proj.weight_scale`; the fused
-experts' `experts.gate_up_proj` and `experts.gate_up_proj_scale`, a scale per expert and output
-channel. Its value is fp8 * scale.
+tensors), no `kv_cache_scheme` or `sparsity_config`, and an `ignore` list of module names or
+"re:<regex>" kept unquantized. A quantized parameter `<name>` is stored as F8_E4M3 beside
+`<name>_scale` [..., out, 1] (fp32, bf16 or fp16): `q_proj.weight` and `q_proj.weight_scale`;
+the fused experts' `experts.gate_up_proj` and `experts.gate_up_proj_scale`, a scale per expert
+and output channel. Its value is fp8 * scale.
 
 What may be FP8 in Canvas is what a module lists in its `FP8_PARAMS`: attention's and the dense
 MLPs' projections, the experts. The embedding (and tied head), router, norms and vision tower
@@ -100,6 +100,8 @@ def parse_layout(raw: Any) -> Fp8Layout:
     _expect(f"{where}.format", raw.get("format"), FORMAT)
     if raw.get("kv_cache_scheme") is not None:
         raise CheckpointError(f"{where}.kv_cache_scheme: FP8 KV cache scales are not supported")
+    if raw.get("sparsity_config"):
+        raise CheckpointError(f"{where}.sparsity_config: sparse weights are not supported")
     groups = raw.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise CheckpointError(f"{where}.config_groups must be a non-empty object")

@@ -84,6 +84,7 @@ def test_the_fp8_dynamic_layout_is_read_with_its_ignore_list():
             "static activation scales",
         ),
         (layout(kv_cache_scheme={"num_bits": 8}), "FP8 KV cache scales are not supported"),
+        (layout(sparsity_config={"format": "sparse-24"}), "sparse weights are not supported"),
         (layout(ignore=["re:(unclosed"]), "is not a regex"),
     ],
 )
