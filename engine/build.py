@@ -41,7 +41,8 @@ class CheckpointConfig:
     for the checkpoint's own (if any), False for none. `generation_config`: where the decoding
     defaults come from (`engine.params.generation_config`: `auto`, the checkpoint's; `canvas`,
     Canvas's; `vllm`, Canvas's with no max_new_tokens; or a directory),
-    `override_generation_config`: generation_config.json keys set on top of them."""
+    `override_generation_config`: generation_config.json keys set on top of them.
+    `quantization`: "auto" (the weights as stored) or "fp8" (`engine.model.quant`)."""
 
     model_dir: str | Path | None = None
     dtype: str = "auto"
@@ -52,6 +53,7 @@ class CheckpointConfig:
     generation_config: str | Path = "auto"
     override_generation_config: dict[str, Any] | None = None
     download_dir: Path | None = None
+    quantization: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,7 @@ def open_checkpoint(config: CheckpointConfig) -> Checkpoint:
         exact=config.exact,
         kernels=config.kernels,
         adapter=config.adapter,
+        quantization=config.quantization,
     )
     tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
     defaults = DecodingDefaults.from_checkpoint(

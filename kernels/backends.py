@@ -172,8 +172,15 @@ class TritonBackend(TwinsBackend):
         return triton_ops()
 
     def fast(self, ops: Any) -> dict[str, Callable[..., Any]]:
-        # Triton's norm is one pass; its experts kernel is batched already.
-        return super().fast(ops) | {"rms_norm": ops.rms_norm, "fused_moe": batched(ops.fused_moe)}
+        # Triton's norm is one pass; its experts kernel is batched already (and runs the FP8
+        # experts' dequantized weights).
+        fused_moe = batched(ops.fused_moe)
+        fp8_moe = reference.fp8_moe_with(fused_moe)
+        return super().fast(ops) | {
+            "rms_norm": ops.rms_norm,
+            "fused_moe": fused_moe,
+            "fp8_moe": fp8_moe,
+        }
 
     def exact(self, ops: Any) -> dict[str, Callable[..., Any]]:
         return {}  # Triton's router, experts and attention are batch invariant by construction

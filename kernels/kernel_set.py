@@ -42,6 +42,11 @@ class KernelSet:
     soft_embedding: Callable[..., torch.Tensor]
     sample_and_embed: Callable[..., tuple[reference.SampleResult, torch.Tensor]]
     philox_uniform: Callable[..., torch.Tensor]
+    # Dense projections and experts over FP8 weights with per-channel scales
+    # (`kernels.reference_fp8`): every backend binds the twins, which dequantize and run the
+    # unquantized path; an FP8 GEMM and an FP8 expert GEMM take these places.
+    fp8_linear: Callable[..., torch.Tensor]
+    fp8_moe: Callable[..., torch.Tensor]
     # A gated MLP's act(x @ gate^T) * (x @ up^T) in one call (`kernels.native.moe`); None:
     # `linear` twice and `gated_act`.
     gated_linear: Callable[..., torch.Tensor] | None = None
@@ -102,6 +107,8 @@ class KernelSet:
             canvas_attention=ops.canvas_attention,
             route_experts=ops_step.route_experts,
             fused_moe=ops_step.fused_moe,
+            fp8_linear=reference.fp8_linear,
+            fp8_moe=reference.fp8_moe_with(ops_step.fused_moe),
             fused_sample=ops_step.fused_sample,
             entropy_accept=ops_step.entropy_accept,
             soft_embedding=ops_step.soft_embedding,

@@ -307,6 +307,7 @@ from kernels.reference_attention import (  # noqa: E402
     prefix_range,
     write_kv,
 )
+from kernels.reference_fp8 import dequantize_fp8, fp8_linear, fp8_moe_with  # noqa: E402
 from kernels.reference_layer import (  # noqa: E402
     add_rms_norm,
     add_rms_norm_exact,
@@ -325,6 +326,9 @@ from kernels.reference_sampler import (  # noqa: E402
     soft_embedding,
 )
 
+# The twins' experts over FP8 weights: dequantized, then fast numerics' scattered combine.
+fp8_moe = fp8_moe_with(fused_moe_scattered)
+
 __all__ = [
     "ALIGN_CHUNK",
     "PagedRows",
@@ -341,7 +345,11 @@ __all__ = [
     "canvas_attention_rowwise",
     "close_layer",
     "close_layer_exact",
+    "dequantize_fp8",
     "entropy_accept",
+    "fp8_linear",
+    "fp8_moe",
+    "fp8_moe_with",
     "fused_moe",
     "fused_moe_scattered",
     "fused_sample",
@@ -350,10 +358,10 @@ __all__ = [
     "grouped_mm",
     "linear",
     "philox_uniform",
+    "prefix_range",
     "qkv_norm_rope",
     "qkv_norm_rope_exact",
     "qkv_norm_rope_with",
-    "prefix_range",
     "rms_norm",
     "rms_norm_fused",
     "rms_norm_pair",

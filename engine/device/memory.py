@@ -141,6 +141,7 @@ class ModelShapes:
     logit_bytes: int  # one sampled position: its logits in the sampler
     filter_bytes: int  # the filters' workspace and one canvas's raw logits kept beside it
     text: TextConfig = field(repr=False)
+    dequant_bytes: int = 0  # FP8 weights dequantized for one kernel call (`dequantized_bytes`)
 
 
 def model_shapes(model: DiffusionLM, exact: bool = False) -> ModelShapes:
@@ -168,7 +169,20 @@ def model_shapes(model: DiffusionLM, exact: bool = False) -> ModelShapes:
         filter_bytes=FILTER_BYTES_PER_ENTRY * min(FILTER_CHUNK_ELEMENTS, length * vocab)
         + 4 * length * vocab,
         text=cfg,
+        dequant_bytes=dequantized_bytes(model, size),
     )
+
+
+def dequantized_bytes(model: DiffusionLM, size: int) -> int:
+    """The most one FP8 kernel call holds of dequantized weights (`kernels.reference_fp8`,
+    until FP8 GEMMs replace the twins): one module's FP8 weights in the activations' dtype
+    (`size` bytes), beside the fp32 product of the largest of them. 0 without FP8 weights."""
+    most = 0
+    for module in model.modules():
+        fp8 = [p.numel() for p in module.parameters(recurse=False) if p.element_size() == 1]
+        if fp8:
+            most = max(most, sum(fp8) * size + max(fp8) * 4)
+    return most
 
 
 def activation_bytes_per_token(cfg: TextConfig, size: int) -> int:
@@ -184,11 +198,18 @@ def activation_bytes_per_token(cfg: TextConfig, size: int) -> int:
     return elements * size + 4 * cfg.num_experts
 
 
-def meta_model(config: ModelConfig, dtype: torch.dtype) -> DiffusionLM:
-    """The engine's model for `config` on the meta device: shapes and sizes, no memory."""
+def meta_model(config: ModelConfig, dtype: torch.dtype, quantization: str = "auto") -> DiffusionLM:
+    """The engine's model for `config` on the meta device: shapes and sizes, no memory.
+    `quantization` "fp8": its projections and experts FP8 with their fp32 scales, as
+    `--quantization fp8` loads them (`engine.model.quant`)."""
+    from engine.model.quant import fp8_candidates, make_fp8
+
     with torch.device("meta"):
         model = BACKBONES[config.model_type](config)
-    return model.to(dtype)
+    model = model.to(dtype)
+    if quantization == "fp8":
+        make_fp8(model, [name for group in fp8_candidates(model).values() for name in group])
+    return model
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,9 +353,11 @@ def plan_memory(shapes: ModelShapes, config: EngineConfig, memory: DeviceMemory)
 
 def step_transient(shapes: ModelShapes, tokens: int, max_rows: int) -> int:
     """One step of `tokens` tokens in at most `max_rows` rows: every token's activations, the
-    logits of the positions sampled (at most a canvas per row), the filters' workspace."""
+    logits of the positions sampled (at most a canvas per row), the filters' workspace and
+    the FP8 weights one kernel call dequantizes."""
     sampled = min(tokens, max_rows * shapes.canvas_length)
-    return tokens * shapes.token_bytes + sampled * shapes.logit_bytes + shapes.filter_bytes
+    workspace = shapes.filter_bytes + shapes.dequant_bytes
+    return tokens * shapes.token_bytes + sampled * shapes.logit_bytes + workspace
 
 
 def no_room(config: EngineConfig, memory: DeviceMemory, length: int, need: int) -> MemoryPlanError:

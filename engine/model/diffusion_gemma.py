@@ -12,6 +12,7 @@ from engine.model.base import DiffusionLM
 from engine.model.config import LayerSpec, TextConfig, parse_text_config
 from engine.model.kv_cache import ForwardBatch, KVCache, Mode
 from engine.model.layers import UNBOUND, Attention, GatedMLP, RMSNorm
+from engine.model.quant import scale_of
 from kernels import KernelSet
 
 
@@ -29,8 +30,11 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Every expert's fused gate/up [E, 2I, H] and down [E, H, I] projections."""
+    """Every expert's fused gate/up [E, 2I, H] and down [E, H, I] projections, FP8 with
+    per-expert, per-channel scales (`gate_up_proj_scale` [E, 2I, 1], `down_proj_scale`
+    [E, H, 1]) when `engine.model.quant` made them so."""
 
+    FP8_PARAMS = ("gate_up_proj", "down_proj")
     gate_up_proj: nn.Parameter
     down_proj: nn.Parameter
 
@@ -108,14 +112,7 @@ class Layer(nn.Module):
             self.cfg.rms_norm_eps,
             segments=seg,
         )
-        moe = ops.fused_moe(
-            pre_moe.reshape(flat.shape),
-            self.experts.gate_up_proj,
-            self.experts.down_proj,
-            weights,
-            ids,
-            segments=seg,
-        )
+        moe = self.run_experts(pre_moe.reshape(flat.shape), weights, ids, seg)
         # (residual + post_feedforward_layernorm(post_feedforward_layernorm_1(dense) +
         # post_feedforward_layernorm_2(moe))) * layer scalar
         return ops.close_layer(
@@ -128,6 +125,22 @@ class Layer(nn.Module):
             self.layer_scalar(batch),
             eps,
         )
+
+    def run_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, segments: list[int]
+    ) -> torch.Tensor:
+        """The experts over x [N, H]: `fp8_moe` with their scales where they are FP8."""
+        experts, ops = self.experts, self.kernels
+        gate_up_scale = scale_of(experts, "gate_up_proj")
+        down_scale = scale_of(experts, "down_proj")
+        if gate_up_scale is None or down_scale is None:
+            return ops.fused_moe(
+                x, experts.gate_up_proj, experts.down_proj, weights, ids, segments=segments
+            )
+        return ops.fp8_moe(
+            x, experts.gate_up_proj, gate_up_scale, experts.down_proj, down_scale, weights, ids,
+            segments=segments,
+        )  # fmt: skip
 
     def layer_scalar(self, batch: ForwardBatch) -> torch.Tensor:
         """The per-mode layer scalar: one value when all rows share a mode, else [1, N, 1]."""

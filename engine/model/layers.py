@@ -10,12 +10,24 @@ from torch import nn
 
 from engine.model.config import LayerSpec, RopeSpec, TextConfig
 from engine.model.kv_cache import ForwardBatch, KVCache
+from engine.model.quant import scale_of
 from kernels import KernelSet, resolve_kernels
 from kernels.reference import apply_rope_fused
 from kernels.reference_layer import ACTIVATIONS
 
 # Until `DiffusionLM.bind_kernels` runs (load_model does): fast numerics, the PyTorch twins.
 UNBOUND = resolve_kernels("cpu", "twins", exact=False)
+
+
+def project(
+    kernels: KernelSet, proj: nn.Module, x: torch.Tensor, segments: list[int]
+) -> torch.Tensor:
+    """x @ proj.weight^T through the bound kernels: `fp8_linear` with the weight's per-channel
+    scale where the weight is FP8 (`engine.model.quant`), `linear` otherwise."""
+    scale = scale_of(proj, "weight")
+    if scale is None:
+        return kernels.linear(x, proj.weight, segments)
+    return kernels.fp8_linear(x, proj.weight, scale, segments)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -57,6 +69,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    FP8_PARAMS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+
     def __init__(self, cfg: TextConfig, spec: LayerSpec) -> None:
         super().__init__()
         self.kernels = UNBOUND
@@ -110,7 +124,7 @@ class Attention(nn.Module):
         """q, k and v; full layers of DiffusionGemma have no v_proj: V is the raw k_proj output.
         One call where the kernels project several weights at once and no adapter applies."""
         many = self.kernels.linear_many
-        if many is not None and self.lora is None:
+        if many is not None and self.lora is None and scale_of(self.q_proj, "weight") is None:
             projections = [self.q_proj, self.k_proj]
             projections += [self.v_proj] if self.v_proj is not None else []
             q, k, *v = many(x, [p.weight for p in projections], batch.segments)
@@ -119,7 +133,7 @@ class Attention(nn.Module):
         return q, k, k if self.v_proj is None else self._project("v_proj", x, batch)
 
     def _project(self, name: str, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        y = self.kernels.linear(x, getattr(self, name).weight, batch.segments)
+        y = project(self.kernels, getattr(self, name), x, batch.segments)
         return y if self.lora is None else self.lora[name](x, y, batch)
 
     def bind(self, kernels: KernelSet) -> None:
@@ -133,6 +147,8 @@ class Attention(nn.Module):
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): GeGLU (Gemma) or SwiGLU (Llama)."""
+
+    FP8_PARAMS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
     def __init__(self, hidden: int, intermediate: int, activation: str) -> None:
         super().__init__()
@@ -148,21 +164,23 @@ class GatedMLP(nn.Module):
         self, x: torch.Tensor, segments: list[int], batch: ForwardBatch | None = None
     ) -> torch.Tensor:
         """`batch` (the forward's rows) is needed only when an adapter is attached."""
-        linear, gated_linear = self.kernels.linear, self.kernels.gated_linear
+        ks = self.kernels
+        gated_linear = ks.gated_linear if scale_of(self.gate_proj, "weight") is None else None
+        gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
         if self.lora is None or batch is None:
             if gated_linear is not None:  # act(gate) * up in one call
-                weights = (self.gate_proj.weight, self.up_proj.weight)
+                weights = (gate_proj.weight, up_proj.weight)
                 hidden = gated_linear(x, *weights, self.activation, segments)
             else:
-                gate = linear(x, self.gate_proj.weight, segments)
-                up = linear(x, self.up_proj.weight, segments)
-                hidden = self.kernels.gated_act(gate, up, self.activation)  # act(gate) * up
-            return linear(hidden, self.down_proj.weight, segments)
+                gate = project(ks, gate_proj, x, segments)
+                up = project(ks, up_proj, x, segments)
+                hidden = ks.gated_act(gate, up, self.activation)  # act(gate) * up
+            return project(ks, down_proj, hidden, segments)
         lora = self.lora
-        gate = self.act(lora["gate_proj"](x, linear(x, self.gate_proj.weight, segments), batch))
-        up = lora["up_proj"](x, linear(x, self.up_proj.weight, segments), batch)
+        gate = self.act(lora["gate_proj"](x, project(ks, gate_proj, x, segments), batch))
+        up = lora["up_proj"](x, project(ks, up_proj, x, segments), batch)
         hidden = gate * up
-        return lora["down_proj"](hidden, linear(hidden, self.down_proj.weight, segments), batch)
+        return lora["down_proj"](hidden, project(ks, down_proj, hidden, segments), batch)
 
 
 class SelfConditioning(GatedMLP):

@@ -30,6 +30,14 @@ from engine.model.base import DiffusionLM
 from engine.model.config import CheckpointError, ModelConfig, parse_model_config
 from engine.model.diffusion_gemma import DiffusionGemma
 from engine.model.llama import LlamaDiffusion
+from engine.model.quant import (
+    SAFETENSORS_FP8,
+    Fp8Choice,
+    choose_fp8,
+    make_fp8,
+    read_layout,
+    refuse_exact,
+)
 from kernels import resolve_kernels
 
 logger = logging.getLogger(__name__)
@@ -156,12 +164,15 @@ def load_model(
     exact: bool = False,
     kernels: str = "auto",
     adapter: str | Path | bool = True,
+    quantization: str = "auto",
 ) -> DiffusionLM:
     """Build the Canvas model from a checkpoint directory, with its kernel set bound: `exact`
     numerics or fast ones, on the `kernels` backend (`kernels.BACKENDS`), on `device`
     ("auto": cuda when available). `adapter`: a decoder adapter directory to attach
     (`engine.model.adapter`); True: the checkpoint's own `adapter/` when it has one; False:
-    none."""
+    none. `quantization` (`engine.model.quant`): "auto" loads the weights as stored (an FP8
+    checkpoint's as FP8), "fp8" quantizes a floating-point checkpoint's projections and experts
+    per output channel, one tensor at a time on `device`. FP8 refuses `exact` (ValueError)."""
     model_dir = Path(model_dir)
     device = resolve_device(str(device))
     if torch.device(device).type == "cpu":
@@ -169,13 +180,18 @@ def load_model(
     select_device(device)  # Triton launches on the current device: make it this one
     config = load_model_config(model_dir)
     target = resolve_dtype(dtype, config)
+    layout = read_layout(model_dir)
+    fp8_source = "--quantization fp8" if quantization == "fp8" else None
+    refuse_exact(exact, "an FP8 checkpoint" if layout is not None else fp8_source)
     with ExitStack() as stack:
         tensors = _Tensors(weight_files(model_dir), stack)
         config = _with_vision_weights(config, tensors)
         with torch.device("meta"):
             model = BACKBONES[config.model_type](config)
+        fp8 = choose_fp8(model, functools.partial(_stored, tensors), layout, quantization)
+        make_fp8(model, fp8.stored | fp8.quantized)
         expected = dict(model.state_dict())
-        plan = _plan(tensors, expected, config)
+        plan = _plan(tensors, expected, config, fp8)
         total = sum(_nbytes(tensors, key) for key in plan.values())
         state = {}
         bar = tqdm(
@@ -189,7 +205,7 @@ def load_model(
             # Kept as views into the memory-mapped file when no cast is needed (as transformers
             # does): CPU GEMM results depend on operand alignment in the last bit, and matching
             # the reference bit for bit needs the same memory layout.
-            state[name] = tensors.get(key).to(device=device, dtype=target)
+            state.update(fp8.load(name, tensors.get(key), device, target))
     model.load_state_dict(state, assign=True, strict=True)
     model.init_rope(device)  # non-persistent buffers were created on the meta device
     model.bind_kernels(resolve_kernels(torch.device(device).type, kernels, exact))
@@ -240,16 +256,26 @@ def _nbytes(tensors: _Tensors, key: str) -> int:
     numel = 1
     for d in shape:
         numel *= d
-    return numel * (4 if dtype == "F32" else 2)
+    return numel * {"F32": 4, SAFETENSORS_FP8: 1}.get(dtype, 2)
+
+
+def _stored(tensors: _Tensors, name: str) -> tuple[str, str] | None:
+    """The checkpoint key and safetensors dtype that hold Canvas parameter `name`."""
+    available = tensors.where
+    key = next((c for c in checkpoint_names(name) if c in available), None)
+    return None if key is None else (key, tensors.meta(key)[1])
 
 
 def _plan(
-    tensors: _Tensors, expected: dict[str, torch.Tensor], config: ModelConfig
+    tensors: _Tensors, expected: dict[str, torch.Tensor], config: ModelConfig, fp8: Fp8Choice
 ) -> dict[str, str]:
-    """Map each Canvas parameter to a checkpoint key, checking shape and dtype."""
+    """Map each Canvas parameter to a checkpoint key, checking shape and dtype (FP8 weights
+    as F8_E4M3, their scales in any floating-point dtype)."""
     available = set(tensors.keys())
     plan: dict[str, str] = {}
     for name, param in expected.items():
+        if name in fp8.made_scales:
+            continue
         candidates = checkpoint_names(name)
         key = next((c for c in candidates if c in available), None)
         if key is None:
@@ -259,11 +285,19 @@ def _plan(
             raise CheckpointError(
                 f"tensor {key} has shape {shape}, expected {list(param.shape)} from config.json"
             )
+        plan[name] = key
+        if name in fp8.stored:  # F8_E4M3, as `choose_fp8` found it
+            continue
+        if st_dtype == SAFETENSORS_FP8:
+            raise CheckpointError(
+                f"tensor {key} is {SAFETENSORS_FP8}, but Canvas runs {name} unquantized (only "
+                "attention, MLP and expert projections may be FP8, all of a module or none)"
+            )
         dtype = SAFETENSORS_DTYPES.get(st_dtype)
-        if dtype is None or (config.dtype in DTYPES and dtype != config.dtype):
+        own = config.dtype in DTYPES and name not in fp8.scales  # a scale: any float dtype
+        if dtype is None or (own and dtype != config.dtype):
             want = config.dtype if config.dtype in DTYPES else "a floating-point dtype"
             raise CheckpointError(f"tensor {key} has dtype {st_dtype}, expected {want}")
-        plan[name] = key
     used = set(plan.values())
     tied = {c for name in expected for c in checkpoint_names(name)}
     unknown = sorted(available - used - tied)

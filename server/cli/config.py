@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.build import BuildConfig, CheckpointConfig, adapter_choice
 from engine.model.loader import DEVICE_HELP, DTYPE_CHOICES, resolve_device
+from engine.model.quant import QUANTIZATION_CHOICES
 from kernels import BACKENDS
 
 
@@ -102,8 +103,15 @@ DOWNLOAD_DIR = Flag(
     kind=Path,
     metavar="DIR",
 )
+QUANTIZATION = Flag(
+    "--quantization",
+    "checkpoint.quantization",
+    "weight quantization: auto (as the checkpoint stores them; an FP8 checkpoint loads as FP8) "
+    "or fp8 (quantize a bf16 checkpoint's projections and experts per output channel at load)",
+    choices=QUANTIZATION_CHOICES,
+)
 CHECKPOINT_FLAGS = (
-    *(DTYPE, DEVICE, EXACT, KERNELS, ADAPTER),
+    *(DTYPE, DEVICE, EXACT, KERNELS, ADAPTER, QUANTIZATION),
     *(GENERATION_CONFIG, OVERRIDE_GENERATION_CONFIG, DOWNLOAD_DIR),
 )
 

@@ -12,11 +12,16 @@ from pathlib import Path
 
 from engine.device.memory import GB, GPUS, MemoryPlan, assumed_gpu, meta_model, model_shapes
 from engine.model.config import ModelConfig
-from server.cli.config import DTYPE, ENGINE_FLAGS, EXACT, add_flags, build_config
+from server.cli.config import DTYPE, ENGINE_FLAGS, EXACT, QUANTIZATION, add_flags, build_config
 
 MEMORY_FLAGS = {"--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-tokens"}
 MEMORY_FLAGS |= {"--gpu-memory-utilization", "--max-model-len"}
-PLAN_FLAGS = (DTYPE, EXACT, *(flag for flag in ENGINE_FLAGS if flag.name in MEMORY_FLAGS))
+PLAN_FLAGS = (
+    DTYPE,
+    EXACT,
+    QUANTIZATION,
+    *(flag for flag in ENGINE_FLAGS if flag.name in MEMORY_FLAGS),
+)
 REAL_26B_A4B = "real-26b-a4b"  # google/diffusiongemma-26B-A4B-it's text stack, no checkpoint
 
 
@@ -48,10 +53,15 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
         text = parse_text_config(dict(REAL_26B_A4B_TEXT_CONFIG))
         return ModelConfig("diffusion_gemma", text, REAL_26B_A4B_CANVAS_LENGTH, "bfloat16")
+    return load_model_config(config_dir(args))
+
+
+def config_dir(args: argparse.Namespace) -> Path:
+    """The directory holding --model's config.json (a hub id's: `hub_config_dir`)."""
     path = Path(args.model)
     if path.is_dir() or "/" not in args.model or path.is_absolute():
-        return load_model_config(path)
-    return load_model_config(hub_config_dir(args.model))
+        return path
+    return hub_config_dir(args.model)
 
 
 def hub_config_dir(model: str) -> Path:
@@ -78,10 +88,16 @@ def plan_for(args: argparse.Namespace) -> MemoryPlan:
     """The plan the arguments describe (ValueError, OSError naming the flag at fault)."""
     from engine.device.memory import plan_memory
     from engine.model.loader import resolve_dtype
+    from engine.model.quant import read_layout, refuse_exact
 
     config = model_config(args)
     build = build_config(args, None, PLAN_FLAGS)
-    model = meta_model(config, resolve_dtype(build.checkpoint.dtype, config))
+    quantization = build.checkpoint.quantization
+    if args.model is not None and read_layout(config_dir(args)) is not None:
+        quantization = "fp8"  # an FP8 checkpoint's projections and experts
+    refuse_exact(build.checkpoint.exact, "FP8 weights" if quantization == "fp8" else None)
+    dtype = resolve_dtype(build.checkpoint.dtype, config)
+    model = meta_model(config, dtype, quantization)
     shapes = model_shapes(model, build.checkpoint.exact)
     return plan_memory(shapes, build.engine, assumed_gpu(args.gpu, shapes.weights_bytes))
 

@@ -53,7 +53,11 @@ def add_convert_parser(sub: Subparsers) -> None:
     from engine.adapt.convert import ConvertOptions
 
     d = field_defaults(ConvertOptions)
-    conv = sub.add_parser("convert", help="turn an AR checkpoint into a block-diffusion checkpoint")
+    conv = sub.add_parser(
+        "convert",
+        help="turn an AR checkpoint into a block-diffusion checkpoint, or (--quantization fp8) "
+        "a block-diffusion checkpoint into its FP8 copy",
+    )
     conv.add_argument(
         "--from",
         dest="source",
@@ -74,6 +78,12 @@ def add_convert_parser(sub: Subparsers) -> None:
         default=d["max_denoising_steps"],
         help="the step cap written to generation_config.json",
     )
+    conv.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        help="write --from's FP8 copy (compressed-tensors' per-channel layout, as "
+        "--quantization fp8 quantizes at load); --from is then a block-diffusion checkpoint",
+    )
     add_flags(conv, (DOWNLOAD_DIR,))
 
 
@@ -86,10 +96,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     try:
         if hub is not None:
             source = str(download(hub, args.download_dir))
-        path = convert(source, args.out, config_from_args(ConvertOptions, args))
+        if args.quantization == "fp8":
+            from engine.model.fp8_checkpoint import write_fp8_checkpoint
+
+            path = write_fp8_checkpoint(source, args.out)
+        else:
+            path = convert(source, args.out, config_from_args(ConvertOptions, args))
     except ValueError as exc:
         return _fail("convert", exc)
-    print(f"wrote block-diffusion checkpoint to {path}")
+    kind = "FP8" if args.quantization == "fp8" else "block-diffusion"
+    print(f"wrote {kind} checkpoint to {path}")
     return 0
 
 

@@ -1,0 +1,131 @@
+"""FP8 weights without a checkpoint: the per-channel quantizer, the compressed-tensors layouts
+Canvas reads or refuses (`engine.model.quant`), and the memory plan's FP8 bytes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from engine.checkpoints.tiny import REAL_26B_A4B_TEXT_CONFIG
+from engine.device.memory import GB, meta_model, model_shapes
+from engine.model.config import CheckpointError, ModelConfig, parse_text_config
+from engine.model.quant import FP8, Fp8Layout, fp8_candidates, parse_layout, quantize_fp8
+from kernels.reference import dequantize_fp8
+from server.cli import main
+
+
+def test_quantize_fp8_scales_each_output_channel_by_its_amax():
+    weight = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    weight[1, 2] = 0  # an all-zero channel stays zero
+    q, scale = quantize_fp8(weight)
+    assert q.dtype == FP8 and q.shape == weight.shape
+    assert scale.dtype == torch.float32 and scale.shape == (3, 5, 1)
+    amax = weight.float().abs().amax(-1, keepdim=True)
+    nonzero = amax[..., 0] > 0
+    assert torch.equal(
+        q.float().abs().amax(-1)[nonzero], torch.full_like(amax[..., 0], 448)[nonzero]
+    )
+    assert torch.equal(q[1, 2].float(), torch.zeros(64))
+    back = dequantize_fp8(q, scale, torch.float32)
+    # E4M3 keeps 3 mantissa bits: half an ulp is 2^-4 of the value, or of 2^-6 near zero
+    bound = 2**-4 * back.abs().clamp(min=2**-6 * scale) + 1e-12
+    assert ((back - weight.float()).abs() <= bound).all()
+    assert weight.dtype == torch.bfloat16  # the input is left as it was
+
+
+def group(**changes: object) -> dict:
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+    weights["dynamic"] = False
+    activations = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    activations |= {"symmetric": True}
+    g = {"targets": ["Linear"], "weights": weights, "input_activations": activations}
+    for path, value in changes.items():
+        part, key = path.split("__")
+        g[part][key] = value
+    return g
+
+
+def layout(**top: object) -> dict:
+    raw = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": group()},
+        "ignore": ["lm_head", "re:.*router.*"],
+    }
+    return raw | top
+
+
+def test_the_fp8_dynamic_layout_is_read_with_its_ignore_list():
+    parsed = parse_layout(layout())
+    assert parsed.ignore == ("lm_head", "re:.*router.*")
+    assert parsed.ignores("model.decoder.layers.3.router.proj")
+    assert parsed.ignores("lm_head") and not parsed.ignores("model.decoder.layers.3.mlp.up_proj")
+    assert parse_layout(Fp8Layout().as_config()) == Fp8Layout()  # what convert writes
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (layout(quant_method="gptq"), "quant_method 'gptq' is not supported"),
+        (layout(format="pack-quantized"), "format 'pack-quantized' is not supported"),
+        (
+            layout(config_groups={"g": group(weights__strategy="block")}),
+            "config_groups.g.weights.strategy 'block' is not supported",
+        ),
+        (
+            layout(config_groups={"g": group(weights__type="int", weights__num_bits=4)}),
+            "weights.num_bits 4 is not supported",
+        ),
+        (
+            layout(config_groups={"g": group(input_activations__dynamic=False)}),
+            "static activation scales",
+        ),
+        (layout(kv_cache_scheme={"num_bits": 8}), "FP8 KV cache scales are not supported"),
+        (layout(sparsity_config={"format": "sparse-24"}), "sparse weights are not supported"),
+        (layout(ignore=["re:(unclosed"]), "is not a regex"),
+    ],
+)
+def test_other_quantization_layouts_are_refused_naming_what_is_unsupported(raw, message):
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        parse_layout(raw)
+
+
+def real_config() -> ModelConfig:
+    return ModelConfig(
+        "diffusion_gemma", parse_text_config(dict(REAL_26B_A4B_TEXT_CONFIG)), 256, "bfloat16"
+    )
+
+
+def test_canvas_plan_counts_fp8_weights_and_their_scales(capsys):
+    model = meta_model(real_config(), torch.bfloat16)
+    params = dict(model.named_parameters())
+    fp8 = [params[n] for names in fp8_candidates(model).values() for n in names]
+    bf16_bytes = sum(t.numel() * t.element_size() for t in [*params.values(), *model.buffers()])
+    # each FP8 weight: 1 byte instead of 2, plus an fp32 scale per output channel
+    saved = sum(p.numel() - 4 * math.prod(p.shape[:-1]) for p in fp8)
+    args = ["--preset", "real-26b-a4b", "--gpu", "h100", "--max-model-len", "8192", "--json"]
+    assert main(["plan", *args, "--quantization", "fp8"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["weights_bytes"] == bf16_bytes - saved
+    # The goal: the real shapes in <= 27 GB of FP8 weights, >= 32 running canvases on one H100.
+    assert plan["weights_bytes"] <= 27 * GB
+    assert plan["max_running_requests"] >= 32
+
+
+def test_the_plan_holds_room_for_the_largest_dequantized_fp8_weights():
+    """Until FP8 GEMMs exist the kernels dequantize: the experts' two weights in bf16 at once,
+    beside the fp32 product of the larger (gate/up)."""
+    assert model_shapes(meta_model(real_config(), torch.bfloat16)).dequant_bytes == 0
+    shapes = model_shapes(meta_model(real_config(), torch.bfloat16, "fp8"))
+    gate_up = 128 * 2 * 704 * 2816
+    assert shapes.dequant_bytes == 2 * (gate_up + gate_up // 2) + 4 * gate_up
+
+
+def test_canvas_plan_refuses_exact_with_fp8(capsys):
+    args = ["--preset", "real-26b-a4b", "--gpu", "h100", "--quantization", "fp8", "--exact"]
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert "--exact" in err and "--quantization fp8" in err
