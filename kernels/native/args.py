@@ -136,6 +136,30 @@ class PhiloxArgs(ctypes.Structure):
     _fields_ = [*pointers("seeds", "counters", "out"), ("n", I64)]
 
 
+class Bf16LinearArgs(ctypes.Structure):
+    _fields_ = [
+        *pointers("x", "wp", "out0", "out1", "out2"),
+        *integers("n0", "n1", "k_dim", "n", "path"),
+        *RANGE,
+    ]
+
+
+class Bf16GatedArgs(ctypes.Structure):
+    _fields_ = [*pointers("x", "gup", "out"), *integers("k_dim", "inter", "path"), *RANGE]
+
+
+class Bf16MoeArgs(ctypes.Structure):
+    _fields_ = [
+        *pointers("x", "gup", "dnp", "weights", "pairs", "ends", "ybuf", "act"),
+        *integers("num_experts", "top_k", "h", "inter", "path"),
+        *RANGE,
+    ]
+
+
+class Bf16SumArgs(ctypes.Structure):
+    _fields_ = [*pointers("ybuf", "out"), *integers("top_k", "h"), *RANGE]
+
+
 # Each library's kernels: name -> the struct it takes a pointer to.
 SIGNATURES: dict[str, dict[str, type[ctypes.Structure]]] = {
     "sampler": {"canvas_sample_rows": SampleArgs},
@@ -160,5 +184,11 @@ SIGNATURES: dict[str, dict[str, type[ctypes.Structure]]] = {
         "canvas_route": RouteArgs,
         "canvas_geglu": GegluArgs,
         "canvas_philox_uniform": PhiloxArgs,
+    },
+    "bf16": {
+        "canvas_bf16_linear": Bf16LinearArgs,
+        "canvas_bf16_gated_linear": Bf16GatedArgs,
+        "canvas_bf16_moe_rows": Bf16MoeArgs,
+        "canvas_bf16_moe_sum": Bf16SumArgs,
     },
 }
