@@ -13,8 +13,8 @@
  * vdpbf16ps' flushing of denormals. Outputs rounded to bf16 (to nearest even), or fp32 where a
  * sum goes on (the experts' slots). A row's values never depend on the other rows.
  *
- * `path` in every struct: 0 the fastest this library has (`canvas_bf16_paths`), 1 the generic
- * one (tests, and `CANVAS_NATIVE_BF16=generic`).
+ * `path` in every struct, one of `canvas_bf16_paths`' bits: BF_GENERIC, BF_AVX512 (vdpbf16ps) or
+ * BF_AMX (the experts on AMX tiles: bf16_amx.h; the dense products then take vdpbf16ps).
  */
 #include <stdint.h>
 #include <string.h>
@@ -28,6 +28,7 @@
 #else
 #define BF_DPBF16 0
 #endif
+enum { BF_GENERIC = 1, BF_AVX512 = 2, BF_AMX = 4 };
 
 #define BV 16 /* output columns per vector */
 #define BMR 8 /* rows per tile */
@@ -37,8 +38,6 @@ typedef uint32_t bvu __attribute__((vector_size(BV * 4)));
 
 CANVAS_DEFINE_OPENMP(canvas_bf16_openmp)
 
-/* Bit 0: the generic path; bit 1: AVX512-BF16 (vdpbf16ps). */
-int64_t canvas_bf16_paths(void) { return 1 | (BF_DPBF16 << 1); }
 
 static inline float bf_to_f(bf16 h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -134,7 +133,7 @@ static void tile_dpbf16(const bf16 *const *a, const bf16 *b, int64_t k_dim, bvf 
 static inline void tile(int path, const bf16 *const *a, const bf16 *b, int64_t k_dim, bvf *y0,
                         bvf *y1) {
 #if BF_DPBF16
-    if (path == 0) {
+    if (path & (BF_AVX512 | BF_AMX)) {
         tile_dpbf16(a, b, k_dim, y0, y1);
         return;
     }
@@ -158,6 +157,14 @@ static inline bvf geglu16(bvf g, bvf u) {
     memcpy(us, &u, sizeof us);
     for (int i = 0; i < BV; i += MOE_V) mstore(gs + i, mgelu_tanh(mload(gs + i)) * mload(us + i));
     return bload(gs);
+}
+
+#include "bf16_amx.h"
+
+/* The paths this library has (BF_AMX where the CPU has AMX and Linux grants this process its
+ * tile data: bf16_amx.h). */
+int64_t canvas_bf16_paths(void) {
+    return BF_GENERIC | (BF_DPBF16 ? BF_AVX512 : 0) | (amx_ready() ? BF_AMX : 0);
 }
 
 /* ---- Dense projections: out[M, N] = x[M, K] @ w^T, w packed [N / 2BV, pairs, 2, BV, 2]; several
@@ -238,6 +245,11 @@ static void moe_rows(int path, const bf16 *x, const bf16 *gup, const bf16 *dnp,
                      bf16 *act, int64_t num_experts, int64_t top_k, int64_t h, int64_t inter,
                      int64_t row_begin, int64_t row_end) {
     const int64_t gblock = ((h + 1) / 2) * 4 * BV, dblock = (inter / 2) * 4 * BV;
+    if (path == BF_AMX && amx_takes(h, inter)) {
+        amx_moe_rows(x, gup, dnp, weights, pairs, ends, ybuf, act, num_experts, top_k, h, inter,
+                     row_begin, row_end);
+        return;
+    }
     int64_t e = 0, row = row_begin;
     while (row < row_end) {
         while (e < num_experts && ends[e] <= row) ++e;
@@ -269,7 +281,8 @@ static void moe_rows(int path, const bf16 *x, const bf16 *gup, const bf16 *dnp,
     }
 }
 
-/* act: [threads, BMR, inter] bf16, one tile per thread of the team. */
+/* act: [threads, BF_SCRATCH(h, inter)] bf16, each thread's scratch (its GeGLU tile, and AMX's
+ * gathered rows and accumulators). */
 typedef struct {
     const bf16 *x, *gup, *dnp;
     const float *weights;
@@ -282,7 +295,7 @@ typedef struct {
 void canvas_bf16_moe_rows(const Bf16MoeArgs *a) {
     PARALLEL_ROWS(a->threads, a->begin, a->end,
                   moe_rows((int)a->path, a->x, a->gup, a->dnp, a->weights, a->pairs, a->ends,
-                           a->ybuf, a->act + t * BMR * a->inter, a->num_experts, a->top_k, a->h,
+                           a->ybuf, a->act + t * BF_SCRATCH(a->h, a->inter), a->num_experts, a->top_k, a->h,
                            a->inter, b, e));
 }
 

@@ -28,11 +28,16 @@ from kernels.native.threads import addresses, scratch, split_rows, threads
 
 BLOCK = 32  # output columns per tile (two vectors of 16)
 LANES = 16
-TILE_ROWS = 8  # bf16.c's BMR
-# The paths `CANVAS_NATIVE_BF16` names, by bf16.c's `path` argument and its bit in
-# `canvas_bf16_paths`.
-PATHS = {"avx512_bf16": 0, "generic": 1}
-PATH_BITS = {"avx512_bf16": 2, "generic": 1}
+AMX_ROWS = 16  # bf16_amx.h's
+
+
+def scratch_elements(hidden: int, inter: int) -> int:
+    """bf16_amx.h's BF_SCRATCH: bf16 elements of each thread's expert scratch."""
+    return AMX_ROWS * (hidden + inter) + 4 * AMX_ROWS * LANES
+
+# The paths `CANVAS_NATIVE_BF16` names, fastest first: bf16.c's `path` argument, each its bit
+# in `canvas_bf16_paths` (amx: the experts on AMX tiles, the dense tiles on vdpbf16ps).
+PATHS = {"amx": 4, "avx512_bf16": 2, "generic": 1}
 # Weight bytes up to which the projections pack and tile a weight (a small model's: a packed
 # copy beside each, bounded memory), and an expert's bytes (gate, up and down) up to which its
 # tiles re-read it from a core's L2 cache.
@@ -58,7 +63,7 @@ def paths() -> tuple[str, ...]:
     """The paths this machine's library has, fastest first."""
     lib = library("bf16")
     bits = int(lib.canvas_bf16_paths()) if lib is not None else 0
-    return tuple(name for name, bit in PATH_BITS.items() if bits & bit)
+    return tuple(name for name, bit in PATHS.items() if bits & bit)
 
 
 def path() -> int:
@@ -245,7 +250,7 @@ def fused_moe(
     x, w = hidden.contiguous(), weights.reshape(-1).to(torch.float32).contiguous()
     ybuf = scratch(num_tokens * top_k * size).view(num_tokens * top_k, size)
     team = threads(pairs.numel(), MIN_EXPERT_ROWS_PER_THREAD) if on_torch_team("bf16") else 1
-    act = torch.empty(team, TILE_ROWS, inter, dtype=torch.bfloat16)  # each thread's GeGLU tile
+    act = torch.empty(team, scratch_elements(size, inter), dtype=torch.bfloat16)
     args = Bf16MoeArgs(
         **addresses(x=x, gup=gup, dnp=dnp, weights=w, pairs=pairs, ends=ends, ybuf=ybuf, act=act),
         num_experts=num_experts,
