@@ -1,0 +1,185 @@
+"""The native bf16 kernels (`kernels/native/bf16.c`, `bf16_amx.h`) against their bf16 twins on
+every path this machine has (the generic one always), rows independent of their batch, and the
+routing of bf16 operands from `kernels.native.moe`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference, reference_layer
+from kernels.native import bf16, build
+from kernels.native import moe as native_moe
+from kernels.native.packing import PackedWeights
+from tests.kernels.native_cases import NATIVE
+
+pytestmark = NATIVE
+# bf16 outputs: within a few of their last bits (8 significant bits) of the twin's.
+RTOL, ATOL = 2e-2, 2e-2
+
+
+def each_path() -> list[str]:
+    """Every path named in `bf16.PATHS`; a test on one this machine lacks skips."""
+    return list(bf16.PATHS)
+
+
+@pytest.fixture(params=each_path())
+def path(request, monkeypatch) -> str:
+    if request.param not in bf16.paths():
+        pytest.skip(f"this CPU has no {request.param} path")
+    monkeypatch.setenv("CANVAS_NATIVE_BF16", request.param)
+    return request.param
+
+
+def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).bfloat16()
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 32), (3, 33, 64), (17, 511, 96), (40, 130, 32)])
+@torch.no_grad()
+def test_dense_tiles_match_the_twin_and_never_depend_on_the_batch(path, rows, k, n):
+    x, weight = _randn(rows, k, seed=rows), _randn(n, k, seed=k, scale=k**-0.5)
+    (got,) = bf16.linear_tiles(x, [weight], None)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got, F.linear(x, weight), rtol=RTOL, atol=ATOL)
+    more = torch.cat([_randn(5, k, seed=1), x, _randn(9, k, seed=2)])
+    assert torch.equal(bf16.linear_tiles(more, [weight], None)[0][5 : 5 + rows], got)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@torch.no_grad()
+def test_split_projections_give_each_its_own_bits(path, rows):
+    k = 47
+    x = _randn(rows, k, seed=3)
+    weights = [_randn(n, k, seed=n, scale=0.2) for n in (64, 32, 96)]
+    got = bf16.linear_tiles(x, weights, PackedWeights())
+    for out, weight in zip(got, weights, strict=True):
+        assert torch.equal(out, bf16.linear_tiles(x, [weight], None)[0])
+
+
+@pytest.mark.parametrize("rows,k,inter", [(1, 32, 16), (3, 33, 48), (17, 130, 32)])
+@torch.no_grad()
+def test_gated_tiles_match_the_twin_and_never_depend_on_the_batch(path, rows, k, inter):
+    x = _randn(rows, k, seed=rows)
+    gate, up = (_randn(inter, k, seed=s, scale=k**-0.5) for s in (5, 6))
+    got = bf16.gated_tiles(x, gate, up, None)
+    want = reference_layer.gated_act(F.linear(x, gate), F.linear(x, up), "gelu_pytorch_tanh")
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    more = torch.cat([x, _randn(11, k, seed=7)])
+    assert torch.equal(bf16.gated_tiles(more, gate, up, None)[:rows], got)
+
+
+def _experts(tokens: int, hidden: int, inter: int, experts: int, top_k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    hid = _randn(tokens, hidden, seed=seed)
+    gate_up = _randn(experts, 2 * inter, hidden, seed=seed + 1, scale=hidden**-0.5)
+    down = _randn(experts, hidden, inter, seed=seed + 2, scale=inter**-0.5)
+    weights = torch.rand(tokens, top_k, generator=g) + 0.1
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    return hid, gate_up, down, weights, ids
+
+
+@pytest.mark.parametrize(
+    "tokens,hidden,inter,experts,top_k",
+    [(1, 64, 32, 4, 2), (3, 32, 16, 3, 1), (17, 96, 64, 5, 2), (70, 64, 32, 8, 3)],
+)
+@torch.no_grad()
+def test_experts_match_the_twin_and_never_depend_on_the_batch(
+    path, tokens, hidden, inter, experts, top_k
+):
+    """Experts off AMX's blocks of 32 (inter 16) take the vector tiles on the amx path."""
+    args = _experts(tokens, hidden, inter, experts, top_k, seed=tokens)
+    assert bf16.tiles(args[1], args[2])
+    got = bf16.fused_moe(*args, PackedWeights())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, reference.fused_moe_scattered(*args), rtol=RTOL, atol=ATOL)
+    hid, gate_up, down, weights, ids = args
+    others = _experts(23, hidden, inter, experts, top_k, seed=99)
+    more = [torch.cat([o, a]) for o, a in zip(others, args, strict=True)]
+    more[1:3] = gate_up, down
+    assert torch.equal(bf16.fused_moe(*more, None)[23:], got)
+
+
+@torch.no_grad()
+def test_the_vector_paths_agree_bit_for_bit_and_amx_within_rounding(monkeypatch):
+    """vdpbf16ps adds each input pair's products as the generic path does, both exact in
+    fp32: the same bits (no denormals here); AMX sums within the bf16 rounding."""
+    have = bf16.paths()
+    x, w = _randn(19, 75, seed=1), _randn(64, 75, seed=2, scale=0.1)
+    args = _experts(40, 64, 32, 4, 2, seed=5)
+    outs = {}
+    for name in have:
+        monkeypatch.setenv("CANVAS_NATIVE_BF16", name)
+        outs[name] = (bf16.linear_tiles(x, [w], None)[0], bf16.fused_moe(*args, None))
+    if "avx512_bf16" in have:
+        for got, want in zip(outs["avx512_bf16"], outs["generic"], strict=True):
+            assert torch.equal(got, want)
+    if "amx" in have:
+        assert torch.equal(outs["amx"][0], outs["generic"][0])  # dense: vdpbf16ps
+        torch.testing.assert_close(outs["amx"][1], outs["generic"][1], rtol=RTOL, atol=ATOL)
+
+
+def test_the_path_variable_is_checked(monkeypatch):
+    monkeypatch.setenv("CANVAS_NATIVE_BF16", "fastest")
+    with pytest.raises(ValueError, match="CANVAS_NATIVE_BF16 must be"):
+        bf16.path()
+    monkeypatch.setenv("CANVAS_NATIVE_BF16", "generic")
+    assert bf16.path() == bf16.PATHS["generic"]
+    assert "generic" in bf16.paths()
+    for name in set(bf16.PATHS) - set(bf16.paths()):
+        monkeypatch.setenv("CANVAS_NATIVE_BF16", name)
+        with pytest.raises(ValueError, match="has only"):
+            bf16.path()
+
+
+@torch.no_grad()
+def test_moe_hands_bf16_operands_to_the_bf16_kernels(monkeypatch):
+    """`native_moe`'s kernels take bf16 operands to `bf16` (dense ones to oneDNN where it has
+    AMX), fp32 ones as before; odd shapes take the twins."""
+    calls = []
+    monkeypatch.setattr(bf16, "linear_tiles", lambda *a: calls.append("linear") or [None])
+    monkeypatch.setattr(bf16, "gated_tiles", lambda *a: calls.append("gated"))
+    x, w = _randn(200, 64, seed=1), _randn(64, 64, seed=2)
+    native_moe.linear(x, w, [200])
+    native_moe.gated_linear(x, w, w, "gelu_pytorch_tanh", [200])
+    native_moe.linear(x.float(), w.float(), [200])
+    assert calls == ([] if bf16.onednn_amx() else ["linear", "gated"])
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert not bf16.onednn_amx()
+    native_moe.linear(x, w, [200])
+    assert torch.equal(native_moe.linear(x, w[:20], [200]), F.linear(x, w[:20]))
+    assert calls[-1] == "linear" and len(calls) == (1 if "amx_bf16" in build.cpu_flags() else 3)
+    args = _experts(9, 48, 16, 3, 2, seed=3)  # hidden off the blocks of 32: the twin
+    assert not bf16.tiles(args[1], args[2])
+    assert torch.equal(native_moe.fused_moe(*args), reference.fused_moe_scattered(*args))
+
+
+@torch.inference_mode()
+def test_a_bf16_forward_on_native_kernels_is_as_near_fp32_as_the_twins(tiny_checkpoint, monkeypatch):
+    """A bf16 model on the native backend (`--dtype bfloat16 --device cpu`) runs the bf16
+    kernels (its projections too where oneDNN has no AMX: ONEDNN_MAX_CPU_ISA caps it), and its
+    forward (hidden states, logits, KV pools) is as near the fp32 forward as the bf16 twins'
+    (a random tiny model amplifies bf16's rounding: the twins' own differ by up to ~2). Four
+    tiny models' forwards: the engine's whole bf16 path, slower than the unit cases."""
+    from engine.model import load_model
+    from tests.kernels.native_cases import forwards
+
+    path = tiny_checkpoint("c16")
+    twins = forwards(load_model(path, dtype="bfloat16", kernels="twins"))
+    exact = forwards(load_model(path, dtype="float32", kernels="twins"))
+    calls: list[str] = []
+    for name in ("linear_tiles", "gated_tiles", "fused_moe"):
+        real = getattr(bf16, name)
+        monkeypatch.setattr(bf16, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+    for isa in ("ALL", "AVX512_CORE_BF16"):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        calls.clear()
+        got = forwards(load_model(path, dtype="bfloat16", kernels="native"))
+        dense = {"linear_tiles", "gated_tiles"} & set(calls)
+        assert "fused_moe" in calls and bool(dense) == (not bf16.onednn_amx())
+        for g, t, w in zip(got, twins, exact, strict=True):
+            assert g.dtype == t.dtype
+            ours, theirs = ((x.float() - w).abs().mean().item() for x in (g, t))
+            assert ours <= 1.5 * theirs + 1e-3
