@@ -1,6 +1,6 @@
 """One `ctypes.Structure` per C kernel call: the fields of the C `typedef struct` the kernel
-takes a pointer to (`sampler.c`, `norms.c`, `moe.c`, `attention.c`, `step.c`), by name and
-type, in the same order. Pointers are data addresses (`Tensor.data_ptr()`; None for NULL).
+takes a pointer to (`sampler.c`, `norms.c`, `moe.c`, `attention.c`, `step.c`, `bf16.c`), by
+name and type, in the same order. Pointers are data addresses (`Tensor.data_ptr()`; None for NULL).
 A struct over rows ends in `begin`, `end` (the rows [begin, end)) and `threads`
 (`kernels.native.threads.split_rows` sets them)."""
 

@@ -35,6 +35,7 @@ def scratch_elements(hidden: int, inter: int) -> int:
     """bf16_amx.h's BF_SCRATCH: bf16 elements of each thread's expert scratch."""
     return AMX_ROWS * (hidden + inter) + 4 * AMX_ROWS * LANES
 
+
 # The paths `CANVAS_NATIVE_BF16` names, fastest first: bf16.c's `path` argument, each its bit
 # in `canvas_bf16_paths` (amx: the experts on AMX tiles, the dense tiles on vdpbf16ps).
 PATHS = {"amx": 4, "avx512_bf16": 2, "generic": 1}

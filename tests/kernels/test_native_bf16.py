@@ -157,7 +157,9 @@ def test_moe_hands_bf16_operands_to_the_bf16_kernels(monkeypatch):
 
 
 @torch.inference_mode()
-def test_a_bf16_forward_on_native_kernels_is_as_near_fp32_as_the_twins(tiny_checkpoint, monkeypatch):
+def test_a_bf16_forward_on_native_kernels_is_as_near_fp32_as_the_twins(
+    tiny_checkpoint, monkeypatch
+):
     """A bf16 model on the native backend (`--dtype bfloat16 --device cpu`) runs the bf16
     kernels (its projections too where oneDNN has no AMX: ONEDNN_MAX_CPU_ISA caps it), and its
     forward (hidden states, logits, KV pools) is as near the fp32 forward as the bf16 twins'
