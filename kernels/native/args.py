@@ -167,6 +167,9 @@ SIGNATURES: dict[str, dict[str, type[ctypes.Structure]]] = {
         "canvas_rms_norm": NormArgs,
         "canvas_rms_norm_pair": NormPairArgs,
         "canvas_close_layer": CloseLayerArgs,
+        "canvas_rms_norm_bf16": NormArgs,
+        "canvas_rms_norm_pair_bf16": NormPairArgs,
+        "canvas_close_layer_bf16": CloseLayerArgs,
     },
     "moe": {
         "canvas_moe_token": MoeTokenArgs,

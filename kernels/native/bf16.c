@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "parallel.h"
 #include "tile.h"
 
@@ -30,37 +31,9 @@
 #endif
 enum { BF_GENERIC = 1, BF_AVX512 = 2, BF_AMX = 4 };
 
-#define BV 16 /* output columns per vector */
 #define BMR 8 /* rows per tile */
-typedef uint16_t bf16;
-typedef float bvf __attribute__((vector_size(BV * 4)));
-typedef uint32_t bvu __attribute__((vector_size(BV * 4)));
 
 CANVAS_DEFINE_OPENMP(canvas_bf16_openmp)
-
-
-static inline float bf_to_f(bf16 h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* fp32 -> bf16, round to nearest even (torch's conversion); NaN stays a quiet NaN. */
-static inline void store_bf16(bf16 *p, bvf v) {
-    bvu bits;
-    memcpy(&bits, &v, sizeof bits);
-    bvu rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    bvu nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
-    rounded = (rounded & ~nan) | (((bits >> 16) | 0x40u) & nan);
-    for (int i = 0; i < BV; ++i) p[i] = (bf16)rounded[i];
-}
-
-static inline bvf bload(const void *p) {
-    bvf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 /* One input pair's step of the generic tile: the packed weights w0, w1 of inputs (2p, 2p + 1),
  * each row's pair of inputs xs[r] (the odd one in the high half). */

@@ -49,13 +49,13 @@ MIN_ROWS_PER_THREAD = 32
 MIN_EXPERT_ROWS_PER_THREAD = 64
 
 
-def takes(*tensors: torch.Tensor) -> bool:
-    """Whether these operands go to `bf16.c`: bf16 CPU tensors, no autograd, the library
-    built."""
+def takes(*tensors: torch.Tensor | None) -> bool:
+    """Whether these operands go to the bf16 kernels: bf16 CPU tensors (None: no operand), no
+    autograd, `bf16.c` built."""
     if torch.is_grad_enabled():
         return False
     for t in tensors:
-        if t.dtype is not torch.bfloat16 or not t.is_cpu:
+        if t is not None and (t.dtype is not torch.bfloat16 or not t.is_cpu):
             return False
     return library("bf16") is not None
 

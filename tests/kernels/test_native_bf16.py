@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference, reference_layer
-from kernels.native import bf16, build
+from kernels import reference, reference_layer, reference_norm
+from kernels.native import bf16, build, norms
 from kernels.native import moe as native_moe
 from kernels.native.packing import PackedWeights
 from tests.kernels.native_cases import NATIVE
@@ -154,6 +154,39 @@ def test_moe_hands_bf16_operands_to_the_bf16_kernels(monkeypatch):
     args = _experts(9, 48, 16, 3, 2, seed=3)  # hidden off the blocks of 32: the twin
     assert not bf16.tiles(args[1], args[2])
     assert torch.equal(native_moe.fused_moe(*args), reference.fused_moe_scattered(*args))
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 32), (3, 37), (17, 200)])
+@torch.inference_mode()
+def test_bf16_norms_match_their_twins_and_never_depend_on_the_batch(monkeypatch, rows, hidden):
+    """The bf16 norms (norms.c's `_bf16` kernels, not the twins: those raise here) round where
+    the bf16 twins round: each output within a bf16 rounding of the twin's (the fp32 inverse
+    RMS may differ in its last bit); a row's bits the same alone as in its batch."""
+    for name in ("rms_norm_fused", "add_rms_norm", "rms_norm_pair", "close_layer"):
+        monkeypatch.setattr(reference, name, lambda *a, _n=name: pytest.fail(f"twin {_n}"))
+    x, r, d, m = (_randn(rows, hidden, seed=s) for s in range(4))
+    wa, wb, w = (_randn(hidden, seed=s, scale=0.5) for s in range(4, 7))
+    per_row = (torch.rand(rows, 1) + 0.5).bfloat16()
+    outs = {
+        "norm": (norms.rms_norm(x, wa, 1e-6), reference_norm.rms_norm_fused(x, wa, 1e-6)),
+        "bare": (norms.rms_norm(x, None, 1e-6), reference_norm.rms_norm_fused(x, None, 1e-6)),
+        "add": (norms.add_rms_norm(r, x, wa, 1e-6), reference_layer.add_rms_norm(r, x, wa, 1e-6)),
+        "pair": (
+            torch.cat(norms.rms_norm_pair(x, wa, wb, 1e-6)),
+            torch.cat(reference_layer.rms_norm_pair(x, wa, wb, 1e-6)),
+        ),
+    }
+    for scale in (torch.tensor([0.7]).bfloat16(), per_row):
+        got = norms.close_layer(d, m, r, wa, wb, w, scale, 1e-6)
+        want = reference_layer.close_layer(d, m, r, wa, wb, w, scale, 1e-6)
+        outs[f"close {scale.numel()}"] = got, want
+    for name, (got, want) in outs.items():
+        assert got.dtype == torch.bfloat16, name
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=name)
+    last = slice(rows - 1, rows)
+    alone = norms.close_layer(d[last], m[last], r[last], wa, wb, w, per_row[last], 1e-6)
+    assert torch.equal(alone, outs[f"close {rows}"][0][last])
+    assert torch.equal(norms.rms_norm(x[last], wa, 1e-6), outs["norm"][0][last])
 
 
 @torch.inference_mode()
