@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-import kernels.native.step as step
 import kernels.reference as reference
+import kernels.reference_layer as reference_layer
 from kernels.native.args import Bf16GatedArgs, Bf16LinearArgs, Bf16MoeArgs, Bf16SumArgs
 from kernels.native.build import cpu_flags, library, loaded, on_torch_team
 from kernels.native.packing import PackedWeights, packed
@@ -192,7 +192,7 @@ def gated_linear(
         or inter * k * 2 > MAX_PACKED_BYTES
     ):
         gate_out, up_out = linear(x, gate, segments, packs), linear(x, up, segments, packs)
-        return step.gated_act(gate_out, up_out, activation)
+        return reference_layer.gated_act(gate_out, up_out, activation)
     return gated_tiles(x, gate, up, packs)
 
 

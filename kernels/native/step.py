@@ -6,14 +6,16 @@ Their twins are ATen sequences (`reference.qkv_norm_rope`: three norms and two h
 products per RoPE half; `reference.route_experts`: norm, GEMV, softmax, top-k, renormalising,
 a gather; `reference_layer.gated_act`: GELU, product), 5 to 16 passes and dispatches each,
 which at a small model's canvas steps cost several times the arithmetic. The C kernels do each
-token in one pass. Non-fp32 operands, autograd and other
-activations keep the twins.
+token in one pass. bf16 q/k/v take the native bf16 norms with the twin's RoPE; other non-fp32
+operands, autograd and other activations keep the twins.
 """
 
 from __future__ import annotations
 
 import torch
 
+import kernels.native.bf16 as bf16
+import kernels.native.norms as norms
 import kernels.reference as reference
 import kernels.reference_layer as reference_layer
 from kernels.native.args import GegluArgs, PhiloxArgs, QkvArgs, RouteArgs
@@ -36,7 +38,12 @@ def qkv_norm_rope(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`reference.qkv_norm_rope` (q [N, Hq, D], k and v [N, Hkv, D], cos and sin [N, D]) in one
-    native pass per token."""
+    native pass per token; for bf16 q, k, v and weights the native bf16 norms
+    (`norms.rms_norm`) and the twin's RoPE."""
+    if bf16.takes(q, k, v, q_weight, k_weight):
+        return reference.qkv_norm_rope_with(
+            norms.rms_norm, q, k, v, q_weight, k_weight, cos, sin, eps
+        )
     dim = q.shape[-1]
     if (
         not takes(q, k, v, q_weight, k_weight, cos, sin)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference, reference_layer, reference_norm
-from kernels.native import bf16, build, norms
+from kernels.native import bf16, build, norms, step
 from kernels.native import moe as native_moe
 from kernels.native.packing import PackedWeights
 from tests.kernels.native_cases import NATIVE
@@ -187,6 +187,23 @@ def test_bf16_norms_match_their_twins_and_never_depend_on_the_batch(monkeypatch,
     alone = norms.close_layer(d[last], m[last], r[last], wa, wb, w, per_row[last], 1e-6)
     assert torch.equal(alone, outs[f"close {rows}"][0][last])
     assert torch.equal(norms.rms_norm(x[last], wa, 1e-6), outs["norm"][0][last])
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+@torch.inference_mode()
+def test_bf16_qkv_norms_are_native_and_match_the_twin(monkeypatch, tokens):
+    """bf16 q/k/v take the native bf16 norms (the twin's norm raises here) and the twin's
+    RoPE: within a bf16 rounding of the twin."""
+    q, k = _randn(tokens, 4, 48, seed=1), _randn(tokens, 2, 48, seed=2)
+    qw, kw = _randn(48, seed=3), _randn(48, seed=4)
+    angles = torch.rand(tokens, 24) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
+    want = reference.qkv_norm_rope(q, k, k, qw, kw, cos, sin, 1e-6)
+    monkeypatch.setattr(reference, "rms_norm_fused", lambda *a: pytest.fail("the twin's norm"))
+    got = step.qkv_norm_rope(q, k, k, qw, kw, cos, sin, 1e-6)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL)
 
 
 @torch.inference_mode()
