@@ -156,6 +156,10 @@ class Bf16MoeArgs(ctypes.Structure):
     ]
 
 
+class Bf16GegluArgs(ctypes.Structure):
+    _fields_ = [*pointers("gate", "up", "out"), *RANGE]
+
+
 class Bf16SumArgs(ctypes.Structure):
     _fields_ = [*pointers("ybuf", "out"), *integers("top_k", "h"), *RANGE]
 
@@ -193,5 +197,6 @@ SIGNATURES: dict[str, dict[str, type[ctypes.Structure]]] = {
         "canvas_bf16_gated_linear": Bf16GatedArgs,
         "canvas_bf16_moe_rows": Bf16MoeArgs,
         "canvas_bf16_moe_sum": Bf16SumArgs,
+        "canvas_bf16_geglu": Bf16GegluArgs,
     },
 }

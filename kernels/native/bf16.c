@@ -293,3 +293,28 @@ static void moe_sum(const float *ybuf, bf16 *out, int64_t top_k, int64_t h, int6
 void canvas_bf16_moe_sum(const Bf16SumArgs *a) {
     PARALLEL_ROWS(a->threads, a->begin, a->end, moe_sum(a->ybuf, a->out, a->top_k, a->h, b, e));
 }
+
+/* ---- GeGLU of bf16 gate and up (the dense MLP's, where oneDNN ran the projections):
+ * out = bf16(bf16(gelu_tanh(gate)) * up), rounded where the twin (F.gelu, then mul_) rounds;
+ * elements [begin, end) in blocks of BV. */
+typedef struct {
+    const bf16 *gate, *up;
+    bf16 *out;
+    int64_t begin, end, threads;
+} Bf16GegluArgs;
+
+static void geglu_range(const bf16 *gate, const bf16 *up, bf16 *out, int64_t begin, int64_t end) {
+    const bvf one = (bvf){0} + 1.0f;
+    for (int64_t i = begin; i < end; i += BV) {
+        const int64_t n = end - i < BV ? end - i : BV;
+        bf16 g[BV] = {0}, u[BV] = {0}, o[BV];
+        memcpy(g, gate + i, n * sizeof(bf16));
+        memcpy(u, up + i, n * sizeof(bf16));
+        store_bf16(o, bround(geglu16(load_bf16(g), one)) * load_bf16(u));
+        memcpy(out + i, o, n * sizeof(bf16));
+    }
+}
+
+void canvas_bf16_geglu(const Bf16GegluArgs *a) {
+    PARALLEL_ROWS(a->threads, a->begin, a->end, geglu_range(a->gate, a->up, a->out, b, e));
+}

@@ -20,11 +20,17 @@ import torch
 
 import kernels.reference as reference
 import kernels.reference_layer as reference_layer
-from kernels.native.args import Bf16GatedArgs, Bf16LinearArgs, Bf16MoeArgs, Bf16SumArgs
+from kernels.native.args import (
+    Bf16GatedArgs,
+    Bf16GegluArgs,
+    Bf16LinearArgs,
+    Bf16MoeArgs,
+    Bf16SumArgs,
+)
 from kernels.native.build import cpu_flags, library, loaded, on_torch_team
 from kernels.native.packing import PackedWeights, packed
 from kernels.native.pairs import sort_pairs
-from kernels.native.threads import addresses, scratch, split_rows, threads
+from kernels.native.threads import addresses, norm_min_rows, scratch, split_rows, threads
 
 BLOCK = 32  # output columns per tile (two vectors of 16)
 LANES = 16
@@ -192,8 +198,21 @@ def gated_linear(
         or inter * k * 2 > MAX_PACKED_BYTES
     ):
         gate_out, up_out = linear(x, gate, segments, packs), linear(x, up, segments, packs)
-        return reference_layer.gated_act(gate_out, up_out, activation)
+        return gated_act(gate_out, up_out, activation)
     return gated_tiles(x, gate, up, packs)
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """`reference_layer.gated_act` for bf16 gate and up: GeGLU in one native pass, rounded
+    where the twin rounds (GELU's output, the product); other activations and shapes take the
+    twin."""
+    if activation != "gelu_pytorch_tanh" or gate.shape != up.shape or gate.numel() == 0:
+        return reference_layer.gated_act(gate, up, activation)
+    g, u = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(g)
+    args = Bf16GegluArgs(gate=g.data_ptr(), up=u.data_ptr(), out=out.data_ptr())
+    split_rows("bf16", loaded("bf16").canvas_bf16_geglu, args, g.numel(), norm_min_rows(1))
+    return out
 
 
 def gated_tiles(

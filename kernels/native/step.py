@@ -90,11 +90,17 @@ def route_experts(
     top-k scores only: softmax, top-k and renormalising to one give exp(s_i - m) / sum over the
     chosen of exp(s_j - m) (the full softmax's denominator cancels), the same function up to
     rounding; the experts chosen are the same (softmax is monotonic). Fast numerics
-    (`segments` ignored)."""
+    (`segments` ignored). bf16 operands: the same kernel on an fp32 copy of the rows, the
+    projection packed in fp32 once (sharper than the bf16 twin's scores, whose near-ties may
+    choose another expert)."""
     del segments
     size, experts = hidden.shape[-1], proj.shape[0]
+    if bf16.takes(hidden, scale, proj, per_expert_scale):  # fp32 rows; the weights in fp32 once
+        hidden, scale, per_expert_scale = (t.float() for t in (hidden, scale, per_expert_scale))
     if (
-        not takes(hidden, scale, proj, per_expert_scale)
+        not takes(hidden, scale, per_expert_scale)
+        or proj.dtype not in (torch.float32, torch.bfloat16)
+        or not proj.is_cpu
         or size > MAX_ROW
         or experts > MAX_ROW
         or scale.numel() != size
@@ -124,7 +130,9 @@ def route_experts(
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """`reference_layer.gated_act`: GeGLU ("gelu_pytorch_tanh") natively, in one pass; other
-    activations take the twin."""
+    activations take the twin; bf16 gate and up `bf16.gated_act`."""
+    if bf16.takes(gate, up):
+        return bf16.gated_act(gate, up, activation)
     if (
         activation != "gelu_pytorch_tanh"
         or gate.shape != up.shape

@@ -206,6 +206,35 @@ def test_bf16_qkv_norms_are_native_and_match_the_twin(monkeypatch, tokens):
         torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("shape", [(1, 7), (3, 16), (17, 45)])
+@torch.inference_mode()
+def test_bf16_geglu_matches_its_twin(shape):
+    """bf16 GeGLU (`bf16.gated_act`, bound through `step.gated_act`) rounds where the twin
+    rounds; tails off the vector width included."""
+    gate, up = _randn(*shape, seed=1, scale=2.0), _randn(*shape, seed=2)
+    got = step.gated_act(gate, up, "gelu_pytorch_tanh")
+    want = reference_layer.gated_act(gate, up, "gelu_pytorch_tanh")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    assert torch.equal(
+        step.gated_act(gate, up, "silu"), reference_layer.gated_act(gate, up, "silu")
+    )
+
+
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (3, 1), (17, 2)])
+@torch.inference_mode()
+def test_the_bf16_router_runs_the_native_one_in_fp32(tokens, top_k):
+    """bf16 router operands: `step.route_experts` on fp32 copies, the same weights and experts
+    as on fp32 operands holding the same values."""
+    hidden, scale = _randn(tokens, 64, seed=1), _randn(64, seed=2) + 1
+    proj, pes = _randn(8, 64, seed=3), _randn(8, seed=4).abs() + 0.5
+    got = step.route_experts(hidden, scale, proj, pes, top_k, 1e-6)
+    want = step.route_experts(hidden.float(), scale.float(), proj.float(), pes.float(), top_k, 1e-6)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    twin = reference.route_experts(hidden, scale, proj, pes, top_k, 1e-6)
+    torch.testing.assert_close(got[0].sum(-1), twin[0].sum(-1), rtol=RTOL, atol=ATOL)
+
+
 @torch.inference_mode()
 def test_a_bf16_forward_on_native_kernels_is_as_near_fp32_as_the_twins(
     tiny_checkpoint, monkeypatch
