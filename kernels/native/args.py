@@ -106,6 +106,7 @@ class AttentionArgs(ctypes.Structure):
         *integers("max_pages", "hq", "hkv", "d", "size", "window", "qblock"),
         ("scale", F32),
         ("lmax", I64),
+        ("bf", I64),
         *RANGE,
     ]
 

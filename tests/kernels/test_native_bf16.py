@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference, reference_layer, reference_norm
+from kernels.native import attention as native_attention
 from kernels.native import bf16, build, norms, step
 from kernels.native import moe as native_moe
 from kernels.native.packing import PackedWeights
+from tests.kernels.attention_cases import SCENARIOS, make_inputs, run
 from tests.kernels.native_cases import NATIVE
 
 pytestmark = NATIVE
@@ -233,6 +235,28 @@ def test_the_bf16_router_runs_the_native_one_in_fp32(tokens, top_k):
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
     twin = reference.route_experts(hidden, scale, proj, pes, top_k, 1e-6)
     torch.testing.assert_close(got[0].sum(-1), twin[0].sum(-1), rtol=RTOL, atol=ATOL)
+
+
+class NativeAttention:
+    write_kv = staticmethod(reference.write_kv)
+    canvas_attention = staticmethod(native_attention.canvas_attention)
+
+
+@pytest.mark.parametrize("name", [n for n, sc in SCENARIOS.items() if not sc.images])
+@pytest.mark.parametrize("head_dim", [32, 64])
+@torch.inference_mode()
+def test_bf16_attention_over_a_bf16_cache_matches_the_twin(monkeypatch, name, head_dim):
+    """attention.c on bf16 q/k/v and pools (the twin raises here): within bf16's rounding of
+    the bf16 twin, every text scenario (decode and encode rows, windows, a query alone)."""
+    from dataclasses import replace
+
+    sc = replace(SCENARIOS[name], head_dim=head_dim)
+    x = make_inputs(sc, torch.device("cpu"), torch.bfloat16)
+    want = run(reference, x, sc)
+    monkeypatch.setattr(native_attention.reference, "canvas_attention", pytest.fail)
+    got = run(NativeAttention, x, sc)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
 
 
 @torch.inference_mode()
