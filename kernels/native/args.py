@@ -189,6 +189,7 @@ SIGNATURES: dict[str, dict[str, type[ctypes.Structure]]] = {
     "attention": {"canvas_attention": AttentionArgs},
     "step": {
         "canvas_qkv_norm_rope": QkvArgs,
+        "canvas_qkv_norm_rope_bf16": QkvArgs,
         "canvas_route": RouteArgs,
         "canvas_geglu": GegluArgs,
         "canvas_philox_uniform": PhiloxArgs,

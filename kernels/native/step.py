@@ -6,7 +6,7 @@ Their twins are ATen sequences (`reference.qkv_norm_rope`: three norms and two h
 products per RoPE half; `reference.route_experts`: norm, GEMV, softmax, top-k, renormalising,
 a gather; `reference_layer.gated_act`: GELU, product), 5 to 16 passes and dispatches each,
 which at a small model's canvas steps cost several times the arithmetic. The C kernels do each
-token in one pass. bf16 q/k/v take the native bf16 norms with the twin's RoPE; other non-fp32
+token in one pass (q/k/v also in bf16); other non-fp32
 operands, autograd and other activations keep the twins.
 """
 
@@ -38,15 +38,15 @@ def qkv_norm_rope(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`reference.qkv_norm_rope` (q [N, Hq, D], k and v [N, Hkv, D], cos and sin [N, D]) in one
-    native pass per token; for bf16 q, k, v and weights the native bf16 norms
+    native pass per token, fp32 or bf16 (`canvas_qkv_norm_rope_bf16`: rounded where the bf16
+    twin rounds); bf16 q, k, v with tables of another dtype: the native bf16 norms
     (`norms.rms_norm`) and the twin's RoPE."""
-    if bf16.takes(q, k, v, q_weight, k_weight):
-        return reference.qkv_norm_rope_with(
-            norms.rms_norm, q, k, v, q_weight, k_weight, cos, sin, eps
-        )
+    operands = (q, k, v, q_weight, k_weight, cos, sin)
+    if bf16.takes(q, k, v, q_weight, k_weight) and not bf16.takes(cos, sin):
+        return reference.qkv_norm_rope_with(norms.rms_norm, *operands, eps)
     dim = q.shape[-1]
     if (
-        not takes(q, k, v, q_weight, k_weight, cos, sin)
+        not (takes(*operands) or bf16.takes(*operands))
         or q.dim() != 3
         or k.shape != v.shape
         or k.dim() != 3
@@ -72,7 +72,9 @@ def qkv_norm_rope(
         eps=eps,
     )
     per_token = dim * (q.shape[1] + 2 * k.shape[1])
-    split_rows("step", lib.canvas_qkv_norm_rope, args, q.shape[0], norm_min_rows(per_token))
+    bf = q.dtype is torch.bfloat16
+    kernel = lib.canvas_qkv_norm_rope_bf16 if bf else lib.canvas_qkv_norm_rope
+    split_rows("step", kernel, args, q.shape[0], norm_min_rows(per_token))
     return qo, ko, vo
 
 

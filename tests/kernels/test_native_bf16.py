@@ -193,18 +193,22 @@ def test_bf16_norms_match_their_twins_and_never_depend_on_the_batch(monkeypatch,
 
 @pytest.mark.parametrize("tokens", [1, 3, 17])
 @torch.inference_mode()
-def test_bf16_qkv_norms_are_native_and_match_the_twin(monkeypatch, tokens):
-    """bf16 q/k/v take the native bf16 norms (the twin's norm raises here) and the twin's
-    RoPE: within a bf16 rounding of the twin."""
-    q, k = _randn(tokens, 4, 48, seed=1), _randn(tokens, 2, 48, seed=2)
+@pytest.mark.parametrize("tables", [torch.bfloat16, torch.float32])
+def test_bf16_qkv_norms_and_rope_are_native_and_match_the_twin(monkeypatch, tokens, tables):
+    """bf16 q/k/v: with bf16 cos and sin step.c's bf16 kernel (the twin raises here), with
+    fp32 ones the native bf16 norms (the twin's norm raises) and the twin's RoPE; within a
+    bf16 rounding of the twin either way."""
+    q, k, v = (_randn(tokens, h, 48, seed=h) for h in (4, 2, 3))
+    v = v[:, :2]
     qw, kw = _randn(48, seed=3), _randn(48, seed=4)
     angles = torch.rand(tokens, 24) * 6
-    cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
-    want = reference.qkv_norm_rope(q, k, k, qw, kw, cos, sin, 1e-6)
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(tables) for f in (torch.cos, torch.sin))
+    want = reference.qkv_norm_rope(q, k, v, qw, kw, cos, sin, 1e-6)
     monkeypatch.setattr(reference, "rms_norm_fused", lambda *a: pytest.fail("the twin's norm"))
-    got = step.qkv_norm_rope(q, k, k, qw, kw, cos, sin, 1e-6)
+    monkeypatch.setattr(reference, "qkv_norm_rope", lambda *a: pytest.fail("the twin"))
+    got = step.qkv_norm_rope(q, k, v, qw, kw, cos, sin, 1e-6)
     for g, w in zip(got, want, strict=True):
-        assert g.dtype == torch.bfloat16
+        assert g.dtype == w.dtype
         torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL)
 
 
