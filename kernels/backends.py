@@ -111,8 +111,9 @@ class TwinsBackend:
 
 class NativeBackend(TwinsBackend):
     """The twins plus the C kernels (`kernels.native`) on the CPU, in fast numerics: the
-    sampler, norms, router, experts, dense projections and attention; each falls back to its
-    twin per call where its operands do not fit (non-fp32, autograd, odd shapes)."""
+    sampler, norms, router, experts, dense projections and attention (the projections and
+    experts in fp32 and bf16: `kernels.native.bf16`); each falls back to its twin per call
+    where its operands do not fit (other dtypes, autograd, odd shapes)."""
 
     name = "native"
 

@@ -11,8 +11,10 @@ and a layer's norm tails one row at a time. `moe.c` (`moe`): one token's experts
 many tokens' experts and small dense projections as register-tiled products on packed weights
 (`packing`). `attention.c` (`attention`): canvas attention read straight from the paged KV
 cache. `step.c` (`step`): attention's q/k/v norms with RoPE, the router, GeGLU and the
-sampler's Philox numbers, one token per pass. Exact numerics never use them; grad mode and
-non-fp32 operands fall back to the twins per call.
+sampler's Philox numbers, one token per pass. `bf16.c` (`bf16`): the projections and experts
+for bf16 operands (a `--dtype bfloat16` model), AVX512-BF16 or AMX where the CPU has them.
+Exact numerics never use them; grad mode and other operands (bf16 ones outside the
+projections and experts, fp16) fall back to the twins per call.
 
 Threads: a kernel's rows are split into `torch.get_num_threads()` ranges run by torch's own
 OpenMP team (`parallel.h`): a library built with -fopenmp needs libgomp.so.1, which is torch's,

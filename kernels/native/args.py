@@ -1,6 +1,6 @@
 """One `ctypes.Structure` per C kernel call: the fields of the C `typedef struct` the kernel
-takes a pointer to (`sampler.c`, `norms.c`, `moe.c`, `attention.c`, `step.c`), by name and
-type, in the same order. Pointers are data addresses (`Tensor.data_ptr()`; None for NULL).
+takes a pointer to (`sampler.c`, `norms.c`, `moe.c`, `attention.c`, `step.c`, `bf16.c`), by
+name and type, in the same order. Pointers are data addresses (`Tensor.data_ptr()`; None for NULL).
 A struct over rows ends in `begin`, `end` (the rows [begin, end)) and `threads`
 (`kernels.native.threads.split_rows` sets them)."""
 
@@ -106,6 +106,7 @@ class AttentionArgs(ctypes.Structure):
         *integers("max_pages", "hq", "hkv", "d", "size", "window", "qblock"),
         ("scale", F32),
         ("lmax", I64),
+        ("bf", I64),
         *RANGE,
     ]
 
@@ -136,6 +137,34 @@ class PhiloxArgs(ctypes.Structure):
     _fields_ = [*pointers("seeds", "counters", "out"), ("n", I64)]
 
 
+class Bf16LinearArgs(ctypes.Structure):
+    _fields_ = [
+        *pointers("x", "wp", "out0", "out1", "out2"),
+        *integers("n0", "n1", "k_dim", "n", "path"),
+        *RANGE,
+    ]
+
+
+class Bf16GatedArgs(ctypes.Structure):
+    _fields_ = [*pointers("x", "gup", "out"), *integers("k_dim", "inter", "path"), *RANGE]
+
+
+class Bf16MoeArgs(ctypes.Structure):
+    _fields_ = [
+        *pointers("x", "gup", "dnp", "weights", "pairs", "ends", "ybuf", "act"),
+        *integers("num_experts", "top_k", "h", "inter", "path"),
+        *RANGE,
+    ]
+
+
+class Bf16GegluArgs(ctypes.Structure):
+    _fields_ = [*pointers("gate", "up", "out"), *RANGE]
+
+
+class Bf16SumArgs(ctypes.Structure):
+    _fields_ = [*pointers("ybuf", "out"), *integers("top_k", "h"), *RANGE]
+
+
 # Each library's kernels: name -> the struct it takes a pointer to.
 SIGNATURES: dict[str, dict[str, type[ctypes.Structure]]] = {
     "sampler": {"canvas_sample_rows": SampleArgs},
@@ -143,6 +172,9 @@ SIGNATURES: dict[str, dict[str, type[ctypes.Structure]]] = {
         "canvas_rms_norm": NormArgs,
         "canvas_rms_norm_pair": NormPairArgs,
         "canvas_close_layer": CloseLayerArgs,
+        "canvas_rms_norm_bf16": NormArgs,
+        "canvas_rms_norm_pair_bf16": NormPairArgs,
+        "canvas_close_layer_bf16": CloseLayerArgs,
     },
     "moe": {
         "canvas_moe_token": MoeTokenArgs,
@@ -157,8 +189,16 @@ SIGNATURES: dict[str, dict[str, type[ctypes.Structure]]] = {
     "attention": {"canvas_attention": AttentionArgs},
     "step": {
         "canvas_qkv_norm_rope": QkvArgs,
+        "canvas_qkv_norm_rope_bf16": QkvArgs,
         "canvas_route": RouteArgs,
         "canvas_geglu": GegluArgs,
         "canvas_philox_uniform": PhiloxArgs,
+    },
+    "bf16": {
+        "canvas_bf16_linear": Bf16LinearArgs,
+        "canvas_bf16_gated_linear": Bf16GatedArgs,
+        "canvas_bf16_moe_rows": Bf16MoeArgs,
+        "canvas_bf16_moe_sum": Bf16SumArgs,
+        "canvas_bf16_geglu": Bf16GegluArgs,
     },
 }

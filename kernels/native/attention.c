@@ -20,45 +20,70 @@
  * row's maximum and takes the polynomial exp (~1 ulp; arguments clamped at -80, where exp is
  * below 2e-35 of the maximum's term); the values' sums run over the keys in order. Nothing
  * depends on other rows or on the thread that runs an item, so a row's values never depend on
- * its batch; they differ from SDPA's (blocked online softmax) in the last bits. fp32,
- * contiguous; D a multiple of 2V.
+ * its batch; they differ from SDPA's (blocked online softmax) in the last bits. fp32 or bf16
+ * (`bf`: q, k, v, the pools and out all bf16: each row read into fp32 as it is used, the
+ * arithmetic in fp32, the output rounded to bf16), contiguous; D a multiple of 2V.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "parallel.h"
 #include "tile.h"
 
 #define BLOCK (2 * MOE_V)
 
 typedef struct {
-    const float *q, *k, *v, *k_pool, *v_pool;
+    const void *q, *k, *v, *k_pool, *v_pool;
     const int32_t *start, *offset, *count, *decode, *page_table;
-    float *out;
+    void *out;
     int64_t max_pages, hq, hkv, d, size, window, qblock;
     float scale;
+    int64_t bf; /* 1: every tensor bf16 */
 } Attn;
 
-/* Key `pos` of row r, head h: from its page below `start`, else the row's new keys. */
-static inline const float *key_row(const Attn *a, const float *pool, const float *fresh, int64_t r,
-                                   int64_t h, int64_t pos) {
+/* Row `index` (in rows of d) of tensor t as fp32: in place, or for bf16 converted into buf. */
+static inline const float *row_f32(const Attn *a, const void *t, int64_t index, float *buf) {
+    if (!a->bf) return (const float *)t + index * a->d;
+    const bf16 *src = (const bf16 *)t + index * a->d;
+    for (int64_t x = 0; x < a->d; ++x) buf[x] = bf_to_f(src[x]);
+    return buf;
+}
+
+/* Key `pos` of row r, head h (of the pool or the new keys `fresh`) as fp32 (buf: for bf16):
+ * from its page below `start`, else the row's new keys. */
+static inline const float *key_row(const Attn *a, const void *pool, const void *fresh, int64_t r,
+                                   int64_t h, int64_t pos, float *buf) {
     int64_t st = a->start[r];
-    if (pos >= st) return fresh + ((a->offset[r] + pos - st) * a->hkv + h) * a->d;
+    if (pos >= st) return row_f32(a, fresh, (a->offset[r] + pos - st) * a->hkv + h, buf);
     int64_t page = a->page_table[r * a->max_pages + pos / a->size];
-    return pool + ((page * a->hkv + h) * a->size + pos % a->size) * a->d;
+    return row_f32(a, pool, (page * a->hkv + h) * a->size + pos % a->size, buf);
+}
+
+/* Output row `index` (rows of d) from fp32 o: for bf16 rounded into the output (o a buffer),
+ * for fp32 o is the output row already. */
+static inline void put_row(const Attn *a, int64_t index, const float *o) {
+    if (!a->bf) return;
+    bf16 *dst = (bf16 *)a->out + index * a->d;
+    for (int64_t x = 0; x < a->d; ++x) dst[x] = f_to_bf(o[x]);
+}
+
+/* Where output row `index` is computed: in place for fp32, buf for bf16. */
+static inline float *out_row(const Attn *a, int64_t index, float *buf) {
+    return a->bf ? buf : (float *)a->out + index * a->d;
 }
 
 /* Keys [klo, klo + n) packed for the scores' tile: kp [Lp / 2V, D, 2V] (key j at block j / 2V,
  * lane j % 2V); values for the values' tile: vp [D / 2V, Lp, 2V]. Padding keys are zeros. */
 static void pack_keys(const Attn *a, int64_t r, int64_t h, int64_t klo, int64_t n, int64_t lp,
-                      float *kp, float *vp) {
+                      float *kp, float *vp, float *rowbuf) {
     const int64_t d = a->d;
     memset(kp, 0, sizeof(float) * lp * d);
     memset(vp, 0, sizeof(float) * lp * d);
     for (int64_t j = 0; j < n; ++j) {
-        const float *kr = key_row(a, a->k_pool, a->k, r, h, klo + j);
-        const float *vr = key_row(a, a->v_pool, a->v, r, h, klo + j);
+        const float *kr = key_row(a, a->k_pool, a->k, r, h, klo + j, rowbuf);
+        const float *vr = key_row(a, a->v_pool, a->v, r, h, klo + j, rowbuf + d);
         float *kb = kp + (j / BLOCK) * d * BLOCK + j % BLOCK;
         for (int64_t x = 0; x < d; ++x) kb[x * BLOCK] = kr[x];
         for (int64_t c = 0; c < d / BLOCK; ++c)
@@ -118,35 +143,40 @@ static inline float mdot(const float *x, const float *y, int64_t d) {
 }
 
 /* An item of fewer score rows than a tile (an AR step's one query per row): each query's
- * scores, softmax and values straight from the keys' rows, nothing packed. s: [nk] scratch. */
+ * scores, softmax and values straight from the keys' rows, nothing packed. s: [nk] scratch;
+ * rowbuf: [3, D] (bf16 rows read into fp32, the output row). */
 static void attend_few(const Attn *a, int64_t r, int64_t h, int64_t t0, int64_t t1, int64_t klo,
-                       int64_t nk, int dec, float *s) {
+                       int64_t nk, int dec, float *s, float *rowbuf) {
     const int64_t d = a->d, g = a->hq / a->hkv, st = a->start[r];
+    float *qbuf = rowbuf, *kbuf = rowbuf + d, *obuf = rowbuf + 2 * d;
     for (int64_t i = 0; i < (t1 - t0) * g; ++i) {
         const int64_t token = a->offset[r] + t0 + i / g, head = h * g + i % g;
-        const float *qr = a->q + (token * a->hq + head) * d;
+        const float *qr = row_f32(a, a->q, token * a->hq + head, qbuf);
         int64_t jlo, jhi;
         visible(a, dec, st + t0 + i / g, klo, nk, &jlo, &jhi);
         float best = -__builtin_inff(), sum = 0.0f;
         for (int64_t j = jlo; j < jhi; ++j) {
-            s[j] = mdot(qr, key_row(a, a->k_pool, a->k, r, h, klo + j), d) * a->scale;
+            s[j] = mdot(qr, key_row(a, a->k_pool, a->k, r, h, klo + j, kbuf), d) * a->scale;
             best = s[j] > best ? s[j] : best;
         }
-        float *o = a->out + (token * a->hq + head) * d;
+        float *o = out_row(a, token * a->hq + head, obuf);
         memset(o, 0, sizeof(float) * d);
         for (int64_t j = jlo; j < jhi; ++j) {
             const float p = expf(s[j] - best);
-            const float *vr = key_row(a, a->v_pool, a->v, r, h, klo + j);
+            const float *vr = key_row(a, a->v_pool, a->v, r, h, klo + j, kbuf);
             sum += p;
             for (int64_t x = 0; x < d; x += MOE_V) mstore(o + x, mload(o + x) + p * mload(vr + x));
         }
         const float inv = 1.0f / sum;
         for (int64_t x = 0; x < d; x += MOE_V) mstore(o + x, mload(o + x) * inv);
+        put_row(a, token * a->hq + head, o);
     }
 }
 
-/* One item: row r, KV head h, the row's queries [t0, t1). scratch: kp, vp [Lp, D] and the
- * scores [G * qblock, Lp]. */
+/* One item: row r, KV head h, the row's queries [t0, t1). scratch: kp, vp [Lp, D], the scores
+ * [G * qblock, Lp], then (bf16) the queries [G * qblock, D], a tile's outputs [16, D] and three
+ * rows [3, D] (ATTN_EXTRA). */
+#define ATTN_EXTRA(d, g, qblock) ((d) * ((g) * (qblock) + 16 + 3))
 static void attend(const Attn *a, int64_t r, int64_t h, int64_t t0, float *scratch, int64_t lmax) {
     const int64_t d = a->d, g = a->hq / a->hkv, st = a->start[r], n = a->count[r];
     const int64_t t1 = t0 + a->qblock < n ? t0 + a->qblock : n;
@@ -163,19 +193,22 @@ static void attend(const Attn *a, int64_t r, int64_t h, int64_t t0, float *scrat
     const int64_t nk = khi - klo, lp = (nk + BLOCK - 1) / BLOCK * BLOCK;
     if (lp > lmax) return; /* never: the caller sizes the scratch for the longest */
     const int64_t m = g * (t1 - t0); /* query i of the block, head j: score row i * g + j */
+    float *kp = scratch, *vp = kp + lmax * d, *s = vp + lmax * d;
+    float *qbuf = s + g * a->qblock * lmax, *obuf = qbuf + g * a->qblock * d;
+    float *rowbuf = obuf + 16 * d;
     if (m < MOE_MR) {
-        attend_few(a, r, h, t0, t1, klo, nk, dec, scratch);
+        attend_few(a, r, h, t0, t1, klo, nk, dec, scratch, rowbuf);
         return;
     }
-    float *kp = scratch, *vp = kp + lmax * d, *s = vp + lmax * d;
-    pack_keys(a, r, h, klo, nk, lp, kp, vp);
+    pack_keys(a, r, h, klo, nk, lp, kp, vp, rowbuf);
     const float *rows[MOE_MR];
     float inv[MOE_MR];
     for (int64_t m0 = 0; m0 < m; m0 += MOE_MR) {
         const int mt = m - m0 < MOE_MR ? (int)(m - m0) : MOE_MR;
         for (int x = 0; x < MOE_MR; ++x) {
             int64_t i = m0 + (x < mt ? x : mt - 1);
-            rows[x] = a->q + ((a->offset[r] + t0 + i / g) * a->hq + h * g + i % g) * d;
+            const int64_t index = (a->offset[r] + t0 + i / g) * a->hq + h * g + i % g;
+            rows[x] = row_f32(a, a->q, index, qbuf + i * d);
         }
         for (int64_t c = 0; c < lp / BLOCK; ++c) {
             mv y0[MOE_MR], y1[MOE_MR];
@@ -197,10 +230,15 @@ static void attend(const Attn *a, int64_t r, int64_t h, int64_t t0, float *scrat
             tile_2v(rows, vp + c * lp * BLOCK, lp, y0, y1);
             for (int x = 0; x < mt; ++x) {
                 int64_t i = m0 + x;
-                float *o = a->out + ((a->offset[r] + t0 + i / g) * a->hq + h * g + i % g) * d;
+                float *o = out_row(a, (a->offset[r] + t0 + i / g) * a->hq + h * g + i % g,
+                                   obuf + x * d);
                 mstore(o + c * BLOCK, y0[x] * inv[x]);
                 mstore(o + c * BLOCK + MOE_V, y1[x] * inv[x]);
             }
+        }
+        for (int x = 0; x < mt; ++x) {
+            int64_t i = m0 + x;
+            put_row(a, (a->offset[r] + t0 + i / g) * a->hq + h * g + i % g, obuf + x * d);
         }
     }
 }
@@ -214,22 +252,24 @@ CANVAS_DEFINE_OPENMP(canvas_attention_openmp)
  * free thread taking the next: items differ in size), thread t with scratch
  * [t * per_thread, (t + 1) * per_thread); without OpenMP one by one on scratch 0. */
 typedef struct {
-    const float *q, *k, *v, *k_pool, *v_pool;
+    const void *q, *k, *v, *k_pool, *v_pool;
     const int32_t *start, *offset, *count, *decode, *page_table;
     const int64_t *items;
-    float *out, *scratch;
+    void *out;
+    float *scratch;
     int64_t max_pages, hq, hkv, d, size, window, qblock;
     float scale;
-    int64_t lmax, begin, end, threads; /* items [begin, end) */
+    int64_t lmax, bf, begin, end, threads; /* items [begin, end); bf: the tensors are bf16 */
 } AttentionArgs;
 
 void canvas_attention(const AttentionArgs *p) {
     const Attn a = {p->q,        p->k,   p->v,         p->k_pool, p->v_pool, p->start,
                     p->offset,   p->count, p->decode,  p->page_table, p->out, p->max_pages,
                     p->hq,       p->hkv, p->d,         p->size,   p->window, p->qblock,
-                    p->scale};
+                    p->scale,    p->bf};
     const int64_t threads = p->threads, lmax = p->lmax, *items = p->items;
-    const int64_t per_thread = lmax * (2 * p->d + (p->hq / p->hkv) * p->qblock);
+    const int64_t g = p->hq / p->hkv;
+    const int64_t per_thread = lmax * (2 * p->d + g * p->qblock) + ATTN_EXTRA(p->d, g, p->qblock);
     float *scratch = p->scratch;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)

@@ -10,7 +10,8 @@ from their pages into a packed block per work item (one row, one KV head, up to 
 its queries with all the head's query heads), takes the scores and the values' product as
 register-tiled products, and runs each query's softmax over the keys it may see only. Rows with
 image spans (bidirectional within an image), head dims that are not whole vector blocks, very
-long rows and autograd keep the twin.
+long rows and autograd keep the twin. bf16 q, k, v and pools (a `--dtype bfloat16` model's
+cache) are read into fp32 row by row, the output rounded to bf16.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 import numpy as np
 import torch
 
+import kernels.native.bf16 as bf16
 import kernels.reference as reference
 from kernels.native.args import AttentionArgs
 from kernels.native.build import library, loaded, on_torch_team
@@ -56,14 +58,15 @@ def canvas_attention(
         or dim % (2 * lanes)
         or heads % kv_heads
         or keys > MAX_KEYS
-        or not takes(q, k, v, k_pool, v_pool)
+        or not (takes(q, k, v, k_pool, v_pool) or bf16.takes(q, k, v, k_pool, v_pool))
         or rows.start.device.type != "cpu"
     ):
         return reference.canvas_attention(q, k, v, k_pool, v_pool, rows, window, scale)
     lib = loaded("attention")
     items = _items(rows, kv_heads)
     longest = -(-keys // (2 * lanes)) * 2 * lanes
-    per_thread = longest * (2 * dim + heads // kv_heads * QUERY_BLOCK)
+    groups = heads // kv_heads  # per thread: attention.c's kp, vp, scores and ATTN_EXTRA
+    per_thread = longest * (2 * dim + groups * QUERY_BLOCK) + dim * (groups * QUERY_BLOCK + 19)
     tensors = (q, k, v, k_pool, v_pool)
     q, k, v, k_pool, v_pool = (t if t.is_contiguous() else t.contiguous() for t in tensors)
     out = torch.empty_like(q)
@@ -74,7 +77,7 @@ def canvas_attention(
     )
     args.max_pages, args.hq, args.hkv, args.d = rows.page_table.shape[1], heads, kv_heads, dim
     args.size, args.window, args.qblock = k_pool.shape[2], window, QUERY_BLOCK
-    args.scale, args.lmax = scale, longest
+    args.scale, args.lmax, args.bf = scale, longest, int(q.dtype is torch.bfloat16)
     num_items = items.shape[0]
     if on_torch_team("attention"):
         team = min(torch.get_num_threads(), num_items)

@@ -35,6 +35,7 @@ RETURNS_I64 = {
     "canvas_moe_sort",
     "canvas_attention_lanes",
     "canvas_step_lanes",
+    "canvas_bf16_paths",
     *(f"canvas_{name}_openmp" for name in SIGNATURES),
 }
 
@@ -91,6 +92,14 @@ def machine() -> str:
         return platform.machine() + "\n" + "\n".join(lines)
     except OSError:
         return platform.machine() + platform.processor()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo's `flags`: avx512_bf16, amx_bf16, ...); empty
+    where unreadable."""
+    line = next((ln for ln in machine().splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
 
 
 @functools.cache

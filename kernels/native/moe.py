@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+import kernels.native.bf16 as bf16
 import kernels.native.step as step
 import kernels.reference as reference
 from kernels.native.args import (
@@ -28,12 +29,12 @@ from kernels.native.args import (
     LinearArgs,
     LinearSplitArgs,
     MoeRowsArgs,
-    MoeSortArgs,
     MoeSumArgs,
     MoeTokenArgs,
 )
 from kernels.native.build import library, loaded, on_torch_team
 from kernels.native.packing import PackedWeights, packed
+from kernels.native.pairs import sort_pairs
 from kernels.native.threads import addresses, over_rows, scratch, split_rows, takes, threads
 
 # Expert weight bytes per thread below which one thread runs all of a token's experts.
@@ -53,7 +54,9 @@ def fused_moe(
     call (`moe.c`: its experts' matrix-vector products and GeGLU, each slot weighted), the
     slots summed in slot order. More tokens: `moe.c`'s tiled expert products
     (`_experts_tiled`) where the experts fit a core's L2 cache. Larger experts, non-fp32
-    operands and autograd take the twin."""
+    operands and autograd take the twin; bf16 operands go to `bf16.fused_moe`."""
+    if bf16.takes(hidden, gate_up, down):
+        return bf16.fused_moe(hidden, gate_up, down, weights, ids, packs)
     if not takes(hidden, gate_up, down, weights):
         return reference.fused_moe_scattered(hidden, gate_up, down, weights, ids, segments)
     if ids.shape[0] != 1:
@@ -149,7 +152,10 @@ def linear(
     register tiles on the weight packed once ([N/2V, K, 2V]), for fp32 CPU operands of at least
     MIN_LINEAR_ROWS rows, N a multiple of 2V and the weight within MAX_PACKED_LINEAR_BYTES
     (a small model's projections); the twin otherwise. Every output's sum
-    runs over K in order, so a row's value never depends on its batch."""
+    runs over K in order, so a row's value never depends on its batch. bf16 operands go to
+    `bf16.linear`."""
+    if bf16.takes(x, weight):
+        return bf16.linear(x, weight, segments, packs)
     lanes, (n, k) = moe_lanes(), weight.shape
     rows = x.numel() // max(1, k)
     if (
@@ -182,7 +188,10 @@ def linear_many(
     """[linear(x, w) for w in weights] (two or three projections of the same x: attention's q,
     k and v), the same values, in one pass of `moe.c`'s tiles over their weights packed once
     together, each output written to its own tensor; `linear` one by one where it would not
-    take the tiles (each weight within MAX_PACKED_LINEAR_BYTES, outputs whole blocks of 2V)."""
+    take the tiles (each weight within MAX_PACKED_LINEAR_BYTES, outputs whole blocks of 2V).
+    bf16 operands go to `bf16.linear_many`."""
+    if bf16.takes(x, *weights):
+        return bf16.linear_many(x, weights, segments, packs)
     lanes, k = moe_lanes(), weights[0].shape[1]
     rows = x.numel() // max(1, k)
     widths = [w.shape[0] for w in weights]
@@ -233,7 +242,10 @@ def gated_linear(
     `step.gated_act`, the same values: GeGLU of at least MIN_LINEAR_ROWS fp32 rows on
     weights packed once together ([I/V, K, 2V], the experts' gate/up layout) in one pass of
     `moe.c`'s tiles (no [M, 2I] intermediates, one call instead of three); the three calls
-    otherwise (other activations, small batches, large or odd-sized weights)."""
+    otherwise (other activations, small batches, large or odd-sized weights). bf16 operands
+    go to `bf16.gated_linear`."""
+    if bf16.takes(x, gate, up):
+        return bf16.gated_linear(x, gate, up, activation, segments, packs)
     lanes, (inter, k) = moe_lanes(), gate.shape
     rows = x.numel() // max(1, k)
     if (
@@ -279,19 +291,7 @@ def _experts_tiled(
     num_tokens, top_k = ids.shape
     num_experts, size, inter = down.shape
     gup, dnp = pack_experts(gate_up, down, packs)
-    flat_ids = ids.reshape(-1).to(torch.int64).contiguous()
-    pairs = torch.empty_like(flat_ids)
-    ends = torch.empty(num_experts, dtype=torch.int64)
-    sort = MoeSortArgs(
-        ids=flat_ids.data_ptr(),
-        num_pairs=pairs.numel(),
-        num_experts=num_experts,
-        pairs=pairs.data_ptr(),
-        ends=ends.data_ptr(),
-    )
-    if lib.canvas_moe_sort(sort):
-        bad = flat_ids[(flat_ids < 0) | (flat_ids >= num_experts)].unique()[:8].tolist()
-        raise IndexError(f"expert ids must be in [0, {num_experts}), got {bad}")
+    pairs, ends = sort_pairs(ids, num_experts)
     x, w = hidden.contiguous(), weights.reshape(-1).to(torch.float32).contiguous()
     ybuf = scratch(num_tokens * top_k * size).view(num_tokens * top_k, size)
     args = MoeRowsArgs(

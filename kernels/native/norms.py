@@ -2,12 +2,16 @@
 `rms_norm_pair`, `close_layer`: 3 to 10 passes over the [tokens, hidden] activations each in
 the twins) one row at a time; also bound for attention's per-head q/k/v norms and the router's
 norm, where at an AR step's few rows `F.rms_norm`'s dispatches cost more than the arithmetic.
-Non-fp32 operands and autograd take the twins."""
+bf16 operands run the `_bf16` kernels (fp32 arithmetic, rounded to bf16 where the bf16 twins
+round); other dtypes and autograd take the twins."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+import kernels.native.bf16 as bf16
 import kernels.reference as reference
 from kernels.native.args import CloseLayerArgs, NormArgs, NormPairArgs
 from kernels.native.build import loaded
@@ -15,10 +19,23 @@ from kernels.native.threads import addresses, norm_min_rows, norm_rows, ptr, spl
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`reference.rms_norm_fused`, natively (fp32 CPU; the twin otherwise)."""
-    if not takes(x, weight) or x.numel() == 0:
+    """`reference.rms_norm_fused`, natively (fp32 or bf16 CPU; the twin otherwise)."""
+    if not _native(x, weight) or x.numel() == 0:
         return reference.rms_norm_fused(x, weight, eps)
     return _norm(x, weight, None, eps)
+
+
+def _native(*tensors: torch.Tensor | None) -> bool:
+    """Whether the native norms take these operands: all fp32, or all bf16 (`bf16.takes`)."""
+    return takes(*tensors) or bf16.takes(*tensors)
+
+
+def _kernel(lib: object, name: str, x: torch.Tensor) -> Callable[..., object]:
+    """Kernel `name` of `lib` for x's dtype (`name` or its `_bf16` twin)."""
+    kernel: Callable[..., object] = getattr(
+        lib, f"{name}_bf16" if x.dtype is torch.bfloat16 else name
+    )
+    return kernel
 
 
 def _norm(
@@ -31,7 +48,8 @@ def _norm(
     res = None if residual is None else residual.contiguous()
     out = torch.empty_like(x)
     args = NormArgs(x=ptr(x), w=ptr(w), residual=ptr(res), out=out.data_ptr(), h=hidden, eps=eps)
-    split_rows("norms", lib.canvas_rms_norm, args, norm_rows(x), norm_min_rows(hidden))
+    kernel = _kernel(lib, "canvas_rms_norm", x)
+    split_rows("norms", kernel, args, norm_rows(x), norm_min_rows(hidden))
     return out
 
 
@@ -40,7 +58,7 @@ def add_rms_norm(
 ) -> torch.Tensor:
     """`reference.add_rms_norm`, natively."""
     same = residual.shape == x.shape
-    if not same or not takes(residual, x, weight) or x.numel() == 0:
+    if not same or not _native(residual, x, weight) or x.numel() == 0:
         return reference.add_rms_norm(residual, x, weight, eps)
     return _norm(x, weight, residual, eps)
 
@@ -49,7 +67,7 @@ def rms_norm_pair(
     x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.rms_norm_pair`, natively."""
-    if not takes(x, weight_a, weight_b) or x.numel() == 0:
+    if not _native(x, weight_a, weight_b) or x.numel() == 0:
         return reference.rms_norm_pair(x, weight_a, weight_b, eps)
     lib = loaded("norms")
     x = x.contiguous()
@@ -65,7 +83,8 @@ def rms_norm_pair(
         h=hidden,
         eps=eps,
     )
-    split_rows("norms", lib.canvas_rms_norm_pair, args, norm_rows(x), norm_min_rows(hidden))
+    kernel = _kernel(lib, "canvas_rms_norm_pair", x)
+    split_rows("norms", kernel, args, norm_rows(x), norm_min_rows(hidden))
     return out_a, out_b
 
 
@@ -83,7 +102,7 @@ def close_layer(
     rows = norm_rows(dense)
     operands = (dense, moe, residual, dense_weight, moe_weight, weight, scale)
     shaped = dense.shape == moe.shape == residual.shape and scale.numel() in (1, rows)
-    if not shaped or not takes(*operands) or dense.numel() == 0:
+    if not shaped or not _native(*operands) or dense.numel() == 0:
         return reference.close_layer(dense, moe, residual, dense_weight, moe_weight, weight,
                                      scale, eps)  # fmt: skip
     lib = loaded("norms")
@@ -97,5 +116,6 @@ def close_layer(
         h=hidden,
         eps=eps,
     )
-    split_rows("norms", lib.canvas_close_layer, args, rows, norm_min_rows(hidden))
+    kernel = _kernel(lib, "canvas_close_layer", dense)
+    split_rows("norms", kernel, args, rows, norm_min_rows(hidden))
     return out

@@ -9,11 +9,14 @@
  * canvas steps their dispatches and passes cost several times the arithmetic. Here every token is one pass with its rows in the core's cache. Every sum runs in
  * a fixed order (rows.h), so a token's values never depend on its batch; they differ from the
  * twins' in the last bits (ATen's sums and BLAS's order; GELU's tanh as x * sigmoid(2u)).
+ * `canvas_qkv_norm_rope_bf16` takes bf16 tensors, computes in fp32 and rounds where the bf16
+ * twin rounds (the norm's output, each RoPE product, their sum).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "parallel.h"
 #include "rows.h"
 #include "tile.h"
@@ -183,4 +186,65 @@ void canvas_philox_uniform(const PhiloxArgs *a) {
         const uint32_t folded = c0 >= 0x80000000u ? c0 ^ 0xFFFFFFFFu : c0;
         out[i] = (float)folded * 4.6566127342e-10f;
     }
+}
+
+/* ---- bf16 q/k/v ------------------------------------------------------------------------- */
+
+static inline void row_to_f32(float *out, const bf16 *x, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) out[i] = bf_to_f(x[i]);
+}
+
+static inline float rnd(float x) { return bf_to_f(f_to_bf(x)); }
+
+/* out = bf16(norm(x) * w) (w NULL: none), rotated when c is not NULL: the normed halves x1, x2
+ * as bf16(bf16(x1 c) - bf16(x2 s)), bf16(bf16(x2 c) + bf16(x1 s)). tmp: [d] scratch. */
+static void norm_rope_bf16(bf16 *out, const bf16 *x, const float *w, const float *c,
+                           const float *s, float *tmp, int64_t d, float eps) {
+    row_to_f32(tmp, x, d);
+    scale_row(tmp, tmp, inv_rms(tmp, d, eps), w, 0, d);
+    if (!c) {
+        for (int64_t i = 0; i < d; ++i) out[i] = f_to_bf(tmp[i]);
+        return;
+    }
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; ++i) {
+        const float x1 = rnd(tmp[i]), x2 = rnd(tmp[half + i]);
+        out[i] = f_to_bf(rnd(x1 * c[i]) - rnd(x2 * s[i]));
+        out[half + i] = f_to_bf(rnd(x2 * c[i]) + rnd(x1 * s[i]));
+    }
+}
+
+static void qkv_rows_bf16(const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *qw,
+                          const bf16 *kw, const bf16 *cos, const bf16 *sin, bf16 *qo, bf16 *ko,
+                          bf16 *vo, int64_t hq, int64_t hkv, int64_t d, float eps, int64_t b,
+                          int64_t e) {
+    float tmp[d], qwf[d], kwf[d], c[d], s[d];
+    row_to_f32(qwf, qw, d);
+    row_to_f32(kwf, kw, d);
+    for (int64_t r = b; r < e; ++r) {
+        row_to_f32(c, cos + r * d, d);
+        row_to_f32(s, sin + r * d, d);
+        for (int64_t j = 0; j < hq; ++j)
+            norm_rope_bf16(qo + (r * hq + j) * d, q + (r * hq + j) * d, qwf, c, s, tmp, d, eps);
+        for (int64_t j = 0; j < hkv; ++j) {
+            const int64_t at = (r * hkv + j) * d;
+            norm_rope_bf16(ko + at, k + at, kwf, c, s, tmp, d, eps);
+            norm_rope_bf16(vo + at, v + at, 0, 0, 0, tmp, d, eps);
+        }
+    }
+}
+
+/* QkvArgs with bf16 tensors (the same fields). */
+typedef struct {
+    const bf16 *q, *k, *v, *qw, *kw, *cos, *sin;
+    bf16 *qo, *ko, *vo;
+    int64_t hq, hkv, d;
+    float eps;
+    int64_t begin, end, threads;
+} QkvBf16Args;
+
+void canvas_qkv_norm_rope_bf16(const QkvBf16Args *a) {
+    PARALLEL_ROWS(a->threads, a->begin, a->end,
+                  qkv_rows_bf16(a->q, a->k, a->v, a->qw, a->kw, a->cos, a->sin, a->qo, a->ko,
+                                a->vo, a->hq, a->hkv, a->d, a->eps, b, e));
 }

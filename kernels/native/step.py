@@ -6,14 +6,16 @@ Their twins are ATen sequences (`reference.qkv_norm_rope`: three norms and two h
 products per RoPE half; `reference.route_experts`: norm, GEMV, softmax, top-k, renormalising,
 a gather; `reference_layer.gated_act`: GELU, product), 5 to 16 passes and dispatches each,
 which at a small model's canvas steps cost several times the arithmetic. The C kernels do each
-token in one pass. Non-fp32 operands, autograd and other
-activations keep the twins.
+token in one pass (q/k/v also in bf16); other non-fp32
+operands, autograd and other activations keep the twins.
 """
 
 from __future__ import annotations
 
 import torch
 
+import kernels.native.bf16 as bf16
+import kernels.native.norms as norms
 import kernels.reference as reference
 import kernels.reference_layer as reference_layer
 from kernels.native.args import GegluArgs, PhiloxArgs, QkvArgs, RouteArgs
@@ -36,10 +38,15 @@ def qkv_norm_rope(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`reference.qkv_norm_rope` (q [N, Hq, D], k and v [N, Hkv, D], cos and sin [N, D]) in one
-    native pass per token."""
+    native pass per token, fp32 or bf16 (`canvas_qkv_norm_rope_bf16`: rounded where the bf16
+    twin rounds); bf16 q, k, v with tables of another dtype: the native bf16 norms
+    (`norms.rms_norm`) and the twin's RoPE."""
+    operands = (q, k, v, q_weight, k_weight, cos, sin)
+    if bf16.takes(q, k, v, q_weight, k_weight) and not bf16.takes(cos, sin):
+        return reference.qkv_norm_rope_with(norms.rms_norm, *operands, eps)
     dim = q.shape[-1]
     if (
-        not takes(q, k, v, q_weight, k_weight, cos, sin)
+        not (takes(*operands) or bf16.takes(*operands))
         or q.dim() != 3
         or k.shape != v.shape
         or k.dim() != 3
@@ -65,7 +72,9 @@ def qkv_norm_rope(
         eps=eps,
     )
     per_token = dim * (q.shape[1] + 2 * k.shape[1])
-    split_rows("step", lib.canvas_qkv_norm_rope, args, q.shape[0], norm_min_rows(per_token))
+    bf = q.dtype is torch.bfloat16
+    kernel = lib.canvas_qkv_norm_rope_bf16 if bf else lib.canvas_qkv_norm_rope
+    split_rows("step", kernel, args, q.shape[0], norm_min_rows(per_token))
     return qo, ko, vo
 
 
@@ -83,11 +92,17 @@ def route_experts(
     top-k scores only: softmax, top-k and renormalising to one give exp(s_i - m) / sum over the
     chosen of exp(s_j - m) (the full softmax's denominator cancels), the same function up to
     rounding; the experts chosen are the same (softmax is monotonic). Fast numerics
-    (`segments` ignored)."""
+    (`segments` ignored). bf16 operands: the same kernel on an fp32 copy of the rows, the
+    projection packed in fp32 once (sharper than the bf16 twin's scores, whose near-ties may
+    choose another expert)."""
     del segments
     size, experts = hidden.shape[-1], proj.shape[0]
+    if bf16.takes(hidden, scale, proj, per_expert_scale):  # fp32 rows; the weights in fp32 once
+        hidden, scale, per_expert_scale = (t.float() for t in (hidden, scale, per_expert_scale))
     if (
-        not takes(hidden, scale, proj, per_expert_scale)
+        not takes(hidden, scale, per_expert_scale)
+        or proj.dtype not in (torch.float32, torch.bfloat16)
+        or not proj.is_cpu
         or size > MAX_ROW
         or experts > MAX_ROW
         or scale.numel() != size
@@ -117,7 +132,9 @@ def route_experts(
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """`reference_layer.gated_act`: GeGLU ("gelu_pytorch_tanh") natively, in one pass; other
-    activations take the twin."""
+    activations take the twin; bf16 gate and up `bf16.gated_act`."""
+    if bf16.takes(gate, up):
+        return bf16.gated_act(gate, up, activation)
     if (
         activation != "gelu_pytorch_tanh"
         or gate.shape != up.shape

@@ -23,7 +23,7 @@ class Sequences:
         pages = KVPages(geometry, full * num_seqs, ring * num_seqs)
         self.tables: list[PageTables] = [pages.allocate(context) for _ in range(num_seqs)]
         sizes = {LayerType.FULL: full * num_seqs, LayerType.SLIDING: ring * num_seqs}
-        self.cache = PagedKVCache(cfg, sizes, PAGE, torch.float32)
+        self.cache = PagedKVCache(cfg, sizes, PAGE, model.embed_tokens.weight.dtype)
         self.model = model
 
     def row(self, seq: int, mode: Mode, start: int, num: int) -> Row:

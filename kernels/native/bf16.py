@@ -1,0 +1,289 @@
+"""bf16 dense projections and experts on the CPU (`bf16.c`): what `kernels.native.moe`'s
+`linear`, `linear_many`, `gated_linear` and `fused_moe` run for bf16 operands (a model loaded
+with `--dtype bfloat16`), the bf16 twins of its fp32 tiles.
+
+bf16 weights are packed once per binding (`kernels.native.packing`) as pairs of inputs per
+output column (`bf16.c`'s layout); activations stay bf16, read in place; sums run in fp32 and
+outputs are rounded to bf16, as the twins' (oneDNN's bf16 GEMMs) are. The products run
+AVX512-BF16's `vdpbf16ps` where the CPU has it (the library is built for this machine:
+`canvas_bf16_paths`), the generic vector code (the same bits, any CPU) elsewhere or with
+`CANVAS_NATIVE_BF16=generic`. Shapes the tiles do not take (output widths not whole blocks of
+32 columns, weights beyond the L2 budget) and autograd run the twins.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+import kernels.reference as reference
+import kernels.reference_layer as reference_layer
+from kernels.native.args import (
+    Bf16GatedArgs,
+    Bf16GegluArgs,
+    Bf16LinearArgs,
+    Bf16MoeArgs,
+    Bf16SumArgs,
+)
+from kernels.native.build import cpu_flags, library, loaded, on_torch_team
+from kernels.native.packing import PackedWeights, packed
+from kernels.native.pairs import sort_pairs
+from kernels.native.threads import addresses, norm_min_rows, scratch, split_rows, threads
+
+BLOCK = 32  # output columns per tile (two vectors of 16)
+LANES = 16
+AMX_ROWS = 16  # bf16_amx.h's
+
+
+def scratch_elements(hidden: int, inter: int) -> int:
+    """bf16_amx.h's BF_SCRATCH: bf16 elements of each thread's expert scratch."""
+    return AMX_ROWS * (hidden + inter) + 4 * AMX_ROWS * LANES
+
+
+# The paths `CANVAS_NATIVE_BF16` names, fastest first: bf16.c's `path` argument, each its bit
+# in `canvas_bf16_paths` (amx: the experts on AMX tiles, the dense tiles on vdpbf16ps).
+PATHS = {"amx": 4, "avx512_bf16": 2, "generic": 1}
+# Weight bytes up to which the projections pack and tile a weight (a small model's: a packed
+# copy beside each, bounded memory), and an expert's bytes (gate, up and down) up to which its
+# tiles re-read it from a core's L2 cache.
+MAX_PACKED_BYTES = 1 << 20
+MAX_EXPERT_BYTES = 1 << 20
+# Rows per thread below which one thread runs all (a hand-off costs ~50 µs).
+MIN_ROWS_PER_THREAD = 32
+MIN_EXPERT_ROWS_PER_THREAD = 64
+
+
+def takes(*tensors: torch.Tensor | None) -> bool:
+    """Whether these operands go to the bf16 kernels: bf16 CPU tensors (None: no operand), no
+    autograd, `bf16.c` built."""
+    if torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and (t.dtype is not torch.bfloat16 or not t.is_cpu):
+            return False
+    return library("bf16") is not None
+
+
+def paths() -> tuple[str, ...]:
+    """The paths this machine's library has, fastest first."""
+    lib = library("bf16")
+    bits = int(lib.canvas_bf16_paths()) if lib is not None else 0
+    return tuple(name for name, bit in PATHS.items() if bits & bit)
+
+
+def path() -> int:
+    """bf16.c's `path` argument: `CANVAS_NATIVE_BF16` (auto, the default: the fastest this
+    machine has; generic; avx512_bf16). ValueError naming the variable for another value or a
+    path this CPU lacks."""
+    name = os.environ.get("CANVAS_NATIVE_BF16", "auto") or "auto"
+    have = paths()
+    if name == "auto":
+        return PATHS[have[0]] if have else PATHS["generic"]
+    if name not in PATHS:
+        raise ValueError(f"CANVAS_NATIVE_BF16 must be auto, {', '.join(PATHS)}; got {name!r}")
+    if name not in have:
+        raise ValueError(f"CANVAS_NATIVE_BF16={name}: this CPU's library has only {have}")
+    return PATHS[name]
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (N a multiple of BLOCK) as bf16.c's [N / 32, pairs, 2, 16, 2]: for each
+    block of 32 columns and input pair, each column's two weights side by side (K padded to
+    even with zeros)."""
+    n, k = weight.shape
+    w = torch.nn.functional.pad(weight.detach(), (0, k % 2))
+    return w.view(n // BLOCK, 2, LANES, -1, 2).permute(0, 3, 1, 2, 4).contiguous()
+
+
+def pack_gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate and up [..., I, K] (I a multiple of 16) as [..., I / 16, pairs, 2, 16, 2]: for each
+    block of 16 columns and input pair, the gate's then the up's 16 columns, their two weights
+    side by side (K padded to even)."""
+    *lead, inter, k = gate.shape
+    both = torch.nn.functional.pad(torch.stack([gate.detach(), up.detach()], -3), (0, k % 2))
+    blocks = both.view(*lead, 2, inter // LANES, LANES, -1, 2)
+    d = len(lead)
+    order = (*range(d), d + 1, d + 3, d, d + 2, d + 4)
+    return blocks.permute(order).contiguous()
+
+
+def _fits(n: int, k: int) -> bool:
+    return n % BLOCK == 0 and n * k * 2 <= MAX_PACKED_BYTES
+
+
+def onednn_amx() -> bool:
+    """Whether the twins' bf16 GEMMs (oneDNN's) run on AMX tiles here: the CPU has amx_bf16 and
+    ONEDNN_MAX_CPU_ISA does not cap oneDNN below it. Then a dense bf16 projection takes the
+    twin, an order of magnitude faster than `bf16.c`'s AVX512-BF16 tiles (docs/performance.md);
+    without AMX the tiles are at least as fast as oneDNN's and keep a row's bits batch-free."""
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    return "amx_bf16" in cpu_flags() and (isa in ("ALL", "DEFAULT") or "AMX" in isa)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, segments: list[int] | None, packs: PackedWeights | None
+) -> torch.Tensor:
+    """`reference.linear` for bf16 operands: `linear_tiles` where N is whole blocks of 32, the
+    weight within MAX_PACKED_BYTES and oneDNN has no AMX (`onednn_amx`); the twin otherwise."""
+    return linear_many(x, [weight], segments, packs)[0]
+
+
+def linear_many(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    segments: list[int] | None,
+    packs: PackedWeights | None,
+) -> list[torch.Tensor]:
+    """[linear(x, w) for w in weights]: `linear_tiles` of all in one pass where every weight
+    fits the tiles (and oneDNN has no AMX), the twin's one by one otherwise."""
+    k = weights[0].shape[-1]
+    if (
+        onednn_amx()
+        or len(weights) > 3
+        or not all(w.dim() == 2 and w.shape[1] == k and _fits(w.shape[0], k) for w in weights)
+    ):
+        return [reference.linear(x, w, segments or []) for w in weights]
+    return linear_tiles(x, weights, packs)
+
+
+def linear_tiles(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], packs: PackedWeights | None
+) -> list[torch.Tensor]:
+    """x [..., K] @ w^T for each of one to three weights w [N_i, K] (N_i whole blocks of 32) by
+    `bf16.c`'s tiles, in one pass over the weights packed once together (`pack`), each output
+    its own bf16 tensor. Every output's sum runs over K in order: a row's value never depends
+    on its batch."""
+    k = weights[0].shape[-1]
+    widths = [w.shape[0] for w in weights]
+    rows = x.numel() // max(1, k)
+    kind = f"bf16_linear_{len(weights)}"
+    (tiled,) = packed(packs, kind, tuple(weights), lambda: (pack(torch.cat(list(weights))),))
+    flat = x.reshape(rows, k).contiguous()
+    outs = [torch.empty(rows, n, dtype=torch.bfloat16) for n in widths]
+    ptrs = [o.data_ptr() for o in outs] + [None] * (3 - len(outs))
+    args = Bf16LinearArgs(
+        x=flat.data_ptr(),
+        wp=tiled.data_ptr(),
+        out0=ptrs[0],
+        out1=ptrs[1],
+        out2=ptrs[2],
+        n0=widths[0],
+        n1=widths[1] if len(widths) > 1 else 0,
+        k_dim=k,
+        n=sum(widths),
+        path=path(),
+    )
+    split_rows("bf16", loaded("bf16").canvas_bf16_linear, args, rows, MIN_ROWS_PER_THREAD)
+    return [o.view(*x.shape[:-1], n) for o, n in zip(outs, widths, strict=True)]
+
+
+def gated_linear(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    segments: list[int] | None,
+    packs: PackedWeights | None,
+) -> torch.Tensor:
+    """`gated_act(linear(x, gate), linear(x, up), activation)` for bf16 operands: `gated_tiles`
+    for GeGLU where gate and up fit (and oneDNN has no AMX); the three calls otherwise."""
+    inter, k = gate.shape
+    if (
+        onednn_amx()
+        or activation != "gelu_pytorch_tanh"
+        or inter % LANES
+        or up.shape != gate.shape
+        or inter * k * 2 > MAX_PACKED_BYTES
+    ):
+        gate_out, up_out = linear(x, gate, segments, packs), linear(x, up, segments, packs)
+        return gated_act(gate_out, up_out, activation)
+    return gated_tiles(x, gate, up, packs)
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """`reference_layer.gated_act` for bf16 gate and up: GeGLU in one native pass, rounded
+    where the twin rounds (GELU's output, the product); other activations and shapes take the
+    twin."""
+    if activation != "gelu_pytorch_tanh" or gate.shape != up.shape or gate.numel() == 0:
+        return reference_layer.gated_act(gate, up, activation)
+    g, u = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(g)
+    args = Bf16GegluArgs(gate=g.data_ptr(), up=u.data_ptr(), out=out.data_ptr())
+    split_rows("bf16", loaded("bf16").canvas_bf16_geglu, args, g.numel(), norm_min_rows(1))
+    return out
+
+
+def gated_tiles(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, packs: PackedWeights | None
+) -> torch.Tensor:
+    """gelu_tanh(x @ gate^T) * (x @ up^T) (gate, up [I, K], I whole vectors of 16) in one pass
+    of `bf16.c`'s tiles over the two packed once together (`pack_gated`): gate and up in fp32,
+    their GeGLU rounded once to bf16."""
+    inter, k = gate.shape
+    rows = x.numel() // max(1, k)
+    (tiled,) = packed(packs, "bf16_gated", (gate, up), lambda: (pack_gated(gate, up),))
+    flat = x.reshape(rows, k).contiguous()
+    out = torch.empty(rows, inter, dtype=torch.bfloat16)
+    args = Bf16GatedArgs(
+        x=flat.data_ptr(), gup=tiled.data_ptr(), out=out.data_ptr(), k_dim=k, inter=inter
+    )
+    args.path = path()
+    lib = loaded("bf16")
+    split_rows("bf16", lib.canvas_bf16_gated_linear, args, rows, MIN_ROWS_PER_THREAD)
+    return out.view(*x.shape[:-1], inter)
+
+
+def tiles(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether bf16.c's expert tiles take experts of these shapes: the intermediate size whole
+    vectors of 16, the hidden size whole blocks of 32, each expert within MAX_EXPERT_BYTES."""
+    inter, hidden = down.shape[-1], down.shape[-2]
+    return inter % LANES == 0 and hidden % BLOCK == 0 and 3 * inter * hidden * 2 <= MAX_EXPERT_BYTES
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    packs: PackedWeights | None,
+) -> torch.Tensor:
+    """`reference.fused_moe_scattered` for bf16 hidden states and experts: the pairs sorted by
+    expert (`pairs.sort_pairs`), bf16.c's tiles over each expert's rows (gate and up in fp32,
+    their GeGLU rounded to bf16 as the twin's, the down projection in fp32 weighted by the
+    router's fp32 weight), each token's slots summed in fp32 in slot order and rounded to bf16.
+    Experts the tiles do not take run the twin."""
+    if not tiles(gate_up, down):
+        return reference.fused_moe_scattered(hidden, gate_up, down, weights, ids)
+    lib = loaded("bf16")
+    num_tokens, top_k = ids.shape
+    num_experts, size, inter = down.shape
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = gate_up.view(num_experts, 2, inter, size).unbind(1)
+        return pack_gated(gate, up), torch.stack([pack(d) for d in down.detach()])
+
+    gup, dnp = packed(packs, "bf16_experts", (gate_up, down), make)
+    pairs, ends = sort_pairs(ids, num_experts)
+    x, w = hidden.contiguous(), weights.reshape(-1).to(torch.float32).contiguous()
+    ybuf = scratch(num_tokens * top_k * size).view(num_tokens * top_k, size)
+    team = threads(pairs.numel(), MIN_EXPERT_ROWS_PER_THREAD) if on_torch_team("bf16") else 1
+    act = torch.empty(team, scratch_elements(size, inter), dtype=torch.bfloat16)
+    args = Bf16MoeArgs(
+        **addresses(x=x, gup=gup, dnp=dnp, weights=w, pairs=pairs, ends=ends, ybuf=ybuf, act=act),
+        num_experts=num_experts,
+        top_k=top_k,
+        h=size,
+        inter=inter,
+        path=path(),
+        begin=0,
+        end=pairs.numel(),
+        threads=team,
+    )
+    lib.canvas_bf16_moe_rows(args)
+    out = torch.empty(num_tokens, size, dtype=torch.bfloat16)
+    total = Bf16SumArgs(ybuf=ybuf.data_ptr(), out=out.data_ptr(), top_k=top_k, h=size)
+    split_rows("bf16", lib.canvas_bf16_moe_sum, total, num_tokens, MIN_EXPERT_ROWS_PER_THREAD)
+    return out
