@@ -64,24 +64,27 @@ def _raw_request(url: str, head: bytes) -> bytes:
 def hostile_log(tiny_checkpoint) -> tuple[str, list[httpx.Response]]:
     """A keyed server's whole output after a round of hostile requests, and the responses."""
     auth = {"authorization": f"Bearer {KEY}"}
-    with serve_process(tiny_checkpoint("c16"), env={"CANVAS_API_KEY": KEY}) as server:
+    # A generous read timeout: the first request of a fresh process on a loaded 2-core machine
+    # may take longer than httpx's default 5 s.
+    server_cm = serve_process(tiny_checkpoint("c16"), env={"CANVAS_API_KEY": KEY})
+    with server_cm as server, httpx.Client(timeout=60) as http:
         v1 = f"{server.url}/v1"
         body = {"prompt": PROMPT, "max_tokens": 2}
         responses = [
-            httpx.post(f"{v1}/completions", json={**body, "model": f"x\n{FORGED}"}, headers=auth),
-            httpx.post(f"{v1}/completions", json={**body, "model": "\x1b[2J"}, headers=auth),
-            httpx.post(
+            http.post(f"{v1}/completions", json={**body, "model": f"x\n{FORGED}"}, headers=auth),
+            http.post(f"{v1}/completions", json={**body, "model": "\x1b[2J"}, headers=auth),
+            http.post(
                 f"{v1}/completions",
                 json={**body, "model": "tiny"},
                 headers={"authorization": f"Bearer {WRONG_KEY}"},
             ),
-            httpx.post(
+            http.post(
                 f"{v1}/completions",
                 json={**body, "model": "tiny", "max_tokens": 10**9},
                 headers=auth,
             ),
-            httpx.get(f"{v1}/models?q=%0A{FORGED.replace(' ', '%20')}", headers=auth),
-            httpx.post(f"{v1}/completions", json={**body, "model": "tiny"}, headers=auth),
+            http.get(f"{v1}/models?q=%0A{FORGED.replace(' ', '%20')}", headers=auth),
+            http.post(f"{v1}/completions", json={**body, "model": "tiny"}, headers=auth),
         ]
         hostile_heads = [
             b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xe9\xff\r\n"
@@ -90,7 +93,7 @@ def hostile_log(tiny_checkpoint) -> tuple[str, list[httpx.Response]]:
             b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Request-Id: a\rFORGED\r\n\r\n",
         ]
         statuses = [_raw_request(server.url, head)[:12] for head in hostile_heads]
-        metrics = httpx.get(f"{server.url}/metrics").text
+        metrics = http.get(f"{server.url}/metrics").text
         server.signal(signal.SIGTERM)
         server.wait(15)
     assert statuses[0] == b"HTTP/1.1 401", statuses  # a non-ASCII key is refused, not a 500
