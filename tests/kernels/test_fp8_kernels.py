@@ -190,3 +190,15 @@ def test_triton_binds_scaled_mm_projections_on_sm90_only(
     assert ks.fp8_linear is (triton_fp8.fp8_linear if scaled else reference.fp8_linear)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_kernels("cuda", "triton").fp8_linear is reference.fp8_linear
+
+
+def test_the_custom_op_set_computes_the_twins_values_on_the_cpu() -> None:
+    gen = torch.Generator().manual_seed(5)
+    ks = resolve_kernels("cpu", "twins").with_custom_ops()
+    weight, scale = quantized(24, 32, gen=gen)
+    x = torch.randn(3, 32, generator=gen)
+    assert torch.equal(
+        ks.fp8_linear(x, weight, scale, [3]), reference.fp8_linear(x, weight, scale, [])
+    )
+    case = moe_case(7, 2, torch.float32, torch.device("cpu"))
+    assert torch.equal(ks.fp8_moe(*case, segments=[7]), reference.fp8_moe(*case))
