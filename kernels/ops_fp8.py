@@ -4,9 +4,10 @@ weights runs on the meta device (the roofline's accountant costs them by their F
 and traces without a graph break. `KernelSet.with_custom_ops()` binds them.
 
 Implementations: the twins on the CPU (dequantize, then the unquantized path); on CUDA, Triton's
-FP8 expert GEMM (`kernels.triton_moe.fp8_moe`) and `torch._scaled_mm` over per-token FP8
+FP8 expert GEMM (`kernels.triton_moe.fp8_moe`) where Triton has E4M3 (sm_89 on; before it the
+weights are dequantized for Triton's `fused_moe`), and `torch._scaled_mm` over per-token FP8
 activations (`kernels.triton_fp8.fp8_linear`) where the device has row-wise scales, the twin
-where it does not (`triton_fp8.scaled_mm_rowwise`).
+where it does not (`triton_fp8.e4m3_kernels`, `triton_fp8.scaled_mm_rowwise`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,13 @@ def _fp8_moe(
 
 @_fp8_moe.register_kernel("cuda")
 def _fp8_moe_cuda(*args: Any) -> torch.Tensor:
-    return cuda_impl("triton_moe", "fp8_moe")(*args)  # type: ignore[operator]
+    if not triton_available():
+        return reference.fp8_moe(*args)
+    from kernels import triton_fp8
+
+    if triton_fp8.e4m3_kernels():
+        return cuda_impl("triton_moe", "fp8_moe")(*args)  # type: ignore[operator]
+    return reference.fp8_moe_with(cuda_impl("triton_moe", "fused_moe"))(*args)  # type: ignore[arg-type]
 
 
 @_fp8_moe.register_fake

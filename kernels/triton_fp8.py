@@ -38,6 +38,13 @@ def scaled_mm_rowwise() -> bool:
     return tuple(torch.cuda.get_device_capability()) == (9, 0)
 
 
+def e4m3_kernels() -> bool:
+    """Whether Triton's FP8 E4M3 kernels (this module's quantizer, `triton_moe.fp8_moe`) run
+    here: everywhere but a CUDA device before sm_89 (Triton has no E4M3 for sm_80, whose
+    engines bind the dequantizing twins). The CPU runs them only under the interpreter."""
+    return not torch.cuda.is_available() or tuple(torch.cuda.get_device_capability()) >= (8, 9)
+
+
 @triton.jit
 def _round_to_e4m3(v):
     """v (fp32, |v| <= 448) rounded to nearest even on E4M3's grid, in fp32: the cast after it is

@@ -28,6 +28,9 @@ class Variant:
     name: str
     group: str  # "real" (26B-A4B bf16), "edge", "test" (the gpu tests' shapes), "fp32"
     launch: Callable[[], object]
+    # The first architecture that compiles it: FP8 E4M3 kernels need sm_89 (sm_80 engines
+    # bind the dequantizing twins instead, `kernels.triton_fp8.e4m3_kernels`).
+    min_arch: int = 0
 
     @property
     def spills_allowed(self) -> bool:
@@ -38,6 +41,7 @@ REAL = REAL_26B_A4B_TEXT_CONFIG
 CANVAS = REAL_26B_A4B_CANVAS_LENGTH
 BF16, FP32 = torch.bfloat16, torch.float32
 PAGE = 16  # EngineConfig.page_size
+FP8_ARCH = 89  # Triton's FP8 E4M3 (fp8e4nv) starts at sm_89
 
 
 def _rows(prefixes: list[int], lengths: list[int], decode: list[bool], page: int) -> PagedRows:
@@ -330,16 +334,21 @@ def _others() -> list[Variant]:
 def _fp8_real() -> list[Variant]:
     hidden, inter = REAL["hidden_size"], REAL["intermediate_size"]
     return [
-        Variant("FP8 experts", "real", moe(CANVAS, BF16, route=False, fp8=True)),
-        Variant("FP8 quantize rows hidden", "real", quantize_rows(CANVAS, hidden, BF16)),
-        Variant("FP8 quantize rows MLP", "real", quantize_rows(CANVAS, inter, BF16)),
+        Variant("FP8 experts", "real", moe(CANVAS, BF16, route=False, fp8=True), FP8_ARCH),
+        Variant("FP8 quantize rows hidden", "real", quantize_rows(CANVAS, hidden, BF16), FP8_ARCH),
+        Variant("FP8 quantize rows MLP", "real", quantize_rows(CANVAS, inter, BF16), FP8_ARCH),
     ]
 
 
 def _fp8_edge() -> list[Variant]:
     return [
-        Variant("one-token FP8 experts", "edge", moe(1, BF16, route=False, fp8=True)),
-        Variant("one-token FP8 quantize rows", "edge", quantize_rows(1, REAL["hidden_size"], BF16)),
+        Variant("one-token FP8 experts", "edge", moe(1, BF16, route=False, fp8=True), FP8_ARCH),
+        Variant(
+            "one-token FP8 quantize rows",
+            "edge",
+            quantize_rows(1, REAL["hidden_size"], BF16),
+            FP8_ARCH,
+        ),
     ]
 
 

@@ -175,19 +175,33 @@ def test_triton_fp8_linear_is_the_product_of_per_token_fp8_activations(
 
 @pytest.mark.skipif(not triton_available(), reason="needs triton")
 @pytest.mark.parametrize(
-    ("capability", "version", "scaled"),
-    [((9, 0), "2.13.0", True), ((8, 0), "2.13.0", False), ((9, 0), "2.4.1", False)],
-)
-def test_triton_binds_scaled_mm_projections_on_sm90_only(
-    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], version: str, scaled: bool
+    ("capability", "version", "scaled", "e4m3"),
+    [((9, 0), "2.13.0", True, True), ((8, 9), "2.13.0", False, True),
+     ((8, 0), "2.13.0", False, False), ((9, 0), "2.4.1", False, True)],
+)  # fmt: skip
+def test_triton_binds_scaled_mm_on_sm90_and_e4m3_experts_from_sm89(
+    monkeypatch: pytest.MonkeyPatch,
+    capability: tuple[int, int],
+    version: str,
+    scaled: bool,
+    e4m3: bool,
 ) -> None:
-    from kernels import triton_fp8
+    """Projections: `_scaled_mm` on sm_90 with a torch that has row-wise scales, else the twin.
+    Experts: Triton's FP8 kernel where Triton has E4M3, else dequantized for `fused_moe`."""
+    from kernels import triton_fp8, triton_moe
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     monkeypatch.setattr(torch, "__version__", version)
     ks = resolve_kernels("cuda", "triton")
     assert ks.fp8_linear is (triton_fp8.fp8_linear if scaled else reference.fp8_linear)
+    assert (ks.fp8_moe is triton_moe.fp8_moe) == e4m3
+    if not e4m3:  # the dequantizing path over Triton's experts: their values exactly
+        case = moe_case(5, 2, torch.float32, torch.device("cpu"))
+        hidden, gate_up, gate_up_scale, down, down_scale, weights, ids = case
+        dense = (gate_up.float() * gate_up_scale, down.float() * down_scale)
+        want = triton_moe.fused_moe(hidden, *dense, weights, ids)
+        assert torch.equal(ks.fp8_moe(*case, segments=[5]), want)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_kernels("cuda", "triton").fp8_linear is reference.fp8_linear
 
