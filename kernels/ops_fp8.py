@@ -30,7 +30,7 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
 def _fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if not triton_available():
         return reference.fp8_linear(x, weight, scale, [])
-    from kernels import triton_fp8
+    import kernels.triton_fp8 as triton_fp8
 
     linear = triton_fp8.fp8_linear if triton_fp8.scaled_mm_rowwise() else reference.fp8_linear
     return linear(x, weight, scale, [])
@@ -58,7 +58,7 @@ def _fp8_moe(
 def _fp8_moe_cuda(*args: Any) -> torch.Tensor:
     if not triton_available():
         return reference.fp8_moe(*args)
-    from kernels import triton_fp8
+    import kernels.triton_fp8 as triton_fp8
 
     if triton_fp8.e4m3_kernels():
         return cuda_impl("triton_moe", "fp8_moe")(*args)  # type: ignore[operator]

@@ -60,8 +60,8 @@ def _round_to_e4m3(v):
 
 @triton.jit(do_not_specialize=["num_cols"])
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, num_cols, sx_n, sq_n, floor, BLOCK: tl.constexpr,
-    FP8_MAX: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, num_cols, sx_n, sq_n, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+    FLOOR: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * sx_n, q_ptr + row * sq_n
@@ -70,7 +70,7 @@ def _quantize_rows_kernel(
         c = c0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + c, mask=c < num_cols, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), floor) / FP8_MAX
+    scale = tl.maximum(tl.max(amax, 0), FLOOR) / FP8_MAX
     tl.store(scale_ptr + row, scale)
     for c0 in range(0, num_cols, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
@@ -89,8 +89,8 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, scale
     block = min(4096 if interpreting() else 1024, triton.next_power_of_2(num_cols))
     _quantize_rows_kernel[(num_rows,)](
-        x, q, scale, num_cols, x.stride(0), q.stride(0), SCALE_FLOOR, BLOCK=block,
-        FP8_MAX=FP8_MAX, num_warps=4,
+        x, q, scale, num_cols, x.stride(0), q.stride(0), BLOCK=block, FP8_MAX=FP8_MAX,
+        FLOOR=SCALE_FLOOR, num_warps=4,
     )  # fmt: skip
     return q, scale
 
