@@ -8,7 +8,7 @@
   the activations, per output channel on the weight) and fp32 accumulation, out in the
   activations' dtype: FP8 x FP8 on the tensor cores, half the weight bytes of bf16. Where the
   operands do not fit `_scaled_mm`'s row-wise contract (bf16 out, both dims multiples of 16,
-  the weight's rows packed) the call falls back to the twin; which device runs this launcher
+  the weight's rows packed, at least one row) the call falls back to the twin; which device runs this launcher
   at all is chosen once, at bind (`scaled_mm_rowwise`: sm_90 with a torch that has it).
 """
 
@@ -103,7 +103,8 @@ def fp8_linear(
     operands do not fit its row-wise contract; see the module docstring)."""
     out_dim, in_dim = weight.shape
     fits = (
-        x.dtype == torch.bfloat16
+        x.numel() > 0
+        and x.dtype == torch.bfloat16
         and in_dim % 16 == 0
         and out_dim % 16 == 0
         and weight.dtype == torch.float8_e4m3fn

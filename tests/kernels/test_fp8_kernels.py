@@ -166,6 +166,7 @@ def test_triton_fp8_linear_is_the_product_of_per_token_fp8_activations(
     dense = reference.fp8_linear(x, weight, scale, [10]).float()
     assert (got.float() - dense).abs().max() <= 0.1 * dense.abs().max()
     # operands outside `_scaled_mm`'s row-wise contract take the twin
+    assert triton_fp8.fp8_linear(x[:0], weight, scale, []).shape == (0, 5, 32)
     odd = x[..., :40].float()
     assert torch.equal(
         triton_fp8.fp8_linear(odd, weight[:, :40], scale, [10]),
