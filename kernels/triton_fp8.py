@@ -8,8 +8,9 @@
   the activations, per output channel on the weight) and fp32 accumulation, out in the
   activations' dtype: FP8 x FP8 on the tensor cores, half the weight bytes of bf16. Where the
   operands do not fit `_scaled_mm`'s row-wise contract (bf16 out, both dims multiples of 16,
-  the weight's rows packed, at least one row) the call falls back to the twin; which device runs this launcher
-  at all is chosen once, at bind (`scaled_mm_rowwise`: sm_90 with a torch that has it).
+  the weight's rows packed, at least one row) the call falls back to the twin; which device
+  runs this launcher at all is chosen once, at bind (`scaled_mm_rowwise`: sm_90 with a torch
+  that has it).
 """
 
 from __future__ import annotations
