@@ -21,6 +21,7 @@ from kernels.kernel_set import KERNELS, KernelSet
 # Each module exports KERNELS: its launchers, named exactly as their twins in `reference`.
 TRITON_MODULES = (
     "kernels.triton_attention",
+    "kernels.triton_fp8",
     "kernels.triton_layer",
     "kernels.triton_moe",
     "kernels.triton_norm",
@@ -173,14 +174,16 @@ class TritonBackend(TwinsBackend):
         return triton_ops()
 
     def fast(self, ops: Any) -> dict[str, Callable[..., Any]]:
-        # Triton's norm is one pass; its experts kernel is batched already (and runs the FP8
-        # experts' dequantized weights).
-        fused_moe = batched(ops.fused_moe)
-        fp8_moe = reference.fp8_moe_with(fused_moe)
+        # Triton's norm is one pass; its experts kernels (FP8's too) are batched already. FP8
+        # projections take `_scaled_mm` where the device has it, FP8 experts Triton's E4M3
+        # kernel where it compiles; elsewhere (sm_80) each dequantizes, as its twin does.
+        fp8 = importlib.import_module("kernels.triton_fp8")
+        e4m3 = fp8.e4m3_kernels()
         return super().fast(ops) | {
             "rms_norm": ops.rms_norm,
-            "fused_moe": fused_moe,
-            "fp8_moe": fp8_moe,
+            "fused_moe": ops.fused_moe,
+            "fp8_linear": ops.fp8_linear if fp8.scaled_mm_rowwise() else reference.fp8_linear,
+            "fp8_moe": ops.fp8_moe if e4m3 else reference.fp8_moe_with(ops.fused_moe),
         }
 
     def exact(self, ops: Any) -> dict[str, Callable[..., Any]]:

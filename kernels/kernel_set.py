@@ -42,9 +42,9 @@ class KernelSet:
     soft_embedding: Callable[..., torch.Tensor]
     sample_and_embed: Callable[..., tuple[reference.SampleResult, torch.Tensor]]
     philox_uniform: Callable[..., torch.Tensor]
-    # Dense projections and experts over FP8 weights with per-channel scales
-    # (`kernels.reference_fp8`): every backend binds the twins, which dequantize and run the
-    # unquantized path; an FP8 GEMM and an FP8 expert GEMM take these places.
+    # Dense projections and experts over FP8 weights with per-channel scales: the twins
+    # (`kernels.reference_fp8`) dequantize and run the unquantized path; Triton binds its FP8
+    # expert GEMM, and `torch._scaled_mm` projections on sm_90 (`kernels.triton_fp8`).
     fp8_linear: Callable[..., torch.Tensor]
     fp8_moe: Callable[..., torch.Tensor]
     # A gated MLP's act(x @ gate^T) * (x @ up^T) in one call (`kernels.native.moe`); None:
@@ -83,11 +83,13 @@ class KernelSet:
         """This set with every kernel as a `torch.library` custom op (`kernels.ops`: the KV
         write and attention; `kernels.ops_layer`: a layer's fused norm tails and MLP product;
         `kernels.ops_step`: norms, q/k/v norms and RoPE, softcap, router,
-        experts, sampler, random numbers), so that a step runs on the meta device and traces
+        experts, sampler, random numbers; `kernels.ops_fp8`: FP8 projections and experts), so
+        that a step runs on the meta device and traces
         through them. Fast numerics only: the ops' CPU implementations are the batched twins."""
         if self.exact:
             raise ValueError("custom ops carry fast numerics only (the batched twins)")
         import kernels.ops as ops
+        import kernels.ops_fp8 as ops_fp8
         import kernels.ops_layer as ops_layer
         import kernels.ops_step as ops_step
 
@@ -107,8 +109,8 @@ class KernelSet:
             canvas_attention=ops.canvas_attention,
             route_experts=ops_step.route_experts,
             fused_moe=ops_step.fused_moe,
-            fp8_linear=reference.fp8_linear,
-            fp8_moe=reference.fp8_moe_with(ops_step.fused_moe),
+            fp8_linear=ops_fp8.fp8_linear,
+            fp8_moe=ops_fp8.fp8_moe,
             fused_sample=ops_step.fused_sample,
             entropy_accept=ops_step.entropy_accept,
             soft_embedding=ops_step.soft_embedding,

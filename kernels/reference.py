@@ -307,7 +307,12 @@ from kernels.reference_attention import (  # noqa: E402
     prefix_range,
     write_kv,
 )
-from kernels.reference_fp8 import dequantize_fp8, fp8_linear, fp8_moe_with  # noqa: E402
+from kernels.reference_fp8 import (  # noqa: E402
+    dequantize_fp8,
+    fp8_linear,
+    fp8_moe_with,
+    quantize_fp8_rows,
+)
 from kernels.reference_layer import (  # noqa: E402
     add_rms_norm,
     add_rms_norm_exact,
@@ -362,6 +367,7 @@ __all__ = [
     "qkv_norm_rope",
     "qkv_norm_rope_exact",
     "qkv_norm_rope_with",
+    "quantize_fp8_rows",
     "rms_norm",
     "rms_norm_fused",
     "rms_norm_pair",

@@ -1,11 +1,11 @@
 """Twins of the FP8 weight kernels (part of `kernels.reference`'s namespace): a dense projection
 and the experts over FP8 E4M3 weights with one fp32 scale per output channel
-(`engine.model.quant`: value = fp8 * scale).
+(`engine.model.quant`: value = fp8 * scale), and the per-token quantization of activations.
 
-Each twin dequantizes the weight to the activations' dtype, then runs the unquantized path, so
-every CPU test covers the FP8 layout. They are also what every backend binds for now: an FP8
-GEMM (`torch._scaled_mm` with row-wise scales, FP8 activations) and an FP8 expert GEMM are the
-kernels that would replace them, under these names and signatures.
+Each weight twin dequantizes the weight to the activations' dtype, then runs the unquantized
+path, so every CPU test covers the FP8 layout. Their fast kernels (`kernels.triton_fp8`:
+`torch._scaled_mm` over per-token FP8 activations on sm_90; `kernels.triton_moe.fp8_moe`: the
+expert GEMM over FP8 weights dequantized in registers) take the same names and signatures.
 """
 
 from __future__ import annotations
@@ -14,6 +14,22 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+# The largest finite FP8 E4M3 (float8_e4m3fn) value.
+FP8_MAX = 448.0
+# The smallest row amax a per-token scale is computed from: an all-zero row gets a finite
+# scale (its values quantize to zero) instead of a division by zero.
+SCALE_FLOOR = 1e-12
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] to FP8 E4M3 with one fp32 scale per row: scale = max(amax, SCALE_FLOOR) / 448,
+    values x / scale (fp32, clamped to +-448) cast to FP8. Returns (q [M, K], scale [M, 1]);
+    q * scale approximates x (compressed-tensors' dynamic per-token activations)."""
+    amax = x.float().abs().amax(-1, keepdim=True)
+    scale = amax.clamp(min=SCALE_FLOOR) / FP8_MAX
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The DiffusionGemma router and fused mixture of experts, in Triton. Twins:
-`reference.route_experts`, `reference.fused_moe`, `reference.grouped_mm`,
+`reference.route_experts`, `reference.fused_moe`, `reference.fp8_moe`, `reference.grouped_mm`,
 `reference.align_pairs` (same signatures).
 
 - Router: one program per block of tokens computes rmsnorm(hidden) * scale / sqrt(H), the
@@ -12,6 +12,9 @@
   (token, slot) order, in the hidden dtype (the twin's are fp32: one more rounding per pair in
   bf16, half the traffic), and are summed over the slots in fp32, as the twin does, and cast
   to the hidden dtype in one pass (`_slot_sum_kernel`).
+- FP8 experts (`fp8_moe`): the same launches over FP8 E4M3 weights, read as FP8 (half the
+  bytes), cast to the hidden dtype in registers, with each accumulator times its output
+  channels' scales before the output rounding; activations stay in the hidden dtype.
 
 Every pair's value is computed by one program over a fixed K order, independent of the other
 pairs, so results are batch invariant by construction; `segments` is accepted and not needed.
@@ -99,14 +102,17 @@ WEIGHTED = tl.constexpr(2)
 @triton.jit(do_not_specialize=["num_pairs"])
 def _expert_gemm_kernel(
     x_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, block_expert_ptr,
-    num_pairs, num_experts, k_dim, n_dim, sx_n, sw_e, sw_o, so_n, sr_n, sr_k,
-    TOP_K: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    scale_ptr, num_pairs, num_experts, k_dim, n_dim, sx_n, sw_e, sw_o, so_n, sr_n, sr_k, ss_e,
+    ss_o, TOP_K: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     """One expert block x one column block of x @ W[expert]^T. PLAIN: rows gathered by pair,
     output by pair. GEGLU (W = gate_up): rows gathered by token (pair // TOP_K), output
     gelu(gate) * up in padded-row order. WEIGHTED (W = down): rows in padded-row order, output
-    times the pair's routing weight, in out's dtype, by pair (= token * TOP_K + slot)."""
+    times the pair's routing weight, in out's dtype, by pair (= token * TOP_K + slot).
+    SCALED: W is FP8 with one fp32 scale per output channel (scale_ptr [E, Out]); its tiles
+    are cast to x's dtype in registers (exact: every E4M3 value is a bf16) and each fp32
+    accumulator is multiplied by its columns' scales before the output rounding."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= num_experts:
@@ -118,7 +124,8 @@ def _expert_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_mask = cols < n_dim
     w_base = w_ptr + expert.to(tl.int64) * sw_e
-    dt = w_ptr.dtype.element_ty
+    # SCALED: the twin's dequantized weights are in x's dtype.
+    dt = x_ptr.dtype.element_ty if SCALED else w_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
@@ -131,12 +138,17 @@ def _expert_gemm_kernel(
         ).to(dt)
         w_mask = k_mask[:, None] & c_mask[None, :]
         w = tl.load(w_base + cols[None, :] * sw_o + kk[:, None], mask=w_mask, other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        acc = tl.dot(x, w.to(dt), acc, input_precision=PRECISION)
         if EPILOGUE == GEGLU:
             w_up = tl.load(
                 w_base + (cols + n_dim)[None, :] * sw_o + kk[:, None], mask=w_mask, other=0.0
             )
-            acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
+            acc_up = tl.dot(x, w_up.to(dt), acc_up, input_precision=PRECISION)
+    if SCALED:
+        s_base = scale_ptr + expert.to(tl.int64) * ss_e
+        acc *= tl.load(s_base + cols * ss_o, mask=c_mask, other=0.0)[None, :]
+        if EPILOGUE == GEGLU:
+            acc_up *= tl.load(s_base + (cols + n_dim) * ss_o, mask=c_mask, other=0.0)[None, :]
     mask = valid[:, None] & c_mask[None, :]
     acc = acc.to(dt).to(tl.float32)  # each grouped GEMM's output is in the weight dtype
     out_rows = rows if EPILOGUE == GEGLU else pair
@@ -317,11 +329,11 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     sorted_rows, block_expert = align_pairs(row_expert[:, None], num_experts + 1, block_m)
     block_expert = torch.where(block_expert >= num_experts, num_experts, block_expert)
     _expert_gemm_kernel[(block_expert.shape[0], triton.cdiv(out_dim, block_n))](
-        x, weight, out, x, sorted_rows, block_expert,
+        x, weight, out, x, sorted_rows, block_expert, x,
         num_rows, num_experts, in_dim, out_dim, x.stride(0), weight.stride(0), weight.stride(1),
-        out.stride(0), 0, 0,
+        out.stride(0), 0, 0, 0, 0,
         TOP_K=1, EPILOGUE=PLAIN, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=dot_precision(weight.dtype), num_warps=4,
+        PRECISION=dot_precision(weight.dtype), SCALED=False, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -371,12 +383,55 @@ def fused_moe(
 ) -> torch.Tensor:
     """See `reference.fused_moe`. Returns [N, H] in hidden's dtype."""
     del segments  # batch invariant by construction (see the module docstring)
+    expect(gate_up, "gate_up", (None, None, hidden.shape[1]), _FLOATS, hidden.device)
+    expect(down, "down", (gate_up.shape[0], hidden.shape[1], None), _FLOATS, hidden.device)
+    return _experts(hidden, gate_up, down, weights, ids)
+
+
+def fp8_moe(
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down: torch.Tensor,
+    down_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    segments: list[int] | None = None,
+) -> torch.Tensor:
+    """See `reference.fp8_moe`: the experts over FP8 E4M3 weights (gate_up [E, 2I, H], down
+    [E, H, I]) with fp32 scales per output channel ([E, 2I, 1], [E, H, 1]). The kernels read
+    the FP8 bytes (half of bf16's) and dequantize in registers (`_expert_gemm_kernel`'s
+    SCALED); activations stay in hidden's dtype. Returns [N, H] in hidden's dtype."""
+    del segments  # batch invariant by construction (see the module docstring)
+    num_experts, hidden_size = gate_up.shape[0], hidden.shape[1]
+    fp8 = (torch.float8_e4m3fn,)
+    expect(gate_up, "gate_up", (num_experts, None, hidden_size), fp8, hidden.device)
+    expect(down, "down", (num_experts, hidden_size, None), fp8, hidden.device)
+    scales = (gate_up_scale, down_scale)
+    for name, scale, weight in (
+        ("gate_up_scale", gate_up_scale, gate_up),
+        ("down_scale", down_scale, down),
+    ):
+        expect(scale, name, (*weight.shape[:2], 1), (torch.float32,), hidden.device)
+        assert scale.stride(1) == 1, f"{name}: output channels must be contiguous"
+    return _experts(hidden, gate_up, down, weights, ids, scales)
+
+
+def _experts(
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`fused_moe`'s launches; `scales` (gate_up's, down's): the weights are FP8."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = gate_up.shape
     inter, top_k = two_inter // 2, ids.shape[1]
     dev = hidden.device
     expect(hidden, "hidden", (num_tokens, hidden_size), _FLOATS, dev)
-    expect(gate_up, "gate_up", (num_experts, 2 * inter, hidden_size), _FLOATS, dev)
+    expect(gate_up, "gate_up", (num_experts, 2 * inter, hidden_size), (gate_up.dtype,), dev)
     expect(down, "down", (num_experts, hidden_size, inter), (gate_up.dtype,), dev)
     expect(weights, "weights", (num_tokens, top_k), (torch.float32,), dev)
     expect(ids, "ids", (num_tokens, top_k), (torch.int64, torch.int32), dev)
@@ -391,26 +446,28 @@ def fused_moe(
         return out_pairs.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
     block_m = _block_m()
     sorted_pairs, block_expert = align_pairs(ids, num_experts, block_m)
-    act = torch.empty(sorted_pairs.shape[0], inter, dtype=gate_up.dtype, device=dev)
+    compute = gate_up.dtype if scales is None else hidden.dtype  # the (dequantized) weights'
+    act = torch.empty(sorted_pairs.shape[0], inter, dtype=compute, device=dev)
     block_n, block_k = _gemm_blocks()
     common = dict(
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=dot_precision(gate_up.dtype), num_warps=4,
+        PRECISION=dot_precision(compute), SCALED=scales is not None, num_warps=4,
     )  # fmt: skip
+    gate_up_scale, down_scale = scales or (gate_up, down)  # unread where not SCALED
     _expert_gemm_kernel[(block_expert.shape[0], triton.cdiv(inter, block_n))](
-        hidden, gate_up, act, weights, sorted_pairs, block_expert,
+        hidden, gate_up, act, weights, sorted_pairs, block_expert, gate_up_scale,
         num_pairs, num_experts, hidden_size, inter, hidden.stride(0), gate_up.stride(0),
         gate_up.stride(1), act.stride(0), weights.stride(0), weights.stride(1),
-        EPILOGUE=GEGLU, **common,
+        gate_up_scale.stride(0), gate_up_scale.stride(1), EPILOGUE=GEGLU, **common,
     )  # fmt: skip
     _expert_gemm_kernel[(block_expert.shape[0], triton.cdiv(hidden_size, block_n))](
-        act, down, out_pairs, weights, sorted_pairs, block_expert,
+        act, down, out_pairs, weights, sorted_pairs, block_expert, down_scale,
         num_pairs, num_experts, inter, hidden_size, act.stride(0), down.stride(0),
         down.stride(1), out_pairs.stride(0), weights.stride(0), weights.stride(1),
-        EPILOGUE=WEIGHTED, **common,
+        down_scale.stride(0), down_scale.stride(1), EPILOGUE=WEIGHTED, **common,
     )  # fmt: skip
     # Sum over the slots in (token, slot) order in fp32, as the twin does, and cast: one pass.
     return _slot_sum(out_pairs, num_tokens, top_k, hidden.dtype)
 
 
-KERNELS = (route_experts, fused_moe, grouped_mm)
+KERNELS = (route_experts, fused_moe, fp8_moe, grouped_mm)

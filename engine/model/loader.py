@@ -37,6 +37,7 @@ from engine.model.quant import (
     make_fp8,
     read_layout,
     refuse_exact,
+    refuse_per_expert,
 )
 from kernels import resolve_kernels
 
@@ -185,6 +186,7 @@ def load_model(
     refuse_exact(exact, "an FP8 checkpoint" if layout is not None else fp8_source)
     with ExitStack() as stack:
         tensors = _Tensors(weight_files(model_dir), stack)
+        refuse_per_expert(tensors.keys())
         config = _with_vision_weights(config, tensors)
         with torch.device("meta"):
             model = BACKBONES[config.model_type](config)

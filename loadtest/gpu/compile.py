@@ -171,10 +171,11 @@ def compile_variant(variant: Variant, arch: int) -> list[Compiled]:
 
 
 def check(variants: list[Variant], archs: list[int]) -> tuple[list[Compiled], list[str]]:
-    """Compile every variant for every architecture: (the compiles, what is wrong)."""
+    """Compile every variant for every architecture from its `min_arch`: (the compiles, what is
+    wrong)."""
     compiled, found = [], []
     for arch in archs:
-        for v in variants:
+        for v in (v for v in variants if arch >= v.min_arch):
             for c in compile_variant(v, arch):
                 compiled.append(c)
                 found += problems(c, v.spills_allowed)

@@ -28,6 +28,9 @@ class Variant:
     name: str
     group: str  # "real" (26B-A4B bf16), "edge", "test" (the gpu tests' shapes), "fp32"
     launch: Callable[[], object]
+    # The first architecture that compiles it: FP8 E4M3 kernels need sm_89 (sm_80 engines
+    # bind the dequantizing twins instead, `kernels.triton_fp8.e4m3_kernels`).
+    min_arch: int = 0
 
     @property
     def spills_allowed(self) -> bool:
@@ -38,6 +41,7 @@ REAL = REAL_26B_A4B_TEXT_CONFIG
 CANVAS = REAL_26B_A4B_CANVAS_LENGTH
 BF16, FP32 = torch.bfloat16, torch.float32
 PAGE = 16  # EngineConfig.page_size
+FP8_ARCH = 89  # Triton's FP8 E4M3 (fp8e4nv) starts at sm_89
 
 
 def _rows(prefixes: list[int], lengths: list[int], decode: list[bool], page: int) -> PagedRows:
@@ -94,9 +98,11 @@ def moe(
     inter: int = REAL["moe_intermediate_size"],
     misaligned: bool = False,
     route: bool = True,
+    fp8: bool = False,
 ) -> Callable[[], object]:
-    """The router (`route`) or the experts (`fused_moe`: gate_up with GeGLU, down weighted).
-    `misaligned`: hidden rows of a wider tensor at a 4-byte offset, as test_moe gives them."""
+    """The router (`route`) or the experts (`fused_moe`: gate_up with GeGLU, down weighted;
+    `fp8_moe` over FP8 weights and their per-channel scales with `fp8`). `misaligned`: hidden
+    rows of a wider tensor at a 4-byte offset, as test_moe gives them."""
 
     def launch() -> object:
         from kernels import triton_moe
@@ -108,11 +114,27 @@ def moe(
             proj = torch.empty(experts, hidden, dtype=dtype)
             scale, pes = torch.empty(hidden, dtype=dtype), torch.empty(experts, dtype=dtype)
             return triton_moe.route_experts(x, scale, proj, pes, top_k, 1e-6)
-        gate_up = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
-        down = torch.empty(experts, hidden, inter, dtype=dtype)
+        w_dtype = torch.float8_e4m3fn if fp8 else dtype
+        gate_up = torch.empty(experts, 2 * inter, hidden, dtype=w_dtype)
+        down = torch.empty(experts, hidden, inter, dtype=w_dtype)
         ids = torch.arange(num_tokens * top_k).view(num_tokens, top_k) % experts
         weights = torch.empty(num_tokens, top_k)
+        if fp8:
+            gate_up_scale = torch.empty(experts, 2 * inter, 1)
+            down_scale = torch.empty(experts, hidden, 1)
+            return triton_moe.fp8_moe(x, gate_up, gate_up_scale, down, down_scale, weights, ids)
         return triton_moe.fused_moe(x, gate_up, down, weights, ids)
+
+    return launch
+
+
+def quantize_rows(num_rows: int, num_cols: int, dtype: torch.dtype) -> Callable[[], object]:
+    """`triton_fp8.quantize_fp8_rows`: the activations of an FP8 projection, per token."""
+
+    def launch() -> object:
+        from kernels import triton_fp8
+
+        return triton_fp8.quantize_fp8_rows(torch.empty(num_rows, num_cols, dtype=dtype))
 
     return launch
 
@@ -309,7 +331,32 @@ def _others() -> list[Variant]:
     ]
 
 
-SETS = {"make-test": _real, "all": lambda: _real() + _others()}
+def _fp8_real() -> list[Variant]:
+    hidden, inter = REAL["hidden_size"], REAL["intermediate_size"]
+    return [
+        Variant("FP8 experts", "real", moe(CANVAS, BF16, route=False, fp8=True), FP8_ARCH),
+        Variant("FP8 quantize rows hidden", "real", quantize_rows(CANVAS, hidden, BF16), FP8_ARCH),
+        Variant("FP8 quantize rows MLP", "real", quantize_rows(CANVAS, inter, BF16), FP8_ARCH),
+    ]
+
+
+def _fp8_edge() -> list[Variant]:
+    return [
+        Variant("one-token FP8 experts", "edge", moe(1, BF16, route=False, fp8=True), FP8_ARCH),
+        Variant(
+            "one-token FP8 quantize rows",
+            "edge",
+            quantize_rows(1, REAL["hidden_size"], BF16),
+            FP8_ARCH,
+        ),
+    ]
+
+
+SETS = {
+    "make-test": lambda: _real() + _fp8_real(),
+    "all": lambda: _real() + _fp8_real() + _others() + _fp8_edge(),
+    "fp8": lambda: _fp8_real() + _fp8_edge(),
+}
 
 
 def variants(which: str) -> list[Variant]:

@@ -79,25 +79,63 @@ def _moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     weighted down GEMM writing each row of a [N*K, H] buffer (the hidden dtype) once, the slot
     sum and the cast in one pass."""
     hidden, gate_up, down, weights, ids = args
+    return _experts("fused_moe", hidden, gate_up, down, ids, ())
+
+
+def _fp8_moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
+    """Triton's fp8_moe: fused_moe's launches over FP8 weights (one byte an element, cast in
+    registers) and their per-channel fp32 scales; activations in the hidden dtype."""
+    hidden, gate_up, gate_up_scale, down, down_scale, weights, ids = args
+    return _experts("fp8_moe", hidden, gate_up, down, ids, (gate_up_scale, down_scale))
+
+
+def _experts(
+    name: str,
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ids: torch.Tensor,
+    scales: tuple[torch.Tensor, ...],
+) -> list[Part]:
     num_tokens, hid = hidden.shape
     num_experts, two_inter, _ = gate_up.shape
     inter, top_k = two_inter // 2, ids.shape[1]
     pairs, el = num_tokens * top_k, hidden.element_size()
     experts = touched_experts(num_tokens, num_experts, top_k)
-    w_bytes = experts * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    per_expert = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    per_expert += sum(s[0].numel() * s.element_size() for s in scales)
+    w_bytes = experts * per_expert
     gemm = {
         "flops": 2 * pairs * hid * two_inter + 2 * pairs * inter * hid,
         "bytes": w_bytes + pairs * hid * el + 2 * pairs * inter * el + pairs * hid * el,
         "launches": 2,
         "gemm": True,
     }
-    parts = [Part("fused_moe.align_pairs", cost) for cost in align_pairs_costs(ids, num_experts)]
+    parts = [Part(f"{name}.align_pairs", cost) for cost in align_pairs_costs(ids, num_experts)]
     pair_rows = pairs * hid * el
     return [
         *parts,
-        Part("fused_moe.expert_gemms", gemm),
-        Part("fused_moe.slot_sum_cast", {"bytes": pair_rows + num_tokens * hid * el}),
+        Part(f"{name}.expert_gemms", gemm),
+        Part(f"{name}.slot_sum_cast", {"bytes": pair_rows + num_tokens * hid * el}),
     ]
+
+
+def _fp8_linear(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
+    """`triton_fp8.fp8_linear`: the activations quantized per token (read once for the amax,
+    once for the cast; FP8 and the fp32 scales written), then `_scaled_mm` reading the FP8
+    rows, the FP8 weight and both scales, writing the output. Its FLOPs are counted in bf16
+    equivalents, half the products' count: the accountant costs GEMM FLOPs at the bf16
+    tensor-core peak, and FP8's dense peak is twice that on Hopper (so the step's floor, too,
+    takes these GEMMs at FP8's peak)."""
+    x, weight, scale = args
+    rows, (out_dim, in_dim) = x.numel() // x.shape[-1], weight.shape
+    quantize = {"bytes": 2 * nbytes([x]) + rows * in_dim + 4 * rows}
+    gemm = {
+        "flops": rows * in_dim * out_dim,  # 2 * M * K * N products at twice bf16's rate
+        "bytes": rows * in_dim + 4 * rows + nbytes([weight, scale, out]),
+        "gemm": True,
+    }
+    return [Part("fp8_linear.quantize_rows", quantize), Part("fp8_linear.scaled_mm", gemm)]
 
 
 def align_pairs_costs(ids: torch.Tensor, num_experts: int) -> list[dict[str, Any]]:
@@ -194,6 +232,8 @@ CUSTOM_RULES: dict[str, Rule] = {
     "write_kv": _write_kv,
     "route_experts": _route,
     "fused_moe": _moe,
+    "fp8_moe": _fp8_moe,
+    "fp8_linear": _fp8_linear,
     "fused_sample": _fused_sample,
     "soft_embedding": _soft_embedding,
     "sample_and_embed": _sample_and_embed,

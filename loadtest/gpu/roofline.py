@@ -3,6 +3,7 @@ run on the meta device through the custom ops (`KernelSet.with_custom_ops`), eve
 recorded by `loadtest.gpu.accountant` and its time predicted on an H200 and an H100 SXM.
 
     python -m loadtest.gpu.roofline [--canvases 1 4 16 64] [--layers N] [--top 8]   (make roofline)
+        [--quantization fp8]   (FP8 projections and experts, as `--quantization fp8` loads them)
     python -m loadtest.gpu.roofline_calibrate     (the accountant against a measured CPU step)
 
 Step kinds (prefix PREFIX_LEN tokens per row): `denoise` (R canvases, head and sampler),
@@ -33,14 +34,16 @@ import torch
 
 from engine.batched_sampler import BatchedSampler, to_host
 from engine.device.cuda import to_device
+from engine.device.memory import meta_model
 from engine.kv_pages import PageTables
 from engine.model import DiffusionLM
 from engine.model.config import LayerType, ModelConfig
 from engine.model.kv_cache import PagedKVCache
+from engine.model.quant import QUANTIZATION_CHOICES
 from engine.runner import EncodeInput, ModelRunner, StepInputs
 from kernels import KernelSet, resolve_kernels
 from loadtest.gpu.accountant import GPUS, Accountant, Hardware, OpRecord, StepRows
-from loadtest.gpu.bench import meta_model, model_config
+from loadtest.gpu.bench import model_config
 from loadtest.gpu.custom_rules import touched_experts
 
 KINDS = ("denoise", "commit", "prefill", "ar")
@@ -69,8 +72,12 @@ def with_layers(config: ModelConfig, num_layers: int | None) -> ModelConfig:
     return replace(config, text=text)
 
 
-def build(config: ModelConfig, kernels: KernelSet, device: torch.device) -> DiffusionLM:
-    model = meta_model(config, torch.bfloat16)
+def build(
+    config: ModelConfig, kernels: KernelSet, device: torch.device, quantization: str = "auto"
+) -> DiffusionLM:
+    """The model on the meta device, bf16 (its projections and experts FP8 with `quantization`
+    "fp8"), with `kernels` bound."""
+    model = meta_model(config, torch.bfloat16, quantization)
     model.init_rope(device)
     model.bind_kernels(kernels)
     return model
@@ -330,14 +337,19 @@ def main(argv: list[str] | None = None) -> int:
         help="context lengths of the inputs-phase host work check",
     )  # fmt: skip
     parser.add_argument("--context-canvases", type=int, default=16)
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATION_CHOICES, default="auto",
+        help="fp8: FP8 projections and experts (the Triton FP8 kernels' bytes); auto: bf16",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     config = with_layers(model_config(), args.layers)
     kernels = resolve_kernels("cpu", "twins").with_custom_ops()
-    model = build(config, kernels, torch.device("meta"))
+    model = build(config, kernels, torch.device("meta"), args.quantization)
+    weights = "FP8 projections and experts" if args.quantization == "fp8" else "bf16"
     began = time.perf_counter()
     steps = [account(model, k, r) for k in args.kinds for r in args.canvases]
     print(
-        f"# Roofline: DiffusionGemma 26B-A4B, {config.text.num_layers} layers, bf16, "
+        f"# Roofline: DiffusionGemma 26B-A4B, {config.text.num_layers} layers, {weights}, "
         f"prefix {PREFIX_LEN}, fast numerics ({time.perf_counter() - began:.1f} s on meta)\n"
     )
     print("Peaks: " + "; ".join(

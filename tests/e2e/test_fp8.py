@@ -169,6 +169,35 @@ def test_fp8_checkpoints_the_loader_cannot_run_are_refused(tiny_checkpoint, tmp_
         load_model(tmp_path / "no-k")
 
 
+def test_an_fp8_checkpoint_with_one_tensor_per_expert_is_refused_naming_the_layout(
+    tiny_checkpoint, tmp_path
+):
+    """llm-compressor's layout for experts that are Linear modules: each expert's gate, up and
+    down projections (and their scales) on their own, beside no fused tensor."""
+    source = tiny_checkpoint("c16")
+    write_by_hand(source, tmp_path / "fused", HAND_LAYOUT)
+    per_expert = tmp_path / "per-expert"
+    shutil.copytree(tmp_path / "fused", per_expert)
+    fused = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)(_scale)?$")
+    tensors = {}
+    with safe_open(str(per_expert / "model.safetensors"), framework="pt") as handle:
+        for key in handle.keys():  # noqa: SIM118 (not a dict)
+            tensor, match = handle.get_tensor(key), fused.match(key)
+            if match is None:
+                tensors[key] = tensor
+                continue
+            experts, proj, scale = match[1], match[2], match[3] or ""
+            for e, one in enumerate(tensor):
+                names = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+                for name, part in zip(names, one.chunk(len(names)), strict=True):
+                    tensors[f"{experts}.{e}.{name}.weight{scale}"] = part.contiguous()
+    save_file(tensors, str(per_expert / "model.safetensors"))
+    assert any(".experts.0.gate_proj.weight_scale" in key for key in tensors)
+    with pytest.raises(CheckpointError, match=r"one tensor per expert \(model\.decoder\.layers"):
+        load_model(per_expert)
+    load_model(tmp_path / "fused", kernels="twins")  # the fused layout of the same weights loads
+
+
 def test_exact_numerics_refuse_fp8(tiny_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="--exact cannot run --quantization fp8"):
         load_model(tiny_checkpoint("c16"), exact=True, quantization="fp8")

@@ -22,7 +22,8 @@ import pytest
 from kernels.backends import TRITON_MODULES
 
 pytest.importorskip("triton")
-from loadtest.gpu.compile import SHARED_LIMITS, Compiled, problems  # noqa: E402
+from loadtest.gpu.compile import SHARED_LIMITS, Compiled, check, problems  # noqa: E402
+from loadtest.gpu.compile_variants import Variant, variants  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 REAL_KERNELS = {
@@ -38,6 +39,7 @@ REAL_KERNELS = {
     "_probs_kernel",
     "_accept_kernel",
     "_philox_kernel",
+    "_quantize_rows_kernel",
     "_rms_norm_kernel",
     "_qkv_norm_rope_kernel",
     "_softcap_kernel",
@@ -145,3 +147,14 @@ def test_problems_name_the_limit_and_allow_spills_only_where_told() -> None:
         "v: _k on sm_90 spills: 64 B stack, 0 B local per thread"
     ]
     assert problems(compiled(error="boom"), True) == ["v: _k on sm_90 does not compile: boom"]
+
+
+def test_fp8_variants_compile_from_sm89_only_and_sit_in_the_real_set() -> None:
+    """Triton has no E4M3 before sm_89 (sm_80 engines bind the dequantizing twins): the check
+    skips an FP8 variant there instead of reporting it, and launches it from sm_89 on."""
+    launched: list[int] = []
+    fp8 = Variant("toy FP8", "real", lambda: launched.append(1), min_arch=89)
+    assert check([fp8], [80]) == ([], []) and launched == []
+    names = {v.name for v in variants("make-test") if v.min_arch == 89}
+    assert {"FP8 experts", "FP8 quantize rows hidden"} <= names
+    assert {v.name for v in variants("fp8")} >= names

@@ -2,7 +2,7 @@
 host synchronisations and copies from pageable memory caught on the meta device, and the
 fast-numerics step (forward, head, sampler) at the real shapes on meta, whose forward and
 sampler must not synchronise, which copies from pinned memory only, and whose inputs' host
-work does not grow with the context."""
+work does not grow with the context; with FP8 weights, the FP8 kernels' bytes."""
 
 from __future__ import annotations
 
@@ -158,3 +158,29 @@ def test_the_inputs_host_work_of_a_step_does_not_grow_with_its_context() -> None
 
     short, long = changed(256), changed(4096)
     assert long[1] - short[1] >= 3 * (4096 - 256) // roofline.PAGE_SIZE * 4  # int32 entries
+
+
+def test_an_fp8_step_streams_fp8_weights_through_the_fp8_kernels(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--quantization fp8`: the projections and experts run as `canvas::fp8_linear` (a
+    per-token quantization, then `_scaled_mm` over one byte a weight) and `canvas::fp8_moe`
+    (the experts' FP8 bytes and scales), never a dequantized weight; the step's weight bytes
+    are about half of bf16's."""
+    kernels = resolve_kernels("cpu", "twins").with_custom_ops()
+    config = model_config(toy=True)
+    bf16 = roofline.account(roofline.build(config, kernels, META), "denoise", 1)
+    model = roofline.build(config, kernels, META, "fp8")
+    fp8 = roofline.account(model, "denoise", 1)
+    names = {r.name for r in fp8.acct.records}
+    assert {"canvas.fp8_linear.quantize_rows", "canvas.fp8_linear.scaled_mm"} <= names
+    assert "canvas.fp8_moe.expert_gemms" in names and "canvas.fused_moe.expert_gemms" not in names
+    linears = [r for r in fp8.acct.records if r.name == "linear" and r.phase == "forward"]
+    assert len(linears) == 1  # the head alone: no projection dequantizes its weight
+    assert 0.45 < fp8.weight_bytes / bf16.weight_bytes < 0.75  # embedding and head stay bf16
+    gemms = [r for r in fp8.acct.records if r.name == "canvas.fp8_moe.expert_gemms"]
+    plain = [r for r in bf16.acct.records if r.name == "canvas.fused_moe.expert_gemms"]
+    assert sum(r.bytes for r in gemms) < 0.7 * sum(r.bytes for r in plain)
+    assert roofline.main(["--canvases", "1", "--layers", "2", "--kinds", "denoise",
+                          "--quantization", "fp8", "--contexts", "2048"]) == 0  # fmt: skip
+    assert "FP8 projections and experts" in capsys.readouterr().out

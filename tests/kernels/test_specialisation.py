@@ -37,7 +37,7 @@ ENGINE_CONSTANTS = {
     # per-model layouts: projections' outputs, weights, KV pools, cos/sin tables, sampler rows
     *("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "so_n", "so_h", "sc_n", "stride_x"),
     *("skp_p", "skp_h", "skp_s", "svp_p", "svp_h", "svp_s"),
-    *("sh_n", "sp_e", "sw_n", "si_n", "sx_n", "sw_e", "sw_o", "sr_n", "sr_k"),
+    *("sh_n", "sp_e", "sw_n", "si_n", "sx_n", "sw_e", "sw_o", "sr_n", "sr_k", "ss_e", "ss_o"),
     *("stride_p", "stride_q", "stride_e", "stride_o"),
 }
 FLOATS = {"eps", "cap", "qk_scale", "inv_sqrt_hidden"}  # never specialised by Triton
