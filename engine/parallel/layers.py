@@ -60,9 +60,7 @@ class ParallelExperts:
     one-slot token, ids shifted to the local numbering); without it every pair runs over each
     expert's intermediate slice."""
 
-    def __init__(
-        self, run: Callable[..., torch.Tensor], plan: ShardPlan, world: World
-    ) -> None:
+    def __init__(self, run: Callable[..., torch.Tensor], plan: ShardPlan, world: World) -> None:
         self.run = run
         self.world = world
         self.experts = plan.expert_range if plan.expert_parallel else None

@@ -29,9 +29,12 @@ PROMPTS = (40, 23)  # prompt lengths of the two sequences (longer than the slidi
 
 def spawn_world(check: Callable[..., None], size: int, *args: Any) -> None:
     """Run `check(world, *args)` on each rank of a new gloo world of `size` processes; raises
-    when a rank fails (its traceback in the message)."""
+    when a rank fails (its traceback in the message). The ranks are forked: they start with
+    what this process imported (torch and the model's modules: seconds per rank on a small
+    CPU when spawned), so this process must hold no process group and no CUDA context."""
     port = free_port()
-    mp.spawn(_rank_main, args=(size, port, check, args), nprocs=size, join=True)
+    args = (size, port, check, args)
+    mp.start_processes(_rank_main, args=args, nprocs=size, join=True, start_method="fork")
 
 
 def _rank_main(rank: int, size: int, port: int, check: Callable[..., None], args: Any) -> None:
@@ -47,8 +50,8 @@ def _rank_main(rank: int, size: int, port: int, check: Callable[..., None], args
 def run_scenario(model: DiffusionLM, kv_cfg: TextConfig) -> dict[str, torch.Tensor]:
     """Logits [N, V] of four forwards over two sequences: a prefill of both prompts, a first
     denoise step of both canvases, a second one self-conditioned on soft embeddings (`soft`,
-    [2 * canvas, H], also returned), and a mixed batch (a commit of sequence 0's canvas beside sequence 1's third
-    step). Inputs come from a fixed seed: every process runs the same forwards."""
+    [2 * canvas, H], also returned), and a mixed batch (a commit of sequence 0's canvas beside
+    sequence 1's third step). Inputs come from a fixed seed: each process runs the same forwards."""
     gen = torch.Generator().manual_seed(0)
     vocab, length = model.cfg.vocab_size, model.config.canvas_length
     context = max(PROMPTS) + 2 * length

@@ -25,31 +25,32 @@ PRESET = "c32-window"  # 4 q heads; 4 KV heads on sliding layers, 2 on the full 
 
 
 @pytest.fixture(scope="module")
-def world_run(
-    tiny_checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, Path]:
-    checkpoint = tiny_checkpoint(PRESET)
-    out_dir = tmp_path_factory.mktemp(f"world-{SIZE}")
-    spawn_world(forward_check, SIZE, checkpoint, out_dir)
-    return checkpoint, out_dir
-
-
-@pytest.fixture(scope="module")
 def one_device(tiny_checkpoint: Callable[[str], Path]) -> torch.nn.Module:
     return load_model(tiny_checkpoint(PRESET), kernels="twins", adapter=False)
 
 
+@pytest.fixture(scope="module")
+def world_run(
+    tiny_checkpoint: Callable[[str], Path],
+    tmp_path_factory: pytest.TempPathFactory,
+    one_device: torch.nn.Module,  # loaded first: the forked ranks inherit what it imported
+) -> Path:
+    out_dir = tmp_path_factory.mktemp(f"world-{SIZE}")
+    spawn_world(forward_check, SIZE, tiny_checkpoint(PRESET), out_dir)
+    return out_dir
+
+
 @pytest.mark.parametrize("kind", ["tp", "ep"])
 def test_parallel_logits_match_one_device(
-    world_run: tuple[Path, Path], one_device: torch.nn.Module, kind: str
+    world_run: Path, one_device: torch.nn.Module, kind: str
 ) -> None:
     ref = run_scenario(one_device, one_device.cfg)
-    assert_logits_match(torch.load(world_run[1] / f"logits-{kind}.pt"), ref)
+    assert_logits_match(torch.load(world_run / f"logits-{kind}.pt"), ref)
 
 
 @pytest.mark.parametrize("kind", ["tp", "ep"])
 def test_each_rank_reads_and_holds_only_its_shards(
-    world_run: tuple[Path, Path], one_device: torch.nn.Module, kind: str
+    world_run: Path, one_device: torch.nn.Module, kind: str
 ) -> None:
     plans = [ShardPlan(one_device.cfg, r, SIZE, kind == "ep") for r in range(SIZE)]
-    assert_ranks_hold_own_shards(world_run[1], kind, plans, one_device.state_dict())
+    assert_ranks_hold_own_shards(world_run, kind, plans, one_device.state_dict())
