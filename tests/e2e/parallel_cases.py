@@ -17,6 +17,7 @@ from engine.model import DiffusionLM, ForwardBatch, Mode, PagedKVCache, Row
 from engine.model.config import LayerType, TextConfig
 from engine.parallel.loader import load_sharded
 from engine.parallel.plan import ShardPlan
+from engine.parallel.roofline import Collectives, forward_collectives, soft_embed_collectives
 from engine.parallel.world import World, close_world, free_port, init_world
 
 PAGE = 16
@@ -88,16 +89,47 @@ def run_scenario(model: DiffusionLM, kv_cfg: TextConfig) -> dict[str, torch.Tens
     return out
 
 
+def scenario_collectives(cfg: TextConfig) -> Collectives:
+    """What `run_scenario` should move through the collectives (fp32), by the roofline's
+    accounting (`engine.parallel.roofline`)."""
+    length = 32  # the preset's canvas
+    both = 2 * length
+    forwards = [(sum(PROMPTS), 0), (both, both), (both, both), (both, length)]
+    work = soft_embed_collectives(cfg, both, 4)
+    for num_tokens, num_decode in forwards:
+        work += forward_collectives(cfg, num_tokens, num_decode, num_tokens, 4)
+    return work
+
+
+class CountingWorld:
+    """A `World` that adds up the payloads of the collectives it runs (`counted`)."""
+
+    def __init__(self, world: World) -> None:
+        self.world, self.rank, self.size, self.device = world, world.rank, world.size, world.device
+        self.counted = Collectives()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.counted += Collectives(x.numel() * x.element_size(), 1)
+        return self.world.all_reduce(x)
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        out = self.world.all_gather(x, dim)
+        self.counted += Collectives(0, 0, out.numel() * out.element_size(), 1)
+        return out
+
+
 def forward_check(world: World, checkpoint: Path, out_dir: Path) -> None:
     """Rank check: the scenario at tensor parallelism and at expert parallelism (rank 0 saves
-    the logits, which every rank holds whole), and what each rank's loader read (each rank
-    saves its sharded parameters and its byte count)."""
+    the logits, which every rank holds whole, and the collectives' payloads), and what each
+    rank's loader read (each rank saves its sharded parameters and its byte count)."""
     for expert_parallel in (False, True):
-        sharded = load_sharded(checkpoint, world, expert_parallel, kernels="twins")
+        counting = CountingWorld(world)
+        sharded = load_sharded(checkpoint, counting, expert_parallel, kernels="twins")
         logits = run_scenario(sharded.model, sharded.plan.kv_config())
         kind = "ep" if expert_parallel else "tp"
         if world.rank == 0:
             torch.save(logits, out_dir / f"logits-{kind}.pt")
+            torch.save(counting.counted, out_dir / f"collectives-{kind}.pt")
         params = {
             name: p.clone()
             for name, p in sharded.model.state_dict().items()

@@ -16,6 +16,7 @@ from tests.e2e.parallel_cases import (
     assert_logits_match,
     assert_ranks_hold_own_shards,
     forward_check,
+    scenario_collectives,
     run_scenario,
     spawn_world,
 )
@@ -54,3 +55,11 @@ def test_each_rank_reads_and_holds_only_its_shards(
 ) -> None:
     plans = [ShardPlan(one_device.cfg, r, SIZE, kind == "ep") for r in range(SIZE)]
     assert_ranks_hold_own_shards(world_run, kind, plans, one_device.state_dict())
+
+
+@pytest.mark.parametrize("kind", ["tp", "ep"])
+def test_collectives_move_what_the_roofline_counts(
+    world_run: Path, one_device: torch.nn.Module, kind: str
+) -> None:
+    counted = torch.load(world_run / f"collectives-{kind}.pt", weights_only=False)
+    assert counted == scenario_collectives(one_device.cfg)
