@@ -1,8 +1,8 @@
 """What serving accepts of tensor parallelism today: `--tensor-parallel-size 1`. The parallel
-model runs (`engine.parallel.loader.load_sharded`), but the serving path over several ranks
-(rank 0 scheduling and broadcasting each step's inputs, the others executing; the sampler
-sharded over the vocabulary; a dead rank taking the server down) is not built: docs/parallelism.md
-says what remains. Refused with a message rather than half served."""
+model runs (`engine.parallel.loader.load_sharded`), led by rank 0 (`engine.parallel.step`),
+but the serving path over several ranks (`canvas serve` starting the ranks, the runner driving
+a `Leader`, the sampler sharded over the vocabulary, a dead rank taking the server down) is not
+built: docs/parallelism.md says what remains. Refused with a message rather than half served."""
 
 from __future__ import annotations
 

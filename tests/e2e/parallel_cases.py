@@ -1,7 +1,8 @@
 """Worlds of CPU processes (gloo) for the parallel-model tests: `spawn_world` starts one, each
 rank runs a check function and saves what it found under an output directory for the test
 (in the parent process) to compare with the one-device model. `run_scenario` is the forward
-sequence both sides run."""
+sequence both sides run; `lead_check` runs it with rank 0 leading and the others following
+(`engine.parallel.step`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from engine.kv_pages import KVPages, PageGeometry
+from engine.kv_pages import KVPages, PageGeometry, PageTables
 from engine.model import DiffusionLM, ForwardBatch, Mode, PagedKVCache, Row
 from engine.model.config import LayerType, TextConfig
 from engine.parallel.loader import load_sharded
 from engine.parallel.plan import ShardPlan
 from engine.parallel.roofline import Collectives, forward_collectives, soft_embed_collectives
+from engine.parallel.step import Leader, follow
 from engine.parallel.world import World, close_world, free_port, init_world
 
 PAGE = 16
@@ -47,21 +49,27 @@ def _rank_main(rank: int, size: int, port: int, check: Callable[..., None], args
         close_world()
 
 
-@torch.inference_mode()
-def run_scenario(model: DiffusionLM, kv_cfg: TextConfig) -> dict[str, torch.Tensor]:
-    """Logits [N, V] of four forwards over two sequences: a prefill of both prompts, a first
-    denoise step of both canvases, a second one self-conditioned on soft embeddings (`soft`,
-    [2 * canvas, H], also returned), and a mixed batch (a commit of sequence 0's canvas beside
-    sequence 1's third step). Inputs come from a fixed seed: each process runs the same forwards."""
-    gen = torch.Generator().manual_seed(0)
-    vocab, length = model.cfg.vocab_size, model.config.canvas_length
+def scenario_cache(kv_cfg: TextConfig, length: int) -> tuple[PagedKVCache, list[PageTables]]:
+    """The scenario's KV cache (one rank's, by `kv_cfg`) and its two sequences' page tables."""
     context = max(PROMPTS) + 2 * length
     geometry = PageGeometry(PAGE, kv_cfg.sliding_window, context, True, True)
     full, ring = geometry.full_pages(context), geometry.sliding_ring(context)
     pages = KVPages(geometry, 2 * full, 2 * ring)
     tables = [pages.allocate(context) for _ in PROMPTS]
     sizes = {LayerType.FULL: 2 * full, LayerType.SLIDING: 2 * ring}
-    cache = PagedKVCache(kv_cfg, sizes, PAGE, torch.float32)
+    return PagedKVCache(kv_cfg, sizes, PAGE, torch.float32), tables
+
+
+@torch.inference_mode()
+def run_scenario(model: DiffusionLM | Leader, kv_cfg: TextConfig) -> dict[str, torch.Tensor]:
+    """Logits [N, V] of four forwards over two sequences: a prefill of both prompts, a first
+    denoise step of both canvases, a second one self-conditioned on soft embeddings (`soft`,
+    [2 * canvas, H], also returned), and a mixed batch (a commit of sequence 0's canvas beside
+    sequence 1's third step). Inputs come from a fixed seed: each process runs the same forwards.
+    `model`: a model, or rank 0's `Leader` of one."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, length = model.cfg.vocab_size, model.config.canvas_length
+    cache, tables = scenario_cache(kv_cfg, length)
 
     def row(seq: int, mode: Mode, start: int, num: int) -> Row:
         t = tables[seq]
@@ -118,6 +126,19 @@ class CountingWorld:
         return out
 
 
+def lead_check(model: DiffusionLM, kv_cfg: TextConfig, world: World, out_dir: Path) -> None:
+    """Rank 0 runs the scenario through a `Leader` and saves its logits; the others `follow`
+    and save how many calls they ran."""
+    if world.rank == 0:
+        leader = Leader(model, world)
+        torch.save(run_scenario(leader, kv_cfg), out_dir / "logits-led.pt")
+        leader.stop()
+        return
+    with torch.inference_mode():
+        calls = follow(model, scenario_cache(kv_cfg, model.config.canvas_length)[0], world)
+    torch.save(calls, out_dir / f"followed-{world.rank}.pt")
+
+
 def forward_check(world: World, checkpoint: Path, out_dir: Path) -> None:
     """Rank check: the scenario at tensor parallelism and at expert parallelism (rank 0 saves
     the logits, which every rank holds whole, and the collectives' payloads), and what each
@@ -130,6 +151,8 @@ def forward_check(world: World, checkpoint: Path, out_dir: Path) -> None:
         if world.rank == 0:
             torch.save(logits, out_dir / f"logits-{kind}.pt")
             torch.save(counting.counted, out_dir / f"collectives-{kind}.pt")
+        if not expert_parallel:
+            lead_check(sharded.model, sharded.plan.kv_config(), world, out_dir)
         params = {
             name: p.clone()
             for name, p in sharded.model.state_dict().items()

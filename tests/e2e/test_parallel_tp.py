@@ -1,7 +1,8 @@
 """Tensor and expert parallelism over two and four CPU processes (gloo): the sharded model's
 forwards (prefill, denoise steps, a mixed batch) give the one-device logits within the
 fast-numerics tolerance, move through the collectives what the roofline counts, and each rank
-read and holds only its own shards. One world per size runs every check."""
+read and holds only its own shards; with rank 0 leading and the others following, the same
+logits come out. One world per size runs every check."""
 
 from __future__ import annotations
 
@@ -73,3 +74,15 @@ def test_each_rank_reads_and_holds_only_its_shards(
     size, out_dir = world_run
     plans = [ShardPlan(one_device.cfg, r, size, kind == "ep") for r in range(size)]
     assert_ranks_hold_own_shards(out_dir, kind, plans, one_device.state_dict())
+
+
+def test_followers_run_the_leaders_calls_and_give_the_same_logits(
+    world_run: tuple[int, Path],
+) -> None:
+    size, out_dir = world_run
+    led = torch.load(out_dir / "logits-led.pt")
+    direct = torch.load(out_dir / "logits-tp.pt")
+    assert led.keys() == direct.keys()
+    assert all(torch.equal(led[name], direct[name]) for name in direct)
+    # four forwards, their four LM heads and one soft embedding
+    assert [torch.load(out_dir / f"followed-{r}.pt") for r in range(1, size)] == [9] * (size - 1)
