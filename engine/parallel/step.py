@@ -2,7 +2,9 @@
 the soft embedding) are made on rank 0 through a `Leader`, which broadcasts each call's inputs
 before running it; every other rank runs `follow`, which receives and runs the same calls in
 the same order on its shard, so all ranks meet in the same collectives. Rank 0 alone
-schedules, samples and answers; the followers' outputs are the same values, unused.
+schedules, samples and answers; the followers' outputs are the same values, unused. A rank
+that dies fails the others' next collective at once with a WorldError (`world.collective`),
+on the leader and on every follower: nothing waits for it.
 
 The messages are pickled (`broadcast_object_list`): a forward's rows (page tables included),
 token ids and soft embeddings. The soft embedding's message carries its scaled logits whole;
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 from engine.model.base import DiffusionLM, SoftEmbeds
 from engine.model.kv_cache import ForwardBatch, KVCache
-from engine.parallel.world import World
+from engine.parallel.world import World, collective
 
 FORWARD, LOGITS, SOFT_EMBED, STOP = "forward", "logits", "soft_embed", "stop"
 
@@ -55,18 +57,20 @@ class Leader:
 
     def _send(self, *message: Any) -> None:
         if self.world.size > 1:
-            dist.broadcast_object_list([message], src=0)
+            with collective(f"the broadcast of a {message[0]} call"):
+                dist.broadcast_object_list([message], src=0)
 
 
 def follow(model: DiffusionLM, cache: KVCache, world: World) -> int:
     """Run rank 0's calls (`Leader`) on this rank's shard with its `cache` until rank 0 stops;
-    returns how many calls ran."""
+    returns how many calls ran. WorldError where a rank (rank 0 among them) has left."""
     assert world.rank > 0, "rank 0 leads"
     hidden: torch.Tensor | None = None
     calls = 0
     while True:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
+        with collective("the wait for rank 0's next call"):
+            dist.broadcast_object_list(box, src=0)
         kind, *args = box[0]
         if kind == STOP:
             return calls

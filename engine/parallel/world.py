@@ -5,8 +5,10 @@ layers use (`all_reduce`, `all_gather`)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -31,9 +33,11 @@ class World:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of `x` over the ranks, in place; every rank gets the same
-        values (the collective reduces each element once and broadcasts it)."""
+        values (the collective reduces each element once and broadcasts it). WorldError
+        where a rank has left (`collective`)."""
         if self.size > 1:
-            dist.all_reduce(x)
+            with collective("an all-reduce"):
+                dist.all_reduce(x)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -41,8 +45,22 @@ class World:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        with collective("an all-gather"):
+            dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=dim)
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Run one collective (`what`, for the message): the backend's error where a peer is gone
+    (its connection closed, a timeout) becomes a WorldError saying a rank left the world, so
+    that the caller fails the step at once instead of waiting."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise WorldError(
+            f"a rank left the world during {what}: {str(exc).splitlines()[0]}"
+        ) from exc
 
 
 def init_world(

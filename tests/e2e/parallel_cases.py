@@ -6,6 +6,8 @@ sequence both sides run; `lead_check` runs it with rank 0 leading and the others
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from engine.parallel.loader import load_sharded
 from engine.parallel.plan import ShardPlan
 from engine.parallel.roofline import Collectives, forward_collectives, soft_embed_collectives
 from engine.parallel.step import Leader, follow
-from engine.parallel.world import World, close_world, free_port, init_world
+from engine.parallel.world import World, WorldError, close_world, free_port, init_world
 
 PAGE = 16
 # Per forward, |parallel - one device| <= REL_TOL * max |logit|: the tolerance fast numerics
@@ -216,3 +218,23 @@ def assert_ranks_hold_own_shards(
             assert name.endswith(("k_proj.weight", "v_proj.weight")), name
             assert layer.num_kv_heads < size and len(union) == full[name].shape[dim], name
             assert all(parts.count(p) == size // layer.num_kv_heads for p in parts), name
+
+
+def dead_rank_check(world: World, checkpoint: Path, out_dir: Path, dead: int) -> None:
+    """Rank `dead` exits once the shards are loaded; each other rank runs its part of the
+    scenario (leading or following) and saves the error it got and how long it took."""
+    sharded = load_sharded(checkpoint, world, kernels="twins")
+    if world.rank == dead:
+        os._exit(0)  # as a killed process: no goodbye to the others
+    kv_cfg, start = sharded.plan.kv_config(), time.monotonic()
+    try:
+        if world.rank == 0:
+            run_scenario(Leader(sharded.model, world), kv_cfg)
+        else:
+            cache = scenario_cache(kv_cfg, sharded.model.config.canvas_length)[0]
+            with torch.inference_mode():
+                follow(sharded.model, cache, world)
+        error = "none"
+    except WorldError as exc:
+        error = str(exc)
+    torch.save((error, time.monotonic() - start), out_dir / f"dead-{world.rank}.pt")

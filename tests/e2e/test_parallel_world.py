@@ -1,7 +1,8 @@
 """The parallel model's edges, in this process: a world that cannot form says why (the port is
 taken, a rank never comes, too few GPUs), a size that does not divide the model is refused
-naming the quantity, one rank through the parallel path is the one-device model bit for bit,
-and `canvas serve` refuses --tensor-parallel-size above 1 (and --exact with it) by name."""
+naming the quantity, a rank that dies fails the others' next call at once, one rank through
+the parallel path is the one-device model bit for bit, and `canvas serve` refuses
+--tensor-parallel-size above 1 (and --exact with it) by name."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from engine.parallel.loader import load_sharded
 from engine.parallel.plan import ShardPlan
 from engine.parallel.world import World, WorldError, free_port, init_world
 from server.cli import main
-from tests.e2e.parallel_cases import run_scenario
+from tests.e2e.parallel_cases import dead_rank_check, run_scenario, spawn_world
 
 PRESET = "c32-window"
 
@@ -58,6 +59,18 @@ def test_sizes_that_do_not_divide_the_model_are_refused_by_name(
     with pytest.raises(ValueError, match="3 ranks must divide layer 0's 4 KV heads"):
         ShardPlan(cfg, 0, 3)
     ShardPlan(cfg, 0, 4, expert_parallel=True)  # 4 experts: one each
+
+
+@pytest.mark.parametrize("dead", [1, 0], ids=["follower-dies", "leader-dies"])
+def test_a_dead_rank_fails_the_others_at_once(
+    tiny_checkpoint: Callable[[str], Path], tmp_path: Path, dead: int
+) -> None:
+    checkpoint = tiny_checkpoint(PRESET)
+    load_model(checkpoint, kernels="twins", adapter=False)  # the forked ranks inherit imports
+    spawn_world(dead_rank_check, 2, checkpoint, tmp_path, dead)
+    error, seconds = torch.load(tmp_path / f"dead-{1 - dead}.pt")
+    assert error.startswith("a rank left the world during "), error
+    assert seconds < 10  # the collective's timeout is 60 s: nothing waited for it
 
 
 def test_one_rank_through_the_parallel_path_is_the_one_device_model(
