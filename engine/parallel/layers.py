@@ -23,7 +23,6 @@ from torch import nn
 
 from engine.model.base import DiffusionLM, Embedding
 from engine.model.diffusion_gemma import DiffusionGemma, Layer
-from engine.model.layers import Attention, GatedMLP
 from engine.model.quant import scale_of
 from engine.parallel.plan import ShardPlan
 from engine.parallel.world import World
@@ -105,13 +104,14 @@ def parallelize(model: DiffusionLM, plan: ShardPlan, world: World) -> DiffusionL
     model.embed_tokens = VocabParallelEmbedding(
         model.embed_tokens.weight, plan.vocab_range[0], world
     )
-    for module in model.modules():
-        if isinstance(module, Attention | GatedMLP):
-            module.register_forward_hook(_reduce_output(world))
-        if isinstance(module, Layer):  # an instance attribute: the class's method is kept
-            object.__setattr__(
-                module, "run_experts", ParallelExperts(module.run_experts, plan, world)
-            )
+    reduce = _reduce_output(world)
+    model.self_conditioning.register_forward_hook(reduce)
+    for layer in model.layers:
+        assert isinstance(layer, Layer)
+        layer.self_attn.register_forward_hook(reduce)
+        layer.mlp.register_forward_hook(reduce)
+        # an instance attribute over the class's method, which it wraps
+        object.__setattr__(layer, "run_experts", ParallelExperts(layer.run_experts, plan, world))
     return model
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine.model import load_model, load_model_config
+from engine.parallel.layers import parallelize
 from engine.parallel.loader import load_sharded
 from engine.parallel.plan import ShardPlan
 from engine.parallel.world import World, WorldError, free_port, init_world
@@ -59,6 +60,13 @@ def test_sizes_that_do_not_divide_the_model_are_refused_by_name(
     with pytest.raises(ValueError, match="3 ranks must divide layer 0's 4 KV heads"):
         ShardPlan(cfg, 0, 3)
     ShardPlan(cfg, 0, 4, expert_parallel=True)  # 4 experts: one each
+
+
+def test_parallelize_refuses_fp8_weights(tiny_checkpoint: Callable[[str], Path]) -> None:
+    model = load_model(tiny_checkpoint(PRESET), kernels="twins", adapter=False, quantization="fp8")
+    plan = ShardPlan(model.cfg, 0, 2)
+    with pytest.raises(ValueError, match="does not run FP8 weights"):
+        parallelize(model, plan, World(0, 2, torch.device("cpu")))
 
 
 @pytest.mark.parametrize("dead", [1, 0], ids=["follower-dies", "leader-dies"])
