@@ -23,6 +23,7 @@ from engine.engine import Engine, EngineConfig
 from engine.inputs.images import ImageProcessor
 from engine.inputs.tokenizer import Tokenizer
 from engine.model import DiffusionLM, load_model
+from engine.parallel.serving import check_tensor_parallel
 from engine.params import DecodingDefaults
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,9 @@ class CheckpointConfig:
     defaults come from (`engine.params.generation_config`: `auto`, the checkpoint's; `canvas`,
     Canvas's; `vllm`, Canvas's with no max_new_tokens; or a directory),
     `override_generation_config`: generation_config.json keys set on top of them.
-    `quantization`: "auto" (the weights as stored) or "fp8" (`engine.model.quant`)."""
+    `quantization`: "auto" (the weights as stored) or "fp8" (`engine.model.quant`).
+    `tensor_parallel_size`: ranks the model is split over; serving runs 1 for now
+    (`engine.parallel.serving.check_tensor_parallel` refuses more, and `exact` with more)."""
 
     model_dir: str | Path | None = None
     dtype: str = "auto"
@@ -54,6 +57,10 @@ class CheckpointConfig:
     override_generation_config: dict[str, Any] | None = None
     download_dir: Path | None = None
     quantization: str = "auto"
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        check_tensor_parallel(self.tensor_parallel_size, self.exact)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,13 +31,27 @@ if TYPE_CHECKING:
 
 
 class Embedding(nn.Module):
-    """The (tied) embedding matrix [V, H]: `embed_tokens.weight` in checkpoints."""
+    """The (tied) embedding matrix [V, H]: `embed_tokens.weight` in checkpoints. Its three
+    products are methods, so that a vocabulary-parallel shard can take its place
+    (`engine.parallel.layers.VocabParallelEmbedding`)."""
 
     weight: nn.Parameter
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(vocab_size, hidden_size))
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of `ids`: [..., H]."""
+        return F.embedding(ids, self.weight)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] @ E^T: [..., V] in the weight's dtype."""
+        return F.linear(hidden, self.weight)
+
+    def mix(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs [..., V] @ E: [..., H]."""
+        return torch.matmul(probs, self.weight)
 
 
 class DiffusionLM(nn.Module):
@@ -101,7 +115,7 @@ class DiffusionLM(nn.Module):
         return torch.tensor(scale).to(self.embed_tokens.weight.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed_tokens.weight) * self.embed_scale
+        return self.embed_tokens.lookup(ids) * self.embed_scale
 
     def soft_embed(
         self, scaled_logits: torch.Tensor, probs: torch.Tensor | None = None
@@ -112,18 +126,18 @@ class DiffusionLM(nn.Module):
         weight = self.embed_tokens.weight
         if probs is None or weight.dtype != torch.float32:
             probs = torch.softmax(scaled_logits.to(weight.dtype), dim=-1, dtype=torch.float32)
-        return torch.matmul(probs.to(weight.dtype), weight) * self.embed_scale
+        return self.embed_tokens.mix(probs.to(weight.dtype)) * self.embed_scale
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied head before soft-capping, in fp32: [..., V]."""
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.embed_tokens.project(hidden).float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied, soft-capped head in fp32, for inference, through the bound `softcap` (the twin
         caps in place, the [rows, vocab] buffer being the step's largest; Triton converts and
         caps in one pass), so autograd cannot run through it; training uses
         `engine.adapt.forward.train_logits` (the twin's values, bit for bit)."""
-        raw = F.linear(hidden, self.embed_tokens.weight)  # the model dtype
+        raw = self.embed_tokens.project(hidden)  # the model dtype
         return self.kernels.softcap(raw, self.cfg.final_logit_softcapping)
 
     def _rope(

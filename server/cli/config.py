@@ -168,6 +168,12 @@ ENGINE_FLAGS = (
         "only once a step of every row kind at each step size has compiled them)",
         switch=False,
     ),
+    Flag(
+        "--tensor-parallel-size",
+        "checkpoint.tensor_parallel_size",
+        "ranks (GPUs) the model is split over; only 1 is served yet (docs/parallelism.md)",
+        aliases=("-tp",),
+    ),
 )
 
 
