@@ -173,6 +173,8 @@ def warm_up(engine: Engine, should_stop: Callable[[], bool] = lambda: False) -> 
                 if should_stop() or not _round(engine, 1, mode, report, should_stop, schema=SCHEMA):
                     break  # no tokenizer (logged): no structured output to warm up
             _log_bucket(report, bucket)
+        if engine.runner.graphs is not None:  # CUDA graphs of all-denoise forwards, captured
+            engine.runner.graphs.capture_all()
     except Exception:
         logger.exception("warm-up failed; serving without it (first requests may compile)")
     finally:

@@ -168,6 +168,14 @@ ENGINE_FLAGS = (
         "only once a step of every row kind at each step size has compiled them)",
         switch=False,
     ),
+    Flag(
+        "--cuda-graphs",
+        "engine.cuda_graphs",
+        "replay the forward of steps whose rows are all canvases as CUDA graphs, one per bucket "
+        "of canvases, captured at warm-up (default off until a GPU run shows replay equal to "
+        "eager; a CUDA device and the Triton kernels only)",
+        switch=True,
+    ),
 )
 
 

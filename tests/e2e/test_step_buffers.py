@@ -1,0 +1,119 @@
+"""Capture-ready inputs of all-denoise steps (`engine.device.step_buffers`) and the wiring of
+their CUDA graphs (`engine.device.graphs`) on a CPU: buckets, the accountant's view on the meta
+device (no pageable copy, no sync in the forward and sampler at any bucket), stable addresses
+across the steps of a bucket, and a fake graph that replays the eager forward over the padded
+bucket, whose tokens must be the eager ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.device.graphs import ForwardGraphs
+from engine.device.step_buffers import bucket_of, bucket_sizes
+from engine.llm import LLM
+from engine.model.config import LayerType
+from engine.model.kv_cache import ForwardBatch
+from engine.params import DecodeMode, SamplingParams
+from engine.runner import ModelRunner
+from kernels import resolve_kernels
+from loadtest.gpu import roofline
+from loadtest.gpu.bench import model_config
+
+
+def test_buckets_double_up_to_the_largest_step() -> None:
+    assert bucket_sizes(1) == (1,)
+    assert bucket_sizes(16) == (1, 2, 4, 8, 16)
+    assert bucket_sizes(24) == (1, 2, 4, 8, 16, 24)
+    sizes = bucket_sizes(24)
+    assert [bucket_of(n, sizes) for n in (0, 1, 3, 4, 5, 17, 24, 25)] == [
+        None, 1, 4, 4, 8, 24, 24, None,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("canvases", [1, 2, 3, 4])
+def test_a_bucketed_denoise_step_copies_from_pinned_memory_and_never_waits(canvases: int) -> None:
+    kernels = resolve_kernels("cpu", "twins").with_custom_ops()
+    model = roofline.build(model_config(toy=True), kernels, torch.device("meta"))
+    step = roofline.account(model, "denoise", canvases)
+    assert step.acct.syncs(("forward", "sampler")) == []
+    assert step.acct.pageable_copies() == []
+    # the inputs reached the forward through the bucket's buffers, copied in place
+    assert any(r.name == "copy_" and r.copy == "pinned" for r in step.acct.records)
+
+
+class FakeCapture:
+    """A graph that replays by running the eager forward again into its static output."""
+
+    def __init__(self) -> None:
+        self.captured: list[int] = []  # rows of each captured batch
+        self.replays = 0
+
+    def capture(
+        self, forward: Callable[[], torch.Tensor]
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        out = forward()
+        self.captured.append(out.shape[0])
+
+        def replay() -> None:
+            self.replays += 1
+            out.copy_(forward())
+
+        return replay, out
+
+
+def _pointers(batch: ForwardBatch) -> tuple[int, ...]:
+    """The addresses of every input a forward of `batch` reads."""
+    cpu = torch.device("cpu")
+    ptrs = [batch.positions(cpu).data_ptr()]
+    for pool in LayerType:
+        rows = batch.paged_rows(pool, cpu)
+        ptrs += [t.data_ptr() for t in (rows.start, rows.offset, rows.decode, rows.page_table)]
+    return tuple(ptrs)
+
+
+def _generate(llm: LLM, graphs: FakeCapture | None) -> tuple[list[list[int]], dict[int, set]]:
+    """Three diffusion requests (steps of 3 canvases: bucket 4, one dummy row) and the input
+    addresses of each bucket's steps."""
+    runner: ModelRunner = llm.engine.runner
+    if graphs is not None:
+        runner.graphs = ForwardGraphs(graphs, runner.inputs, runner.model, runner.cache)
+    seen: dict[int, set] = {}
+    batch, stage = runner.inputs.batch, llm.engine.sampling.inputs.stage  # type: ignore[attr-defined]
+
+    def recorded_batch(starts, pages, bucket, pad=False):  # type: ignore[no-untyped-def]
+        out = batch(starts, pages, bucket, pad)
+        seen.setdefault(bucket, set()).add(_pointers(out))
+        return out
+
+    def recorded_stage(slots, starting):  # type: ignore[no-untyped-def]
+        out = stage(slots, starting)
+        seen.setdefault(-len(slots), set()).add(tuple(t.data_ptr() for t in out))
+        return out
+
+    runner.inputs.batch = recorded_batch  # type: ignore[method-assign]
+    llm.engine.sampling.inputs.stage = recorded_stage  # type: ignore[attr-defined]
+    params = [
+        SamplingParams(
+            mode=DecodeMode.DIFFUSION, seed=i, max_tokens=24, max_denoising_steps=4, ignore_eos=True
+        )
+        for i in range(3)
+    ]
+    outputs = llm.generate([[5, 6, 7, 8], [9, 10], [11, 12, 13]], params)
+    return [o.output_ids for o in outputs], seen
+
+
+def test_inputs_keep_their_addresses_and_a_replayed_padded_forward_gives_the_eager_tokens(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    eager, seen = _generate(LLM.from_pretrained(tiny_checkpoint("c32-window")), None)
+    assert 4 in seen and -3 in seen  # steps of 3 canvases ran in bucket 4
+    assert all(len(pointers) == 1 for pointers in seen.values()), seen
+    fake = FakeCapture()
+    replayed, seen = _generate(LLM.from_pretrained(tiny_checkpoint("c32-window")), fake)
+    assert fake.replays > 0 and 4 * 32 in fake.captured  # the whole bucket, dummy row included
+    assert all(len(pointers) == 1 for pointers in seen.values()), seen
+    assert replayed == eager
