@@ -100,15 +100,10 @@ class ModelRunner:
     def execute(self, step: StepInputs) -> RunOutput:
         """Fast numerics' all-denoise steps of at most `max_rows` canvases take their inputs
         from persistent buffers (`engine.device.step_buffers`) and may replay a graph."""
-        starts, pages = step.denoise_starts, list(step.denoise_pages)
-        bucket = (
-            None if step.encode or self.model.kernels.exact else self.inputs.bucket(len(starts))
-        )
+        num_rows = len(step.denoise_starts)
+        bucket = None if step.encode or self.model.kernels.exact else self.inputs.bucket(num_rows)
         replay = self.graphs if bucket is not None else None
-        if replay is None:
-            batch = (
-                self._batch(step) if bucket is None else self.inputs.batch(starts, pages, bucket)
-            )
+        batch = self._batch(step, bucket)
         encode_ids = [t for e in step.encode for t in e.tokens]
         parts = [] if step.canvas_ids is None else [step.canvas_ids]
         if encode_ids:
@@ -120,12 +115,11 @@ class ModelRunner:
         spans = [(o, len(e.tokens)) for o, e in offsets if e.verify]
         last += [i for first, n in spans for i in range(first, first + n)]
         # Every host-made tensor moves before the forward is queued: no copy inside it waits.
-        if replay is None:
-            batch.prepare(self.device, self.cache.layer_types)
+        batch.prepare(self.device, self.cache.layer_types)
         index = to_device(np.array(last, dtype=np.int64), self.device) if last else None
         start = time.perf_counter()
         if replay is not None:
-            hidden = replay.run(ids, step.soft_embeds, starts, pages)  # [N, H]
+            hidden = replay.run(ids, step.soft_embeds, batch)  # [N, H]
         else:
             images = self._image_embeds(offsets)
             hidden = self.model(ids, step.soft_embeds, batch, self.cache, images)  # [N, H]
@@ -175,8 +169,12 @@ class ModelRunner:
             offset += len(e.tokens)
         return out
 
-    def _batch(self, step: StepInputs) -> ForwardBatch:
-        """The step's rows, their page tables gathered from the device tables."""
+    def _batch(self, step: StepInputs, bucket: int | None) -> ForwardBatch:
+        """The step's rows, their page tables gathered from the device tables; in a `bucket`:
+        from its buffers (padded to it for a graph)."""
+        if bucket is not None:
+            fill = self.graphs.batch if self.graphs is not None else self.inputs.batch
+            return fill(step.denoise_starts, list(step.denoise_pages), bucket)
         length = self.canvas_length
         rows = [Row(Mode.DECODE, start, length, {}) for start in step.denoise_starts]
         held = list(step.denoise_pages)  # the page tables of each row, in row order

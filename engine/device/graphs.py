@@ -114,16 +114,17 @@ class ForwardGraphs:
         )
         return graph
 
-    def run(
-        self, ids: torch.Tensor, soft: SoftEmbeds, starts: list[int], pages: list[PageTables]
-    ) -> torch.Tensor:
-        """The hidden states [R * L, H] of an all-denoise step of R canvases (at most the
-        largest bucket): ids [R * L], soft [R * L, H]."""
-        bucket = self.inputs.bucket(len(starts))
-        assert bucket is not None, "more canvases than the largest bucket"
-        graph = self._graph(bucket)
-        graph.batch = self.inputs.batch(starts, pages, bucket, pad=True)
-        graph.batch.prepare(self.inputs.tables.device, self.inputs.tables.pools)
+    def batch(self, starts: list[int], pages: list[PageTables], bucket: int) -> ForwardBatch:
+        """An all-denoise step's batch in `bucket`, padded to it, its inputs in the bucket's
+        buffers (the bucket's graph captured first, if it was not)."""
+        self._graph(bucket)  # a capture writes dummy rows into the buffers
+        return self.inputs.batch(starts, pages, bucket, pad=True)
+
+    def run(self, ids: torch.Tensor, soft: SoftEmbeds, batch: ForwardBatch) -> torch.Tensor:
+        """The hidden states [R * L, H] of an all-denoise step of R canvases: ids [R * L],
+        soft [R * L, H]; `batch` from `batch`."""
+        graph = self.graphs[len(batch.rows)]
+        graph.batch = batch
         assert isinstance(soft, torch.Tensor), "a canvas step's inputs are tensors"
         num = ids.shape[0]
         graph.ids[:num].copy_(ids)
