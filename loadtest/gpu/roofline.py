@@ -40,8 +40,9 @@ from engine.model.kv_cache import PagedKVCache
 from engine.runner import EncodeInput, ModelRunner, StepInputs
 from kernels import KernelSet, resolve_kernels
 from loadtest.gpu.accountant import GPUS, Accountant, Hardware, OpRecord, StepRows
-from loadtest.gpu.bench import meta_model, model_config
+from loadtest.gpu.bench import build_model, meta_model, model_config
 from loadtest.gpu.custom_rules import touched_experts
+from loadtest.gpu.launch_probe import LaunchCost, measure
 
 KINDS = ("denoise", "commit", "prefill", "ar")
 PREFIX_LEN = 1024
@@ -185,6 +186,24 @@ def _active_accountant() -> Accountant | None:
     return modes[-1] if modes else None
 
 
+def launch_backends() -> tuple[str, ...]:
+    """The kernels the launch probe times here: the engine's on a GPU (Triton); on a CPU the
+    twins, then the engine's default (the native kernels where this machine builds them)."""
+    return ("auto",) if torch.cuda.is_available() else ("twins", "auto")
+
+
+def measured_launch(backend: str, prefix: int = 64) -> LaunchCost:
+    """The launch-cost probe on this machine's device (a GPU where there is one) with
+    `backend`: a denoise step of one canvas, the toy stack through its first full layer."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = model_config(toy=True)
+    full = next(i for i, spec in enumerate(config.text.layers) if not spec.is_sliding)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(with_layers(config, full + 1), device, dtype, backend)
+    with torch.inference_mode():  # a harness per step: its sampler takes the kernels bound
+        return measure(model, lambda: StepHarness(model, "denoise", 1, device, prefix).run())
+
+
 def weight_bytes(model: DiffusionLM, num_tokens: int) -> float:
     """What streaming the step's weights once moves: every parameter but the experts, and the
     experts its `num_tokens` tokens touch (uniform routing)."""
@@ -235,16 +254,16 @@ def floor_s(step: StepAccount, hw: Hardware) -> float:
     return max(step.weight_bytes / hw.bandwidth, step.acct.gemm_flops / hw.tensor_flops)
 
 
-def summary_table(steps: list[StepAccount]) -> str:
+def summary_table(steps: list[StepAccount], gpus: tuple[Hardware, ...] = GPUS) -> str:
     head = (
         "| step | canvases | "
-        + " | ".join(f"{hw.name} ms | floor ms | ×floor" for hw in GPUS)
+        + " | ".join(f"{hw.name} ms | floor ms | ×floor" for hw in gpus)
         + " | launches | syncs (fwd+sampler) |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in steps:
         cells = []
-        for hw in GPUS:
+        for hw in gpus:
             t, f = s.acct.seconds(hw), floor_s(s, hw)
             cells.append(f"{t * 1e3:.1f} | {f * 1e3:.1f} | {t / f:.1f}")
         inner = len(s.acct.syncs(("forward", "sampler")))
@@ -330,7 +349,16 @@ def main(argv: list[str] | None = None) -> int:
         help="context lengths of the inputs-phase host work check",
     )  # fmt: skip
     parser.add_argument("--context-canvases", type=int, default=16)
+    parser.add_argument(
+        "--measured-launch", action="store_true",
+        help="predict with the launch cost this machine measures (loadtest.gpu.launch_probe)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    gpus = GPUS
+    if args.measured_launch:
+        costs = [measured_launch(backend) for backend in launch_backends()]
+        print("".join(f"Launch cost measured: {c.line()}\n" for c in costs))
+        gpus = tuple(hw.with_launch(costs[-1].per_call_s) for hw in GPUS)
     config = with_layers(model_config(), args.layers)
     kernels = resolve_kernels("cpu", "twins").with_custom_ops()
     model = build(config, kernels, torch.device("meta"))
@@ -343,14 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     print("Peaks: " + "; ".join(
         f"{h.name} {h.tensor_flops / 1e12:.0f} TFLOP/s bf16, {h.fp32_flops / 1e12:.0f} fp32, "
         f"{h.bandwidth / 1e12:.2f} TB/s, {h.launch_s * 1e6:.0f} µs/launch, "
-        f"{h.sync_s * 1e6:.0f} µs/sync" for h in GPUS) + "\n")  # fmt: skip
-    print(summary_table(steps) + "\n")
+        f"{h.sync_s * 1e6:.0f} µs/sync" for h in gpus) + "\n")  # fmt: skip
+    print(summary_table(steps, gpus) + "\n")
     print(copies_line(steps) + "\n")
     work = [inputs_work(model, "denoise", args.context_canvases, n) for n in args.contexts]
     print(context_line("denoise", args.context_canvases, work) + "\n")
     for s in steps:
         if s.canvases == max(args.canvases) or s.canvases == 16:
-            print(top_ops(s, GPUS[0], args.top) + "\n")
+            print(top_ops(s, gpus[0], args.top) + "\n")
     for s in steps:
         if s.canvases == min(args.canvases):
             print(sync_table(s) + "\n")
