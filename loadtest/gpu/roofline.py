@@ -3,6 +3,7 @@ run on the meta device through the custom ops (`KernelSet.with_custom_ops`), eve
 recorded by `loadtest.gpu.accountant` and its time predicted on an H200 and an H100 SXM.
 
     python -m loadtest.gpu.roofline [--canvases 1 4 16 64] [--layers N] [--top 8]   (make roofline)
+    python -m loadtest.gpu.roofline --measured-launch   (launch cost measured here: launch_probe)
     python -m loadtest.gpu.roofline_calibrate     (the accountant against a measured CPU step)
 
 Step kinds (prefix PREFIX_LEN tokens per row): `denoise` (R canvases, head and sampler),
