@@ -48,7 +48,9 @@ class CudaCapture:
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda":
-            raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, not {device}")
+            raise ValueError(
+                f"--cuda-graphs (cuda_graphs): CUDA graphs need a CUDA device, not {device}"
+            )
         self.device = device
         self.pool: Any = None  # the graphs' memory pool (torch's handle), once one is captured
 

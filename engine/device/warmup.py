@@ -162,6 +162,8 @@ def warm_up(engine: Engine, should_stop: Callable[[], bool] = lambda: False) -> 
         ", ".join(modes),
     )
     try:
+        if engine.runner.graphs is not None:  # captured largest first; the rounds replay them
+            engine.runner.graphs.capture_all()
         image = warmup_image(engine)
         for bucket in buckets:
             for mode in modes:
@@ -173,8 +175,6 @@ def warm_up(engine: Engine, should_stop: Callable[[], bool] = lambda: False) -> 
                 if should_stop() or not _round(engine, 1, mode, report, should_stop, schema=SCHEMA):
                     break  # no tokenizer (logged): no structured output to warm up
             _log_bucket(report, bucket)
-        if engine.runner.graphs is not None:  # CUDA graphs of all-denoise forwards, captured
-            engine.runner.graphs.capture_all()
     except Exception:
         logger.exception("warm-up failed; serving without it (first requests may compile)")
     finally:

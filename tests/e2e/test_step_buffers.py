@@ -12,13 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.device import warmup
 from engine.device.graphs import ForwardGraphs
 from engine.device.step_buffers import bucket_of, bucket_sizes
+from engine.engine import EngineConfig
 from engine.llm import LLM
 from engine.model.config import LayerType
 from engine.model.kv_cache import ForwardBatch
 from engine.params import DecodeMode, SamplingParams
 from engine.runner import ModelRunner
+from engine.scheduler import SchedulerConfig
 from kernels import resolve_kernels
 from loadtest.gpu import roofline
 from loadtest.gpu.bench import model_config
@@ -82,16 +85,19 @@ def _generate(llm: LLM, graphs: FakeCapture | None) -> tuple[list[list[int]], di
     if graphs is not None:
         runner.graphs = ForwardGraphs(graphs, runner.inputs, runner.model, runner.cache)
     seen: dict[int, set] = {}
+    kept: list[object] = []  # every step's inputs stay alive: a new one cannot take their address
     batch, stage = runner.inputs.batch, llm.engine.sampling.inputs.stage  # type: ignore[attr-defined]
 
     def recorded_batch(starts, pages, bucket, pad=False):  # type: ignore[no-untyped-def]
         out = batch(starts, pages, bucket, pad)
         seen.setdefault(bucket, set()).add(_pointers(out))
+        kept.append(out)
         return out
 
     def recorded_stage(slots, starting):  # type: ignore[no-untyped-def]
         out = stage(slots, starting)
         seen.setdefault(-len(slots), set()).add(tuple(t.data_ptr() for t in out))
+        kept.append(out)
         return out
 
     runner.inputs.batch = recorded_batch  # type: ignore[method-assign]
@@ -117,3 +123,20 @@ def test_inputs_keep_their_addresses_and_a_replayed_padded_forward_gives_the_eag
     assert fake.replays > 0 and 4 * 32 in fake.captured  # the whole bucket, dummy row included
     assert all(len(pointers) == 1 for pointers in seen.values()), seen
     assert replayed == eager
+
+
+def test_warm_up_captures_every_bucket_largest_first_into_the_graphs(
+    tiny_checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=5))
+    llm = LLM.from_pretrained(tiny_checkpoint("c32-window"), config=config)
+    runner, fake = llm.engine.runner, FakeCapture()
+    runner.graphs = ForwardGraphs(fake, runner.inputs, runner.model, runner.cache)
+    monkeypatch.setattr(warmup, "_round", lambda *args, **kwargs: True)  # no requests
+    warmup.warm_up(llm.engine)
+    assert fake.captured == [5 * 32, 4 * 32, 2 * 32, 32]
+
+
+def test_cuda_graphs_need_a_cuda_device(tiny_checkpoint: Callable[[str], Path]) -> None:
+    with pytest.raises(ValueError, match="--cuda-graphs .*need a CUDA device, not cpu"):
+        LLM.from_pretrained(tiny_checkpoint("c32-window"), config=EngineConfig(cuda_graphs=True))
