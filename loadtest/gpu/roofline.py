@@ -34,6 +34,7 @@ import torch
 
 from engine.batched_sampler import BatchedSampler, to_host
 from engine.device.cuda import to_device
+from engine.device.step_buffers import SamplerInputs
 from engine.kv_pages import PageTables
 from engine.model import DiffusionLM
 from engine.model.config import LayerType, ModelConfig
@@ -137,6 +138,7 @@ class StepHarness:
         embed = model.embed_tokens.weight
         scale = float(model.embed_scale)
         self.sampler = BatchedSampler(model.kernels, embed, scale, self.canvas, canvases)
+        self.staged = SamplerInputs(device, canvases)
         rows = [(s, self.canvas, True) for s in self.starts]
         self.rows = StepRows(rows + [(e.start, len(e.tokens), False) for e in self.encode])
 
@@ -154,8 +156,8 @@ class StepHarness:
             inputs = StepInputs(starts, self.pages, None, [], encode)
             rows = None
             if starts:  # as engine.sampling.BatchedSampling builds them
-                slots = to_device(np.arange(len(starts), dtype=np.int64), device)
-                flags = to_device(np.full(len(starts), self.kind == "commit"), device)
+                num = len(starts)
+                slots, flags = self.staged.stage(list(range(num)), [self.kind == "commit"] * num)
                 ids, soft, rows = sampler.canvas_inputs(slots, flags)
                 inputs = replace(inputs, canvas_ids=ids, soft_embeds=soft)
         with phase("forward"):

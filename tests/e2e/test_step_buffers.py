@@ -14,7 +14,7 @@ import torch
 
 from engine.device import warmup
 from engine.device.graphs import ForwardGraphs
-from engine.device.step_buffers import bucket_of, bucket_sizes
+from engine.device.step_buffers import SamplerInputs, bucket_of, bucket_sizes
 from engine.engine import EngineConfig
 from engine.llm import LLM
 from engine.model.config import LayerType
@@ -24,6 +24,7 @@ from engine.runner import ModelRunner
 from engine.scheduler import SchedulerConfig
 from kernels import resolve_kernels
 from loadtest.gpu import roofline
+from loadtest.gpu.accountant import Accountant
 from loadtest.gpu.bench import model_config
 
 
@@ -37,15 +38,31 @@ def test_buckets_double_up_to_the_largest_step() -> None:
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("canvases", [1, 2, 3, 4])
-def test_a_bucketed_denoise_step_copies_from_pinned_memory_and_never_waits(canvases: int) -> None:
+@pytest.mark.parametrize("canvases", [1, 2, 3, 4, 8, 16])
+def test_a_bucketed_denoise_step_allocates_no_input_copies_from_pinned_memory_and_never_waits(
+    canvases: int,
+) -> None:
+    """On the meta device, at every bucket (3 canvases: bucket 4, one dummy row), a step after
+    the bucket's first: its inputs are four in-place copies from pinned mirrors (slots, flags,
+    the forward's int64 and int32 columns), nothing is allocated for them, no copy is pageable
+    and nothing waits in the forward and the sampler."""
     kernels = resolve_kernels("cpu", "twins").with_custom_ops()
-    model = roofline.build(model_config(toy=True), kernels, torch.device("meta"))
-    step = roofline.account(model, "denoise", canvases)
-    assert step.acct.syncs(("forward", "sampler")) == []
-    assert step.acct.pageable_copies() == []
-    # the inputs reached the forward through the bucket's buffers, copied in place
-    assert any(r.name == "copy_" and r.copy == "pinned" for r in step.acct.records)
+    meta = torch.device("meta")
+    model = roofline.build(model_config(toy=True), kernels, meta)
+    with torch.inference_mode():
+        harness = roofline.StepHarness(model, "denoise", canvases, meta)
+        largest = 1 << (canvases - 1).bit_length()
+        harness.runner.inputs.sizes = bucket_sizes(largest)
+        harness.staged = SamplerInputs(meta, largest)
+        harness.run()
+        acct = Accountant("meta")
+        harness.run(acct)
+    assert largest in harness.runner.inputs.buckets
+    assert acct.syncs(("forward", "sampler")) == []
+    assert acct.pageable_copies() == []
+    copies = [(r.name, r.copy) for r in acct.records if r.copy]
+    assert copies == [("copy_", "pinned")] * 4
+    assert not [r for r in acct.records if r.phase == "inputs" and r.name.startswith("empty")]
 
 
 class FakeCapture:
