@@ -2,7 +2,7 @@
 their CUDA graphs (`engine.device.graphs`) on a CPU: buckets, the accountant's view on the meta
 device (no pageable copy, no sync in the forward and sampler at any bucket), stable addresses
 across the steps of a bucket, and a fake graph that replays the eager forward over the padded
-bucket, whose tokens must be the eager ones."""
+bucket (`tests.graph_cases`), whose tokens must be the eager ones."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from kernels import resolve_kernels
 from loadtest.gpu import roofline
 from loadtest.gpu.accountant import Accountant
 from loadtest.gpu.bench import model_config
+from tests.graph_cases import EagerCapture
 
 
 def test_buckets_double_up_to_the_largest_step() -> None:
@@ -65,26 +66,6 @@ def test_a_bucketed_denoise_step_allocates_no_input_copies_from_pinned_memory_an
     assert not [r for r in acct.records if r.phase == "inputs" and r.name.startswith("empty")]
 
 
-class FakeCapture:
-    """A graph that replays by running the eager forward again into its static output."""
-
-    def __init__(self) -> None:
-        self.captured: list[int] = []  # rows of each captured batch
-        self.replays = 0
-
-    def capture(
-        self, forward: Callable[[], torch.Tensor]
-    ) -> tuple[Callable[[], None], torch.Tensor]:
-        out = forward()
-        self.captured.append(out.shape[0])
-
-        def replay() -> None:
-            self.replays += 1
-            out.copy_(forward())
-
-        return replay, out
-
-
 def _pointers(batch: ForwardBatch) -> tuple[int, ...]:
     """The addresses of every input a forward of `batch` reads."""
     cpu = torch.device("cpu")
@@ -95,7 +76,7 @@ def _pointers(batch: ForwardBatch) -> tuple[int, ...]:
     return tuple(ptrs)
 
 
-def _generate(llm: LLM, graphs: FakeCapture | None) -> tuple[list[list[int]], dict[int, set]]:
+def _generate(llm: LLM, graphs: EagerCapture | None) -> tuple[list[list[int]], dict[int, set]]:
     """Three diffusion requests (steps of 3 canvases: bucket 4, one dummy row) and the input
     addresses of each bucket's steps."""
     runner: ModelRunner = llm.engine.runner
@@ -135,7 +116,7 @@ def test_inputs_keep_their_addresses_and_a_replayed_padded_forward_gives_the_eag
     eager, seen = _generate(LLM.from_pretrained(tiny_checkpoint("c32-window")), None)
     assert 4 in seen and -3 in seen  # steps of 3 canvases ran in bucket 4
     assert all(len(pointers) == 1 for pointers in seen.values()), seen
-    fake = FakeCapture()
+    fake = EagerCapture()
     replayed, seen = _generate(LLM.from_pretrained(tiny_checkpoint("c32-window")), fake)
     assert fake.replays > 0 and 4 * 32 in fake.captured  # the whole bucket, dummy row included
     assert all(len(pointers) == 1 for pointers in seen.values()), seen
@@ -147,7 +128,7 @@ def test_warm_up_captures_every_bucket_largest_first_into_the_graphs(
 ) -> None:
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=5))
     llm = LLM.from_pretrained(tiny_checkpoint("c32-window"), config=config)
-    runner, fake = llm.engine.runner, FakeCapture()
+    runner, fake = llm.engine.runner, EagerCapture()
     runner.graphs = ForwardGraphs(fake, runner.inputs, runner.model, runner.cache)
     monkeypatch.setattr(warmup, "_round", lambda *args, **kwargs: True)  # no requests
     warmup.warm_up(llm.engine)

@@ -1,8 +1,9 @@
 """CUDA graphs of all-denoise forwards (`engine.device.graphs`) on a CUDA GPU (marked gpu:
 `make gpu-check` runs them; skipped elsewhere, never faked): a tiny checkpoint on the Triton
-kernels serves the same diffusion requests with and without `cuda_graphs`, at step sizes that
-fill a bucket and that leave dummy rows, and every token is the same; the graphs were captured
-for every bucket before the first step, and replayed."""
+kernels serves the same diffusion requests with `cuda_graphs` and with the same padded
+forwards run eager (`tests.graph_cases.EagerCapture`: the same shapes, so the same kernels), at
+step sizes that fill a bucket and that leave dummy rows, and every token is the same; the
+graphs were captured for every bucket at warm-up."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.device.graphs import ForwardGraphs
 from engine.device.warmup import warm_up
 from engine.engine import EngineConfig
 from engine.llm import LLM
 from engine.params import DecodeMode, SamplingParams
 from engine.scheduler import SchedulerConfig
 from kernels import triton_available
+from tests.graph_cases import EagerCapture
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,6 +34,9 @@ def _tokens(model_dir: Path, graphs: bool, num: int) -> tuple[list[list[int]], L
     llm = LLM.from_pretrained(model_dir, device="cuda", kernels="triton", config=config)
     if graphs:
         warm_up(llm.engine)
+    else:  # the padded forwards, eager
+        runner = llm.engine.runner
+        runner.graphs = ForwardGraphs(EagerCapture(), runner.inputs, runner.model, runner.cache)
     params = [
         SamplingParams(
             mode=DecodeMode.DIFFUSION, seed=i, max_tokens=48, max_denoising_steps=6, ignore_eos=True
