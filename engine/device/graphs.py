@@ -124,7 +124,7 @@ class ForwardGraphs:
 
     def run(self, ids: torch.Tensor, soft: SoftEmbeds, batch: ForwardBatch) -> torch.Tensor:
         """The hidden states [R * L, H] of an all-denoise step of R canvases: ids [R * L],
-        soft [R * L, H]; `batch` from `batch`."""
+        soft [R * L, H]; `batch`: what `ForwardGraphs.batch` gave for the step."""
         graph = self.graphs[len(batch.rows)]
         graph.batch = batch
         assert isinstance(soft, torch.Tensor), "a canvas step's inputs are tensors"

@@ -9,7 +9,9 @@ what a CUDA graph replayed over them needs (`engine.device.graphs`).
 A step of R canvases takes the smallest bucket B >= R. Rows R..B-1 are dummy rows (a canvas at
 position 0, no prefix, every page -1): an eager step reads the first R rows (views of the
 buffers), a replayed graph all B and drops the dummies' outputs. Steps with ENCODE rows
-(mixed steps) and steps of more canvases than the largest bucket build their inputs as before.
+(mixed steps), steps of more canvases than the largest bucket and exact numerics' steps build
+their inputs as before (`ModelRunner._batch`); a hybrid canvas's pinned first token, when a
+step has one, is still copied by `to_device`.
 """
 
 from __future__ import annotations
