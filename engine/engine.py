@@ -32,6 +32,7 @@ import torch
 from engine.batched_sampler import new_seed
 from engine.cpu_threads import make_tuner
 from engine.device.cuda import fatal_device_error, to_device
+from engine.device.graphs import CudaCapture
 from engine.device.memory import MemoryConfig, device_memory, model_shapes, plan_memory
 from engine.inputs.images import ImageProcessor, PreparedImage, image_spans, image_token_positions
 from engine.inputs.tokenizer import Tokenizer
@@ -84,6 +85,8 @@ class EngineConfig:
     # Warm-up before ready (`engine.device.warmup`, `canvas serve --no-warmup`); None: where
     # the kernels compile at first use (Triton on a GPU).
     warmup: bool | None = None
+    # Replay all-denoise forwards as CUDA graphs (`engine.device.graphs`, `--cuda-graphs`).
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         tokens = self.page_size if self.kv_cache_tokens is None else self.kv_cache_tokens
@@ -132,7 +135,8 @@ class Engine:
             model.embed_tokens.weight.dtype,
             self.device,
         )
-        self.runner = ModelRunner(model, cache, sched.max_num_seqs)
+        graphs = CudaCapture(self.device) if self.config.cuda_graphs else None
+        self.runner = ModelRunner(model, cache, sched.max_num_seqs, graphs)
         cpu = self.device.type == "cpu"
         self.threads = make_tuner(self.config.cpu_threads, model.kernels.exact) if cpu else None
         self.sampling = make_sampling(model, sched.max_num_seqs)

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from engine.device.cuda import to_device
+from engine.device.graphs import Capture, ForwardGraphs
+from engine.device.step_buffers import ForwardInputs
 from engine.kv_pages import PageTables
 from engine.model import DiffusionLM, ForwardBatch, Mode, PagedKVCache
 from engine.model.base import ImageEmbeds, SoftEmbeds
@@ -68,9 +70,16 @@ class RunOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DiffusionLM, cache: PagedKVCache, max_rows: int = 1) -> None:
+    def __init__(
+        self,
+        model: DiffusionLM,
+        cache: PagedKVCache,
+        max_rows: int = 1,
+        graphs: Capture | None = None,
+    ) -> None:
         """`max_rows`: the sequences expected to run at once (the device page tables' rows;
-        they grow past it when a step needs more)."""
+        they grow past it when a step needs more; the largest bucket of all-denoise steps,
+        `engine.device.step_buffers`); `graphs`: replay their forwards (`engine.device.graphs`)."""
         self.model = model
         self.cache = cache
         self.device = model.embed_tokens.weight.device
@@ -78,6 +87,8 @@ class ModelRunner:
         max_pages = -(-model.cfg.max_position_embeddings // cache.page_size)
         self.tables = DevicePageTables(cache.layer_types, self.device, max_rows, max_pages)
         self.vision = VisionEncoder(model.vision, self.device) if model.vision is not None else None
+        self.inputs = ForwardInputs(self.tables, model, cache.page_size, max_rows)
+        self.graphs = ForwardGraphs(graphs, self.inputs, model, cache) if graphs else None
 
     @torch.inference_mode()
     def copy_sliding_pages(self, copies: tuple[tuple[int, int], ...]) -> None:
@@ -87,7 +98,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> RunOutput:
-        batch = self._batch(step)
+        """Fast numerics' all-denoise steps of at most `max_rows` canvases take their inputs
+        from persistent buffers (`engine.device.step_buffers`) and may replay a graph."""
+        num_rows = len(step.denoise_starts)
+        bucket = None if step.encode or self.model.kernels.exact else self.inputs.bucket(num_rows)
+        replay = self.graphs if bucket is not None else None
+        batch = self._batch(step, bucket)
         encode_ids = [t for e in step.encode for t in e.tokens]
         parts = [] if step.canvas_ids is None else [step.canvas_ids]
         if encode_ids:
@@ -100,10 +116,13 @@ class ModelRunner:
         last += [i for first, n in spans for i in range(first, first + n)]
         # Every host-made tensor moves before the forward is queued: no copy inside it waits.
         batch.prepare(self.device, self.cache.layer_types)
-        index = to_device(np.array(last, dtype=np.int64), self.device)
+        index = to_device(np.array(last, dtype=np.int64), self.device) if last else None
         start = time.perf_counter()
-        images = self._image_embeds(offsets)
-        hidden = self.model(ids, step.soft_embeds, batch, self.cache, images)  # [N, H]
+        if replay is not None:
+            hidden = replay.run(ids, step.soft_embeds, batch)  # [N, H]
+        else:
+            images = self._image_embeds(offsets)
+            hidden = self.model(ids, step.soft_embeds, batch, self.cache, images)  # [N, H]
         denoise_logits, sampled = self._logits(hidden, num_canvas, last, index)
         last_logits, verify_logits = sampled, None
         if spans:
@@ -117,7 +136,7 @@ class ModelRunner:
         return RunOutput(denoise_logits, last_logits, elapsed, verify_logits)
 
     def _logits(
-        self, hidden: torch.Tensor, num_canvas: int, last: list[int], index: torch.Tensor
+        self, hidden: torch.Tensor, num_canvas: int, last: list[int], index: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The head over the canvases and the `last` positions (`index`: them on the device)."""
         head = self.model.logits
@@ -126,6 +145,7 @@ class ModelRunner:
         if self.model.kernels.exact:
             denoise = head(hidden[:num_canvas]) if num_canvas else None
             return denoise, torch.stack([head(hidden[i]) for i in last])
+        assert index is not None
         rows = torch.cat([hidden[:num_canvas], hidden[index]]) if num_canvas else hidden[index]
         logits = head(rows)  # one GEMM over every position that is sampled
         return (logits[:num_canvas] if num_canvas else None), logits[num_canvas:]
@@ -149,8 +169,12 @@ class ModelRunner:
             offset += len(e.tokens)
         return out
 
-    def _batch(self, step: StepInputs) -> ForwardBatch:
-        """The step's rows, their page tables gathered from the device tables."""
+    def _batch(self, step: StepInputs, bucket: int | None) -> ForwardBatch:
+        """The step's rows, their page tables gathered from the device tables; in a `bucket`:
+        from its buffers (padded to it for a graph)."""
+        if bucket is not None:
+            fill = self.graphs.batch if self.graphs is not None else self.inputs.batch
+            return fill(step.denoise_starts, list(step.denoise_pages), bucket)
         length = self.canvas_length
         rows = [Row(Mode.DECODE, start, length, {}) for start in step.denoise_starts]
         held = list(step.denoise_pages)  # the page tables of each row, in row order

@@ -19,6 +19,7 @@ import torch
 
 from engine.batched_sampler import BatchedSampler, CounterDraws, RowStates, to_host
 from engine.device.cuda import to_device
+from engine.device.step_buffers import SamplerInputs
 from engine.logits.batched import process_rows_
 from engine.logits.processors import process_, processes, processing
 from engine.model import DiffusionLM
@@ -109,6 +110,7 @@ class BatchedSampling:
             num_slots,
         )
         self.device = model.embed_tokens.weight.device
+        self.inputs = SamplerInputs(self.device, num_slots)  # slots and flags, per bucket
 
     def bind(self, reqs: list[RequestState]) -> None:
         for req in reqs:
@@ -118,12 +120,12 @@ class BatchedSampling:
         return to_device(np.array([_slot(r) for r in reqs], dtype=np.int64), self.device)
 
     def canvas_inputs(self, reqs: list[RequestState], starting: list[bool]) -> CanvasBatch:
-        flags = to_device(np.array(starting, dtype=np.bool_), self.device)
+        slots, flags = self.inputs.stage([_slot(r) for r in reqs], starting)
         pinned = None
         tokens = [r.pinned_token for r in reqs]
         if any(token >= 0 for token in tokens):
             pinned = to_device(np.array(tokens, dtype=np.int64), self.device)
-        ids, soft, rows = self.sampler.canvas_inputs(self._slots(reqs), flags, pinned)
+        ids, soft, rows = self.sampler.canvas_inputs(slots, flags, pinned)
         return CanvasBatch(ids, soft, rows)
 
     def verify_draws(self, reqs: list[RequestState]) -> list[Draws]:

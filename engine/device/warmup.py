@@ -162,6 +162,8 @@ def warm_up(engine: Engine, should_stop: Callable[[], bool] = lambda: False) -> 
         ", ".join(modes),
     )
     try:
+        if engine.runner.graphs is not None:  # captured largest first; the rounds replay them
+            engine.runner.graphs.capture_all()
         image = warmup_image(engine)
         for bucket in buckets:
             for mode in modes:

@@ -124,6 +124,15 @@ class ForwardBatch:
         flags = np.array([r.mode is Mode.DECODE for r in self.rows], dtype=np.bool_)
         return flags[self._row_of_token()]
 
+    def provide(
+        self, device: torch.device, positions: torch.Tensor, rows: dict[LayerType, PagedRows]
+    ) -> None:
+        """Take these tensors on `device` as the batch's positions and each pool's paged rows
+        instead of building them (a caller's persistent buffers: `engine.device.step_buffers`)."""
+        self._cache[("positions", device)] = positions
+        for layer_type, paged in rows.items():
+            self._cache[("paged_rows", layer_type, device)] = paged
+
     def prepare(self, device: torch.device, layer_types: Iterable[LayerType]) -> None:
         """Build, and start moving to `device`, every tensor a forward asks of this batch (the
         positions, the DECODE rows' index and flags, the paged rows of each pool), so that the
@@ -276,9 +285,18 @@ class DevicePageTables:
         """The page tables of a step's rows (row i has `pages[i]`; a sequence may have several
         rows), per pool: [R, width] int32 on the device, width the longest table (at least 1),
         -1 past a row's end: the values `PagedRows.build` packs from the rows' lists."""
+        index = to_device(np.array(self.place(pages), dtype=np.int64), self.device)
+        out = {}
+        for t in self.pools:
+            width = max(1, max(_length(p, t) for p in pages))
+            out[t] = self.table[t][:, :width].index_select(0, index)  # [R, width]
+        return out
+
+    def place(self, pages: Sequence[PageTables]) -> list[int]:
+        """Give each of a step's sequences its row of `table`, up to date (copies queued, not
+        waited for); returns the row of each of `pages`, in order."""
         self._step += 1
-        lengths = [{t: _length(p, t) for t in self.pools} for p in pages]
-        widest = max((n for row in lengths for n in row.values()), default=1)
+        widest = max((_length(p, t) for p in pages for t in self.pools), default=1)
         unique = list(dict.fromkeys(pages))
         num_rows, max_pages = len(self._held), self.max_pages
         if widest > max_pages or len(unique) > num_rows:
@@ -293,12 +311,7 @@ class DevicePageTables:
         written = [self._row(p) for p in unique]
         if any(written):
             self._record_copies()
-        index = to_device(np.array([self._row_of[p] for p in pages], dtype=np.int64), self.device)
-        out = {}
-        for t in self.pools:
-            width = max(1, max(row[t] for row in lengths))
-            out[t] = self.table[t][:, :width].index_select(0, index)  # [R, width]
-        return out
+        return [self._row_of[p] for p in pages]
 
     @property
     def max_pages(self) -> int:

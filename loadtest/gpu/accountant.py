@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -55,6 +55,10 @@ class Hardware:
     # attention's FLOP/s where it is measured apart from the matmuls (a CPU's SDPA runs far
     # below its GEMM rate); 0: the matmul rate
     attention_flops: float = 0.0
+
+    def with_launch(self, launch_s: float) -> Hardware:
+        """This device with a measured launch cost (`loadtest.gpu.launch_probe`)."""
+        return replace(self, launch_s=launch_s)
 
 
 # Datasheet dense peaks (no sparsity); fp32 matmuls run in IEEE fp32 (TF32 is off by default).

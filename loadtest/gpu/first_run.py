@@ -28,16 +28,17 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.model import DiffusionLM
-from kernels import KernelSet, resolve_kernels
+from kernels import resolve_kernels
 from loadtest.gpu.bench import build_model, make_engine, model_config, run_round
 from loadtest.gpu.kernel_timing import time_kernels
+from loadtest.gpu.launch_probe import bound, busy, kernel_names, sync, wrapped
 from loadtest.gpu.roofline import with_layers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +58,6 @@ BUDGETS = {
 }
 CHECK_COMMAND = [sys.executable, "-m", "loadtest.gpu.check"]
 PREFIXES = (2048, 8192, 32768)
-BUSY_CYCLES = 200_000_000  # `torch.cuda._sleep` ahead of a step: the GPU stays busy (~0.1 s)
 TOLERANCE = 2e-2  # bf16 parity: |fast - twin| <= TOLERANCE * (1 + |twin|)
 
 
@@ -92,41 +92,6 @@ class Run:
             config = with_layers(config, full + 1)
             self.small = build_model(config, self.device, self.dtype, self.backend)
         return self.small
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def busy(device: torch.device) -> None:
-    """Keep the GPU busy for a while, so that host timings see launches, not the queue."""
-    if device.type == "cuda":
-        torch.cuda._sleep(BUSY_CYCLES)
-
-
-# -- kernels wrapped in a step -------------------------------------------------------------------
-
-
-def kernel_names(ks: KernelSet) -> list[str]:
-    """The kernels a set binds (every callable field)."""
-    skip = {"backend", "exact", "prepare"}
-    return [f.name for f in fields(KernelSet) if f.name not in skip and getattr(ks, f.name)]
-
-
-def wrapped(ks: KernelSet, names: list[str], wrap: Callable[[str, Any], Any]) -> KernelSet:
-    return replace(ks, **{n: wrap(n, getattr(ks, n)) for n in names})
-
-
-@contextmanager
-def bound(model: DiffusionLM, ks: KernelSet) -> Iterator[None]:
-    """`model` runs with `ks` inside the block, then its own kernels again."""
-    own = model.kernels
-    model.bind_kernels(ks)
-    try:
-        yield
-    finally:
-        model.bind_kernels(own)
 
 
 @contextmanager

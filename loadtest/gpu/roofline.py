@@ -4,6 +4,7 @@ recorded by `loadtest.gpu.accountant` and its time predicted on an H200 and an H
 
     python -m loadtest.gpu.roofline [--canvases 1 4 16 64] [--layers N] [--top 8]   (make roofline)
         [--quantization fp8]   (FP8 projections and experts, as `--quantization fp8` loads them)
+    python -m loadtest.gpu.roofline --measured-launch   (launch cost measured here: launch_probe)
     python -m loadtest.gpu.roofline_calibrate     (the accountant against a measured CPU step)
 
 Step kinds (prefix PREFIX_LEN tokens per row): `denoise` (R canvases, head and sampler),
@@ -35,6 +36,7 @@ import torch
 from engine.batched_sampler import BatchedSampler, to_host
 from engine.device.cuda import to_device
 from engine.device.memory import meta_model
+from engine.device.step_buffers import SamplerInputs
 from engine.kv_pages import PageTables
 from engine.model import DiffusionLM
 from engine.model.config import LayerType, ModelConfig
@@ -43,8 +45,9 @@ from engine.model.quant import QUANTIZATION_CHOICES
 from engine.runner import EncodeInput, ModelRunner, StepInputs
 from kernels import KernelSet, resolve_kernels
 from loadtest.gpu.accountant import GPUS, Accountant, Hardware, OpRecord, StepRows
-from loadtest.gpu.bench import model_config
+from loadtest.gpu.bench import build_model, model_config
 from loadtest.gpu.custom_rules import touched_experts
+from loadtest.gpu.launch_probe import LaunchCost, measure
 
 KINDS = ("denoise", "commit", "prefill", "ar")
 PREFIX_LEN = 1024
@@ -142,6 +145,7 @@ class StepHarness:
         embed = model.embed_tokens.weight
         scale = float(model.embed_scale)
         self.sampler = BatchedSampler(model.kernels, embed, scale, self.canvas, canvases)
+        self.staged = SamplerInputs(device, canvases)
         rows = [(s, self.canvas, True) for s in self.starts]
         self.rows = StepRows(rows + [(e.start, len(e.tokens), False) for e in self.encode])
 
@@ -159,8 +163,8 @@ class StepHarness:
             inputs = StepInputs(starts, self.pages, None, [], encode)
             rows = None
             if starts:  # as engine.sampling.BatchedSampling builds them
-                slots = to_device(np.arange(len(starts), dtype=np.int64), device)
-                flags = to_device(np.full(len(starts), self.kind == "commit"), device)
+                num = len(starts)
+                slots, flags = self.staged.stage(list(range(num)), [self.kind == "commit"] * num)
                 ids, soft, rows = sampler.canvas_inputs(slots, flags)
                 inputs = replace(inputs, canvas_ids=ids, soft_embeds=soft)
         with phase("forward"):
@@ -190,6 +194,24 @@ def _active_accountant() -> Accountant | None:
 
     modes = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, Accountant)]
     return modes[-1] if modes else None
+
+
+def launch_backends() -> tuple[str, ...]:
+    """The kernels the launch probe times here: the engine's on a GPU (Triton); on a CPU the
+    twins, then the engine's default (the native kernels where this machine builds them)."""
+    return ("auto",) if torch.cuda.is_available() else ("twins", "auto")
+
+
+def measured_launch(backend: str, prefix: int = 64) -> LaunchCost:
+    """The launch-cost probe on this machine's device (a GPU where there is one) with
+    `backend`: a denoise step of one canvas, the toy stack through its first full layer."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = model_config(toy=True)
+    full = next(i for i, spec in enumerate(config.text.layers) if not spec.is_sliding)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(with_layers(config, full + 1), device, dtype, backend)
+    with torch.inference_mode():  # a harness per step: its sampler takes the kernels bound
+        return measure(model, lambda: StepHarness(model, "denoise", 1, device, prefix).run())
 
 
 def weight_bytes(model: DiffusionLM, num_tokens: int) -> float:
@@ -242,16 +264,16 @@ def floor_s(step: StepAccount, hw: Hardware) -> float:
     return max(step.weight_bytes / hw.bandwidth, step.acct.gemm_flops / hw.tensor_flops)
 
 
-def summary_table(steps: list[StepAccount]) -> str:
+def summary_table(steps: list[StepAccount], gpus: tuple[Hardware, ...] = GPUS) -> str:
     head = (
         "| step | canvases | "
-        + " | ".join(f"{hw.name} ms | floor ms | ×floor" for hw in GPUS)
+        + " | ".join(f"{hw.name} ms | floor ms | ×floor" for hw in gpus)
         + " | launches | syncs (fwd+sampler) |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in steps:
         cells = []
-        for hw in GPUS:
+        for hw in gpus:
             t, f = s.acct.seconds(hw), floor_s(s, hw)
             cells.append(f"{t * 1e3:.1f} | {f * 1e3:.1f} | {t / f:.1f}")
         inner = len(s.acct.syncs(("forward", "sampler")))
@@ -341,7 +363,16 @@ def main(argv: list[str] | None = None) -> int:
         "--quantization", choices=QUANTIZATION_CHOICES, default="auto",
         help="fp8: FP8 projections and experts (the Triton FP8 kernels' bytes); auto: bf16",
     )  # fmt: skip
+    parser.add_argument(
+        "--measured-launch", action="store_true",
+        help="predict with the launch cost this machine measures (loadtest.gpu.launch_probe)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    gpus = GPUS
+    if args.measured_launch:
+        costs = [measured_launch(backend) for backend in launch_backends()]
+        print("".join(f"Launch cost measured: {c.line()}\n" for c in costs))
+        gpus = tuple(hw.with_launch(costs[-1].per_call_s) for hw in GPUS)
     config = with_layers(model_config(), args.layers)
     kernels = resolve_kernels("cpu", "twins").with_custom_ops()
     model = build(config, kernels, torch.device("meta"), args.quantization)
@@ -355,14 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     print("Peaks: " + "; ".join(
         f"{h.name} {h.tensor_flops / 1e12:.0f} TFLOP/s bf16, {h.fp32_flops / 1e12:.0f} fp32, "
         f"{h.bandwidth / 1e12:.2f} TB/s, {h.launch_s * 1e6:.0f} µs/launch, "
-        f"{h.sync_s * 1e6:.0f} µs/sync" for h in GPUS) + "\n")  # fmt: skip
-    print(summary_table(steps) + "\n")
+        f"{h.sync_s * 1e6:.0f} µs/sync" for h in gpus) + "\n")  # fmt: skip
+    print(summary_table(steps, gpus) + "\n")
     print(copies_line(steps) + "\n")
     work = [inputs_work(model, "denoise", args.context_canvases, n) for n in args.contexts]
     print(context_line("denoise", args.context_canvases, work) + "\n")
     for s in steps:
         if s.canvases == max(args.canvases) or s.canvases == 16:
-            print(top_ops(s, GPUS[0], args.top) + "\n")
+            print(top_ops(s, gpus[0], args.top) + "\n")
     for s in steps:
         if s.canvases == min(args.canvases):
             print(sync_table(s) + "\n")

@@ -174,6 +174,14 @@ ENGINE_FLAGS = (
         "ranks (GPUs) the model is split over; only 1 is served yet (docs/parallelism.md)",
         aliases=("-tp",),
     ),
+    Flag(
+        "--cuda-graphs",
+        "engine.cuda_graphs",
+        "replay the forward of steps whose rows are all canvases as CUDA graphs, one per bucket "
+        "of canvases, captured at warm-up (default off until a GPU run shows replay equal to "
+        "eager; a CUDA device and the Triton kernels only)",
+        switch=True,
+    ),
 )
 
 

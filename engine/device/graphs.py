@@ -1,0 +1,138 @@
+"""CUDA graphs of all-denoise forwards (`canvas serve --cuda-graphs`, off by default): the
+forward of a step whose rows are all DENOISE rows is captured once per bucket of canvases
+(`engine.device.step_buffers.bucket_sizes`) over the bucket's persistent inputs and replayed,
+so a step launches one graph instead of hundreds of kernels. The LM head and the sampler stay
+eager (the graphs' memory holds no logits); steps with ENCODE rows run eager.
+
+A step of R canvases copies its canvas ids and self-conditioning inputs into the bucket's
+static ones (rows past R zeroed: the dummy rows of `step_buffers`), writes the rest of its
+inputs into the bucket's buffers, replays, and reads the first R rows' hidden states; the
+dummies' are dropped. Capture (`ForwardGraphs.capture_all`, part of warm-up before ready):
+two warm runs, then the capture, from the largest bucket down, every graph in one memory pool
+(the smaller ones reuse the largest one's memory). A bucket not captured then is captured at
+its first step.
+
+The captured kernels must read every per-row value from the device: Triton's do (their grids
+depend only on the rows' number and the canvas length, fixed per bucket); the twins size
+tensors by host values (`PagedRows.max_start`), so graphs need the Triton kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from engine.device.step_buffers import ForwardInputs
+from engine.kv_pages import PageTables
+from engine.model.base import DiffusionLM, SoftEmbeds
+from engine.model.kv_cache import ForwardBatch, PagedKVCache
+
+# Runs of the forward before its capture: the first compiles and allocates (cuBLAS workspaces,
+# Triton's first launch), the second runs as the captured one will.
+WARM_RUNS = 2
+
+
+class Capture(Protocol):
+    def capture(
+        self, forward: Callable[[], torch.Tensor]
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        """Run `forward` warm, then capture it: (replay, the output each replay rewrites)."""
+        ...
+
+
+class CudaCapture:
+    """CUDA graphs: warm runs on a side stream, then the capture, all in one memory pool."""
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(
+                f"--cuda-graphs (cuda_graphs): CUDA graphs need a CUDA device, not {device}"
+            )
+        self.device = device
+        self.pool: Any = None  # the graphs' memory pool (torch's handle), once one is captured
+
+    def capture(
+        self, forward: Callable[[], torch.Tensor]
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(WARM_RUNS):
+                forward()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = forward()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph.replay, out
+
+
+@dataclass(slots=True)
+class _Graph:
+    ids: torch.Tensor  # [B * L] static canvas ids
+    soft: torch.Tensor  # [B * L, H] static self-conditioning inputs
+    batch: ForwardBatch  # the step's batch (its device tensors are the bucket's buffers)
+    replay: Callable[[], None] | None = None
+    out: torch.Tensor | None = None  # [B * L, H] the hidden states each replay writes
+
+
+class ForwardGraphs:
+    """The captured forwards, one per bucket of `inputs` (module docstring)."""
+
+    def __init__(
+        self, capture: Capture, inputs: ForwardInputs, model: DiffusionLM, cache: PagedKVCache
+    ) -> None:
+        """`inputs`: the runner's buffers; `model` runs over `cache` (no images: canvases)."""
+        self.capturer = capture
+        self.inputs = inputs
+        self.model, self.cache = model, cache
+        self.hidden = model.embed_tokens.weight.shape[1]
+        self.dtype = model.embed_tokens.weight.dtype
+        self.graphs: dict[int, _Graph] = {}
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every bucket's forward not captured yet, the largest first."""
+        for bucket in sorted(self.inputs.sizes, reverse=True):
+            self._graph(bucket)
+
+    def _graph(self, bucket: int) -> _Graph:
+        graph = self.graphs.get(bucket)
+        if graph is not None:
+            return graph
+        device, num = self.inputs.tables.device, bucket * self.inputs.length
+        ids = torch.zeros(num, dtype=torch.long, device=device)
+        soft = torch.zeros(num, self.hidden, dtype=self.dtype, device=device)
+        batch = self.inputs.batch([], [], bucket, pad=True)  # dummy rows only
+        batch.prepare(device, self.inputs.tables.pools)
+        graph = self.graphs[bucket] = _Graph(ids, soft, batch)
+        graph.replay, graph.out = self.capturer.capture(
+            lambda: self.model(graph.ids, graph.soft, graph.batch, self.cache, None)
+        )
+        return graph
+
+    def batch(self, starts: list[int], pages: list[PageTables], bucket: int) -> ForwardBatch:
+        """An all-denoise step's batch in `bucket`, padded to it, its inputs in the bucket's
+        buffers (the bucket's graph captured first, if it was not)."""
+        self._graph(bucket)  # a capture writes dummy rows into the buffers
+        return self.inputs.batch(starts, pages, bucket, pad=True)
+
+    def run(self, ids: torch.Tensor, soft: SoftEmbeds, batch: ForwardBatch) -> torch.Tensor:
+        """The hidden states [R * L, H] of an all-denoise step of R canvases: ids [R * L],
+        soft [R * L, H]; `batch`: what `ForwardGraphs.batch` gave for the step."""
+        graph = self.graphs[len(batch.rows)]
+        graph.batch = batch
+        assert isinstance(soft, torch.Tensor), "a canvas step's inputs are tensors"
+        num = ids.shape[0]
+        graph.ids[:num].copy_(ids)
+        graph.ids[num:].zero_()
+        graph.soft[:num].copy_(soft)
+        graph.soft[num:].zero_()
+        assert graph.replay is not None and graph.out is not None
+        graph.replay()
+        return graph.out[:num]
