@@ -236,7 +236,8 @@ def load_adapter(model: DiffusionLM, directory: str | Path) -> DecoderAdapter:
         if not path.is_file():
             raise CheckpointError(f"{directory}: adapter file {file} is missing")
         fp8 = {name for name, t in names.items() if t.dtype == FP8}
-        names = {n: t for n, t in names.items() if n.removesuffix(SCALE_SUFFIX) not in fp8 - {n}}
+        made = {name + SCALE_SUFFIX for name in fp8}  # by quantize_fp8 below, not read
+        names = {name: t for name, t in names.items() if name not in made}
         with safe_open(str(path), framework="pt") as handle:
             missing = sorted(set(names) - set(handle.keys()))
             if missing:
