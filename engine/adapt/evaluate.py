@@ -12,6 +12,10 @@ templated when the checkpoint has a template) is generated in one batch; prompt 
 - mean log-likelihood: the mean, over all output tokens, of log p(token | prompt, earlier output)
   under the source model's encoder (teacher-forced, one causal pass over prompt + output);
   generative perplexity = exp(-mean log-likelihood). The source defaults to the evaluated model.
+
+`quantization` "fp8" quantizes the evaluated model's weights at load (`engine.model.quant`); a
+source given apart is loaded as stored, so `--source` naming the same directory scores FP8
+outputs under the unquantized weights.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 import torch
 
 from engine.adapt.forward import TrainKVCache, train_batch
-from engine.build import CheckpointConfig, open_checkpoint
+from engine.build import BuildConfig, CheckpointConfig, open_checkpoint
 from engine.engine import EngineConfig
 from engine.inputs.tokenizer import Tokenizer
 from engine.llm import LLM, RequestOutput
@@ -62,6 +66,7 @@ class EvalConfig:
     # Full-attention KV positions of the engine (None: the engine's default). The pool is
     # allocated up front: at the default 131,072 positions that is 6 GB for SmolLM2 in fp32.
     kv_cache_tokens: int | None = None
+    quantization: str = "auto"  # "fp8": the evaluated model's weights quantized at load
 
     def __post_init__(self) -> None:
         if not self.modes:
@@ -171,9 +176,10 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     engine = (
         None if cfg.kv_cache_tokens is None else EngineConfig(kv_cache_tokens=cfg.kv_cache_tokens)
     )
-    llm = LLM.from_pretrained(
-        cfg.model_dir, dtype=cfg.dtype, device=cfg.device, config=engine, adapter=cfg.adapter
+    checkpoint = CheckpointConfig(
+        cfg.model_dir, cfg.dtype, cfg.device, adapter=cfg.adapter, quantization=cfg.quantization
     )
+    llm = LLM.from_config(BuildConfig(checkpoint, engine or EngineConfig()))
     if llm.tokenizer is None:
         raise ValueError(
             f"--model {cfg.model_dir}: canvas eval needs a checkpoint with a tokenizer"
@@ -200,6 +206,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         "num_prompts": len(prompts),
         "max_tokens": cfg.max_tokens,
         "seed": cfg.seed,
+        "quantization": cfg.quantization,
         "modes": results,
     }
 
@@ -255,6 +262,7 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     title = (
         f"canvas eval: {report['model']} ({report['num_prompts']} prompts, max_tokens "
-        f"{report['max_tokens']}, seed {report['seed']}; loglik under {report['source']})"
+        f"{report['max_tokens']}, seed {report['seed']}, quantization {report['quantization']}; "
+        f"loglik under {report['source']})"
     )
     return "\n".join([title, *lines])

@@ -37,6 +37,7 @@ from engine.model.base import DiffusionLM
 from engine.model.config import CheckpointError
 from engine.model.kv_cache import ForwardBatch, Mode
 from engine.model.layers import UNBOUND, Attention, GatedMLP, SelfConditioning
+from engine.model.quant import FP8, SCALE_SUFFIX, quantize_fp8
 
 CONFIG_FILE = "adapter_config.json"
 LORA_FILE = "adapter.safetensors"
@@ -222,7 +223,9 @@ def read_adapter_config(directory: Path) -> AdapterConfig:
 
 def load_adapter(model: DiffusionLM, directory: str | Path) -> DecoderAdapter:
     """Attach the adapter saved in `directory` to `model`; every tensor must be there with the
-    shape the model expects (a CheckpointError names the one that is not)."""
+    shape the model expects (a CheckpointError names the one that is not). Where the model's
+    self-conditioning weights are FP8 (`--quantization fp8`), the adapter's replacements are
+    quantized the same way (`quantize_fp8`), their scales made here."""
     directory = Path(directory)
     config = read_adapter_config(directory)
     adapter = attach_adapter(model, config)
@@ -232,6 +235,9 @@ def load_adapter(model: DiffusionLM, directory: str | Path) -> DecoderAdapter:
         path = directory / file
         if not path.is_file():
             raise CheckpointError(f"{directory}: adapter file {file} is missing")
+        fp8 = {name for name, t in names.items() if t.dtype == FP8}
+        made = {name + SCALE_SUFFIX for name in fp8}  # by quantize_fp8 below, not read
+        names = {name: t for name, t in names.items() if name not in made}
         with safe_open(str(path), framework="pt") as handle:
             missing = sorted(set(names) - set(handle.keys()))
             if missing:
@@ -243,6 +249,11 @@ def load_adapter(model: DiffusionLM, directory: str | Path) -> DecoderAdapter:
                         f"{path}: tensor {name} has shape {list(tensor.shape)}, expected "
                         f"{list(current.shape)}"
                     )
+                if name in fp8:
+                    weight, scale = quantize_fp8(tensor.to(device))
+                    model.get_parameter(name).data = weight
+                    model.get_parameter(name + SCALE_SUFFIX).data = scale
+                    continue
                 # Fresh memory (not the file's mapping, not the checkpoint's weights).
                 model.get_parameter(name).data = tensor.to(device=device, dtype=dtype).clone()
     return adapter

@@ -17,6 +17,7 @@ from server.cli.config import (
     DEVICE,
     DOWNLOAD_DIR,
     DTYPE,
+    QUANTIZATION,
     add_flags,
     config_from_args,
     field_defaults,
@@ -224,7 +225,7 @@ def add_eval_parser(sub: Subparsers) -> None:
     ev.add_argument("--max-tokens", type=int, default=d["max_tokens"])
     ev.add_argument("--limit", type=int, default=d["limit"], help="only the first N prompts")
     ev.add_argument("--seed", type=int, default=d["seed"])
-    add_flags(ev, (DEVICE, DTYPE, ADAPTER), dtype=d["dtype"])
+    add_flags(ev, (DEVICE, DTYPE, ADAPTER, QUANTIZATION), dtype=d["dtype"])
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.add_argument(
         "--set-default-mode",

