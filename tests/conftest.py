@@ -35,6 +35,13 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton fixes interpreted or compiled mode when it first defines a kernel (its own
+# `triton.language` included), so without a GPU the CPU interpreter is chosen here, before any
+# test module is collected: a module that imports triton on the way (through loadtest.gpu, say)
+# would otherwise fix compiled mode for the whole session, the kernel tests included.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from engine.checkpoints.tiny import PRESETS, make_tiny  # noqa: E402
 
 torch.set_num_threads(2)

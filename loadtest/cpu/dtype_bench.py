@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
+from engine.build import CheckpointConfig, open_checkpoint
 from engine.checkpoints.tiny import make_tiny
 from engine.kv_pages import KVPages, PageGeometry
-from engine.model import DiffusionLM, ForwardBatch, Mode, PagedKVCache, Row, load_model
+from engine.model import DiffusionLM, ForwardBatch, Mode, PagedKVCache, Row
 from engine.model.config import LayerType
 from kernels.native import bf16, build
 
@@ -110,7 +111,10 @@ def main(argv: list[str] | None = None) -> None:
         if not (path / "config.json").is_file():
             make_tiny(path, "bench-small")
         torch.set_grad_enabled(False)
-        models = {label: load_model(path, dtype, kernels=k) for label, dtype, k in MODELS}
+        models = {
+            label: open_checkpoint(CheckpointConfig(path, dtype, "cpu", kernels=k)).model
+            for label, dtype, k in MODELS
+        }
         print(f"{'canvases':>8} " + " ".join(f"{label:>14}" for label in models) + "  (ms)")
         for canvases in args.canvases:
             steps = {label: Step(model, canvases) for label, model in models.items()}

@@ -1,16 +1,11 @@
-"""Kernel tests run the Triton kernels in Triton's CPU interpreter when there is no GPU (set
-before triton is imported: `triton.jit` reads it when a kernel is defined), and compiled on the
-GPU otherwise. Modules that need triton skip cleanly without it."""
+"""Kernel tests run the Triton kernels in Triton's CPU interpreter when there is no GPU
+(TRITON_INTERPRET, set by tests/conftest.py before any test module is collected), and compiled
+on the GPU otherwise. Modules that need triton skip cleanly without it."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
