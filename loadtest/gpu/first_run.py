@@ -38,7 +38,7 @@ from engine.model import DiffusionLM
 from kernels import resolve_kernels
 from loadtest.gpu.bench import build_model, make_engine, model_config, run_round
 from loadtest.gpu.kernel_timing import time_kernels
-from loadtest.gpu.launch_probe import bound, busy, kernel_names, sync, wrapped
+from loadtest.gpu.launch_probe import bound, busy, kernel_names, sync, timer, wrapped
 from loadtest.gpu.roofline import with_layers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -203,15 +203,7 @@ def stage_launch(run: Run) -> dict[str, Any]:
     model = run.small_model()
     ks = model.kernels
     seconds: dict[str, list[float]] = {}
-
-    def timed(name: str, fn: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            seconds.setdefault(name, []).append(time.perf_counter() - start)
-            return out
-
-        return call
+    timed = timer(seconds)
 
     run_steps(run, model, 1)  # warm: every kernel compiled
     with bound(model, wrapped(ks, kernel_names(ks), timed)), caught(run):

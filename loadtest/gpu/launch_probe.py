@@ -82,12 +82,9 @@ class LaunchCost:
         )
 
 
-def measure(model: DiffusionLM, step: Callable[[], None], rounds: int = ROUNDS) -> LaunchCost:
-    """Time every call of `model`'s bound kernels over `rounds` runs of `step` (after one
-    untimed run), each queued behind a busy GPU."""
-    device = model.embed_tokens.weight.device
-    kernels = model.kernels
-    seconds: dict[str, list[float]] = {}
+def timer(seconds: dict[str, list[float]]) -> Callable[[str, Any], Any]:
+    """A `wrapped` wrapper: each call of kernel `name` appends its host seconds to
+    `seconds[name]`."""
 
     def timed(name: str, fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -97,6 +94,17 @@ def measure(model: DiffusionLM, step: Callable[[], None], rounds: int = ROUNDS) 
             return out
 
         return call
+
+    return timed
+
+
+def measure(model: DiffusionLM, step: Callable[[], None], rounds: int = ROUNDS) -> LaunchCost:
+    """Time every call of `model`'s bound kernels over `rounds` runs of `step` (after one
+    untimed run), each queued behind a busy GPU."""
+    device = model.embed_tokens.weight.device
+    kernels = model.kernels
+    seconds: dict[str, list[float]] = {}
+    timed = timer(seconds)
 
     step()
     sync(device)
