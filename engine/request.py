@@ -17,6 +17,7 @@ from engine.params import ResolvedParams
 
 if TYPE_CHECKING:
     from engine.inputs.images import PreparedImage
+    from engine.logits.processors import PenaltyTokens
     from engine.structured import Constraint
 
 
@@ -76,6 +77,8 @@ class RequestState:
     # (first, last) prompt positions of each image whose tokens attend to each other both ways
     # (use_bidirectional_attention "vision"; empty otherwise): each is computed in one pass
     image_spans: tuple[tuple[int, int], ...] = ()
+    # the penalties' counts of its tokens, kept up to date as it commits (engine.logits)
+    penalty_tokens: PenaltyTokens | None = None
 
     @property
     def remaining(self) -> int:

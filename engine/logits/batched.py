@@ -57,7 +57,7 @@ def process_rows_(
         if penalises(params):
             penalise_(
                 view[r],
-                token_counts(req.prompt_ids, req.output_ids, logits.device),
+                token_counts(req, logits.device),
                 knobs["repetition_penalty"][slot],
                 knobs["frequency_penalty"][slot],
                 knobs["presence_penalty"][slot],

@@ -93,19 +93,37 @@ class TokenCounts:
     counts: torch.Tensor
 
 
-def token_counts(
-    prompt_ids: Sequence[int], output_ids: Sequence[int], device: torch.device
-) -> TokenCounts:
-    """The penalties' inputs of a request (host work: one pass over its tokens)."""
-    counted = Counter(output_ids)
-    seen = sorted(set(prompt_ids).union(counted))
-    generated = list(counted)
+@dataclass
+class PenaltyTokens:
+    """A request's tokens as the penalties count them, brought up to date with the tokens it
+    commits (`output_ids` only grows): a step's host work is its newly committed tokens and
+    its distinct tokens, not a pass over its whole context; the device tensors are made again
+    only when a token was committed since."""
 
-    return TokenCounts(
-        seen=to_device(np.array(seen, dtype=np.int64), device),
+    seen: set[int]
+    counted: Counter[int]
+    num_output: int = 0
+    tensors: TokenCounts | None = None
+
+
+def token_counts(req: RequestState, device: torch.device) -> TokenCounts:
+    """The penalties' inputs of `req` (kept on it: `RequestState.penalty_tokens`)."""
+    kept = req.penalty_tokens
+    if kept is None:
+        kept = req.penalty_tokens = PenaltyTokens(set(req.prompt_ids), Counter())
+    new = req.output_ids[kept.num_output :]
+    if kept.tensors is not None and not new:
+        return kept.tensors
+    kept.counted.update(new)
+    kept.seen.update(new)
+    kept.num_output = len(req.output_ids)
+    generated = list(kept.counted)
+    kept.tensors = TokenCounts(
+        seen=to_device(np.array(sorted(kept.seen), dtype=np.int64), device),
         generated=to_device(np.array(generated, dtype=np.int64), device),
-        counts=to_device(np.array([counted[t] for t in generated], dtype=np.float32), device),
+        counts=to_device(np.array([kept.counted[t] for t in generated], dtype=np.float32), device),
     )
+    return kept.tensors
 
 
 Scalar = float | torch.Tensor  # a host number, or a [1] tensor on the logits' device
@@ -145,7 +163,7 @@ def process_(logits: torch.Tensor, req: RequestState) -> None:
             to_device(np.array(biases, dtype=np.float32), device),
         )
     if penalises(params):
-        counts = token_counts(req.prompt_ids, req.output_ids, device)
+        counts = token_counts(req, device)
         penalise_(
             logits,
             counts,

@@ -264,3 +264,23 @@ def test_exact_diffusion_matches_the_reference_with_its_processors(
         )
         (out,) = llm.generate(prompt, params)
         assert out.output_ids == expected_prefix(ref_ids, eos, 32), seed
+
+
+def test_penalty_counts_follow_the_committed_tokens_without_recounting_them():
+    """The counts kept on a request equal a count from scratch after each commit, and the same
+    tensors serve the steps between commits."""
+    from types import SimpleNamespace
+
+    from engine.logits.processors import token_counts
+
+    cpu = torch.device("cpu")
+    req = SimpleNamespace(prompt_ids=[5, 1, 5], output_ids=[], penalty_tokens=None)
+    first = token_counts(req, cpu)  # type: ignore[arg-type]
+    assert first.seen.tolist() == [1, 5] and first.generated.numel() == 0
+    assert token_counts(req, cpu) is first  # type: ignore[arg-type]  # nothing committed since
+    for tokens in ([7, 5, 7], [2], [7]):
+        req.output_ids += tokens
+        got = token_counts(req, cpu)  # type: ignore[arg-type]
+        counted = {t: req.output_ids.count(t) for t in set(req.output_ids)}
+        assert got.seen.tolist() == sorted({*req.prompt_ids, *req.output_ids})
+        assert dict(zip(got.generated.tolist(), got.counts.tolist(), strict=True)) == counted

@@ -7,6 +7,7 @@ work does not grow with the context; with FP8 weights, the FP8 kernels' bytes.""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -130,7 +131,8 @@ def test_the_penalties_and_the_sliding_page_copies_copy_from_pinned_memory() -> 
     )
     acct = Accountant("meta")
     with acct:
-        counts = token_counts([1, 2, 3], [3, 4, 4], META)
+        request = SimpleNamespace(prompt_ids=[1, 2, 3], output_ids=[3, 4, 4], penalty_tokens=None)
+        counts = token_counts(request, META)  # type: ignore[arg-type]
         cache.copy_pages(LayerType.SLIDING, [0, 1], [2, 3])
     assert counts.seen.device == META and counts.counts.dtype == torch.float32
     assert acct.pageable_copies() == []
