@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.model.config import TextConfig
+from engine.parallel.sampler import NUM_IDS, NUM_STATS
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +56,16 @@ def forward_collectives(
     num_decode_tokens: int,
     num_logit_rows: int,
     dtype_bytes: int,
+    fused_ffn: bool = False,
 ) -> Collectives:
     """One forward over `num_tokens` packed tokens, `num_decode_tokens` of them in canvases
     (self-conditioned), then the LM head over `num_logit_rows` rows: the embedding's
     all-reduce, the self-conditioning MLP's, three per layer (attention, dense MLP, MoE), and
-    the logits' all-gather (in the model dtype)."""
+    the logits' all-gather (in the model dtype). `fused_ffn`: a layer's dense-MLP and MoE
+    outputs all-reduced as one [N, 2H] tensor (the same bytes, one call fewer per layer)."""
     row = cfg.hidden_size * dtype_bytes
-    reduce_rows = [num_tokens] * (1 + 3 * cfg.num_layers)
+    per_layer = [num_tokens, 2 * num_tokens] if fused_ffn else [num_tokens] * 3
+    reduce_rows = [num_tokens] + per_layer * cfg.num_layers
     if num_decode_tokens:
         reduce_rows.append(num_decode_tokens)
     gather = Collectives(0, 0, num_logit_rows * cfg.vocab_size * dtype_bytes, 1)
@@ -86,23 +90,33 @@ def wire_seconds(work: Collectives, size: int, link: Link) -> float:
     return wire / link.bandwidth + calls * link.latency
 
 
-# What a vocabulary-sharded sampler would all-gather per position instead of its logits
-# (fp32 each, from every rank): the max, the sum of exp, the sum of exp times logit (entropy),
-# the argmax, and a Gumbel-max candidate's value and id (Philox keyed by vocabulary id, so
-# every rank draws as one device would).
-SAMPLER_STATS = 6
+def sampler_collectives(num_positions: int, size: int) -> Collectives:
+    """The vocabulary-sharded sampler (`engine.parallel.sampler`) over `num_positions` and
+    `size` ranks: the all-gather of every rank's NUM_STATS fp32 statistics per position and the
+    all-reduce of the NUM_IDS int64 picked ids; nothing of vocabulary size. Its soft embedding
+    adds `soft_embed_collectives`."""
+    stats = Collectives(0, 0, num_positions * size * NUM_STATS * 4, 1)
+    return stats + Collectives(num_positions * NUM_IDS * 8, 1)
 
 
 def denoise_step(
-    cfg: TextConfig, num_canvases: int, size: int, sharded_sampler: bool, canvas: int = 256
+    cfg: TextConfig,
+    num_canvases: int,
+    size: int,
+    sharded_sampler: bool,
+    fused_ffn: bool = False,
+    canvas: int = 256,
 ) -> Collectives:
     """A denoise step's collectives over `size` ranks (bf16): the forward over every canvas,
-    its logits all-gathered (or, `sharded_sampler`, each rank's SAMPLER_STATS per position),
-    the soft embedding of every position for the next step."""
+    its logits all-gathered and the soft embedding of every position for the next step, or
+    (`sharded_sampler`) the sampler's statistics, ids and soft embedding
+    (`sampler_collectives`). `fused_ffn`: each layer's dense-MLP and MoE all-reduces made as
+    one of twice the payload (the same bytes, one call fewer per layer)."""
     tokens = num_canvases * canvas
-    work = forward_collectives(cfg, tokens, tokens, 0 if sharded_sampler else tokens, 2)
+    logit_rows = 0 if sharded_sampler else tokens
+    work = forward_collectives(cfg, tokens, tokens, logit_rows, 2, fused_ffn)
     if sharded_sampler:
-        work += Collectives(0, 0, tokens * size * SAMPLER_STATS * 4, 1)
+        work += sampler_collectives(tokens, size)
     return work + soft_embed_collectives(cfg, tokens, 2)
 
 
@@ -111,31 +125,32 @@ def denoise_step(
 H100_DENOISE_MS = {1: 19.9, 16: 61.4, 64: 213.0}
 
 
+# The table's variants: (sharded sampler, fused dense/MoE all-reduce).
+VARIANTS = ((False, False), (True, False), (True, True))
+
+
 def main() -> None:
     from engine.checkpoints.tiny import REAL_26B_A4B_TEXT_CONFIG
     from engine.model.config import parse_text_config
 
     cfg = parse_text_config(REAL_26B_A4B_TEXT_CONFIG)
     print(
-        "| ranks | canvases | payload MB (logits) | NVLink ms | PCIe ms | step ms, × TP=1 "
-        "(NVLink) | sharded sampler: NVLink ms, step ms, × TP=1 |"
+        "| ranks | canvases | logits all-gathered: MB, NVLink ms, PCIe ms, step ms (× TP=1) "
+        "| sharded sampler: MB, NVLink ms, PCIe ms, step ms (× TP=1) "
+        "| and dense/MoE all-reduce fused: NVLink ms, step ms (× TP=1) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|")
     for size in (2, 4):
         for canvases, one_gpu in H100_DENOISE_MS.items():
-            work = denoise_step(cfg, canvases, size, sharded_sampler=False)
-            payload = (work.all_reduce_bytes + work.all_gather_bytes) / 1e6
-            logits = work.all_gather_bytes / 1e6
-            nvlink, pcie = (wire_seconds(work, size, link) * 1e3 for link in LINKS)
-            step = one_gpu / size + nvlink
-            sharded = denoise_step(cfg, canvases, size, sharded_sampler=True)
-            nvlink_sharded = wire_seconds(sharded, size, LINKS[0]) * 1e3
-            step_sharded = one_gpu / size + nvlink_sharded
-            print(
-                f"| {size} | {canvases} | {payload:,.0f} ({logits:,.0f}) | {nvlink:.1f} | "
-                f"{pcie:.1f} | {step:.1f}, {step / one_gpu:.2f} | {nvlink_sharded:.1f}, "
-                f"{step_sharded:.1f}, {step_sharded / one_gpu:.2f} |"
-            )
+            cells = []
+            for sharded, fused in VARIANTS:
+                work = denoise_step(cfg, canvases, size, sharded, fused)
+                payload = (work.all_reduce_bytes + work.all_gather_bytes) / 1e6
+                nvlink, pcie = (wire_seconds(work, size, link) * 1e3 for link in LINKS)
+                step = one_gpu / size + nvlink
+                wire = f"{nvlink:.1f}" if fused else f"{payload:,.0f}, {nvlink:.1f}, {pcie:.1f}"
+                cells.append(f"{wire}, {step:.1f} ({step / one_gpu:.3f}×)")
+            print(f"| {size} | {canvases} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
