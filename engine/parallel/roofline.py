@@ -1,10 +1,12 @@
-"""The communication of the parallel model (`engine.parallel.layers`) per forward, and its
-time on a link: the accounting behind docs/parallelism.md's roofline for N GPUs, checked
-against the bytes a gloo world moves (tests/e2e/test_parallel_tp2.py).
+"""The communication of the parallel model (`engine.parallel.layers`) and of the sampler
+sharded over the vocabulary (`engine.parallel.sampler`) per step, and its time on a link: the
+accounting behind docs/parallelism.md's roofline for N GPUs, checked against the bytes a gloo
+world moves (tests/e2e/test_parallel_tp.py, tests/e2e/test_parallel_sampler.py).
 
 Payload: the bytes of a collective's result on one rank. A ring all-reduce puts
 2 (W - 1) / W of its payload on each rank's link, an all-gather (W - 1) / W. Tensor and expert
-parallelism move the same bytes: both end the MoE with one all-reduce of [N, H].
+parallelism move the same bytes: both end the MoE with one all-reduce of [N, H]. The table's
+last variant (a layer's dense-MLP and MoE all-reduces made as one) is counted, not built.
 
     python -m engine.parallel.roofline   # the table in docs/parallelism.md
 """

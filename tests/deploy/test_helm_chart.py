@@ -150,6 +150,30 @@ def test_each_replica_takes_one_gpu_and_reads_the_model_volume():
     assert "PersistentVolumeClaim" not in {d["kind"] for d in docs}  # an existing claim
 
 
+TP4 = {"parallelism": {"tensorParallelSize": 4, "shmSize": "4Gi"}}
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+def test_a_tensor_parallel_pod_takes_a_gpu_per_rank_and_a_memory_backed_dev_shm(version):
+    docs = render(TP4)
+    for doc in docs:
+        validate(doc, version)
+    container = canvas_container(docs)
+    args = container["args"]
+    assert args[args.index("--tensor-parallel-size") + 1] == "4"
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["resources"]
+    for part in ("requests", "limits"):
+        assert container["resources"][part] == {**defaults[part], "nvidia.com/gpu": 4}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}
+    one_gpu = canvas_container(render())
+    assert "--tensor-parallel-size" not in one_gpu["args"]
+    assert one_gpu["resources"] == defaults
+    assert "/dev/shm" not in {m["mountPath"] for m in one_gpu["volumeMounts"]}
+
+
 HUB = {"hubId": "google/diffusiongemma-26B-A4B-it@main", "hfToken": {"existingSecret": "hf"}}
 
 
@@ -230,6 +254,8 @@ def test_compiled_triton_kernels_are_kept_on_the_cache_volume(values):
         ({"apiKey": {"value": "two words"}}, "/apiKey/value"),
         ({"model": {"hubId": "../models/gemma"}}, "/model/hubId"),
         ({"inferenceGateway": {"endpointPicker": {"failureMode": "Maybe"}}}, "/failureMode"),
+        ({"parallelism": {"tensorParallelSize": 0}}, "/parallelism/tensorParallelSize"),
+        ({"parallelism": {"shmSize": "lots"}}, "/parallelism/shmSize"),
     ],
 )
 def test_bad_values_are_refused_naming_the_value(values, fragment):

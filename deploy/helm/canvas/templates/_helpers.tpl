@@ -38,3 +38,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "canvas.eppName" -}}
 {{- include "canvas.fullname" . | trunc 59 | trimSuffix "-" }}-epp
 {{- end -}}
+
+{{/* The container's resources: .Values.resources, with nvidia.com/gpu requested and limited to
+the tensor-parallel size where it is above 1 (one GPU per rank, all in this pod). */}}
+{{- define "canvas.resources" -}}
+{{- $resources := deepCopy .Values.resources -}}
+{{- $size := int .Values.parallelism.tensorParallelSize -}}
+{{- if gt $size 1 -}}
+{{- range $part := list "requests" "limits" -}}
+{{- $amounts := (get $resources $part) | default (dict) -}}
+{{- $_ := set $amounts "nvidia.com/gpu" $size -}}
+{{- $_ := set $resources $part $amounts -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $resources -}}
+{{- end -}}
