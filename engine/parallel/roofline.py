@@ -153,6 +153,21 @@ def main() -> None:
                 wire = f"{nvlink:.1f}" if fused else f"{payload:,.0f}, {nvlink:.1f}, {pcie:.1f}"
                 cells.append(f"{wire}, {step:.1f} ({step / one_gpu:.3f}×)")
             print(f"| {size} | {canvases} | " + " | ".join(cells) + " |")
+    print("\nSharded sampler, step × TP=1 (README):\n")
+    print(
+        "| split | link | "
+        + " | ".join(f"{c} canvas{'es' * (c > 1)}" for c in H100_DENOISE_MS)
+        + " |"
+    )
+    print("|---|---|" + "---|" * len(H100_DENOISE_MS))
+    for size in (2, 4):
+        for link in LINKS:
+            ratios = [
+                (one_gpu / size + wire_seconds(denoise_step(cfg, c, size, True), size, link) * 1e3)
+                / one_gpu
+                for c, one_gpu in H100_DENOISE_MS.items()
+            ]
+            print(f"| TP={size} | {link.name} | " + " | ".join(f"{r:.2f}×" for r in ratios) + " |")
 
 
 if __name__ == "__main__":
