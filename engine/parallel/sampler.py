@@ -208,13 +208,13 @@ def _combine(gathered: torch.Tensor, uniform: torch.Tensor, rank: int) -> Combin
     m, z, a = gathered.unbind(-1)  # [W, P] each
     top = m.max(dim=0).values  # [P], NaN if any rank's is
     gap = m - top  # [W, P], <= 0
-    # A shard whose maximum is below e^-70 of the global one holds only zero probabilities.
+    # A shard whose maximum is below e^-70 of the global one holds only zero probabilities
+    # (its z and a are NaN where its whole slice is -inf: never read).
     kept = gap >= NEGLIGIBLE_LOG_PROB
-    weight = torch.where(kept, gap.exp(), 0.0)
-    mass = weight * z  # sum exp(s - top) over each shard's slice
+    mass = torch.where(kept, gap.exp() * z, 0.0)  # sum exp(s - top) over each shard's slice
     total = mass.sum(0)
     # sum exp(s - top) (s - top) = sum_r exp(gap) (a_r + gap z_r)
-    moment = (weight * (a + torch.where(kept, gap, 0.0) * z)).sum(0)
+    moment = torch.where(kept, gap.exp() * (a + gap * z), 0.0).sum(0)
     log_z = total.log()
     share = mass / total[None]  # [W, P]: each shard's probability mass
     cumulative = share.cumsum(0)

@@ -36,11 +36,13 @@ BOUNDARY_ULPS = 2 * 2.0**-24
 def make_case(name: str) -> dict[str, torch.Tensor]:
     """A case's inputs, the same in every process: logits [P, V] (scaled so that the softmax
     is peaked, as a model's), temperatures and uniforms [P], the embedding [V, H]; a tie for
-    the maximum across the first shard boundary in row 0 (the lowest id must win)."""
+    the maximum across the first shard boundary in row 0 (the lowest id must win); in row 7,
+    -inf over the first quarter of the vocabulary (a whole shard at 4 ranks)."""
     vocab, temperature = CASES[name]
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     logits = torch.randn(NUM_POSITIONS, vocab, generator=gen) * 4
     logits[0, 3] = logits[0, vocab - 2] = 100.0
+    logits[7, : vocab // 4] = float("-inf")  # all of rank 0's slice at 4 ranks
     if temperature is None:
         temps = torch.rand(NUM_POSITIONS, generator=gen) * 1.8 + 0.2
     else:
