@@ -1,18 +1,23 @@
 """The sampler sharded over the vocabulary (`engine.parallel.sampler`) over two and four CPU
 processes (gloo): from each rank's columns of random logits (odd vocabularies, split unevenly)
-and its embedding rows, the samples, argmax, entropy, log-normaliser and soft embedding are one
-device's (`kernels.reference.sample_and_embed`) within the fast-numerics tolerance, the same on
-every rank, and the tokens the same except where the uniform number lies within fp32 rounding
-of a CDF boundary; the collectives move O(positions) bytes, as the roofline counts."""
+or of the parallel model's head (its `ShardPlan` slices), and its embedding rows, the samples,
+argmax, entropy, log-normaliser and soft embedding are one device's
+(`kernels.reference.sample_and_embed`) within the fast-numerics tolerance, the same on every
+rank, and the tokens the same except where the uniform number lies within fp32 rounding of a
+CDF boundary; the collectives move O(positions) bytes, as the roofline counts. One world per
+size runs every check (forked ranks loading the tiny checkpoint's shards: seconds)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from engine.model import load_model
+from engine.parallel.loader import load_sharded
 from engine.parallel.roofline import Collectives, sampler_collectives
 from engine.parallel.sampler import ShardedSampler, refuse_filters
 from engine.parallel.world import World
@@ -28,6 +33,8 @@ CASES = {
     "mixed": (997, None),  # per-position temperatures in [0.2, 2]
     "cold": (1001, 1e-4),
 }
+PRESET = "c32-window"  # the parallel model's test checkpoint (tests/e2e/test_parallel_tp.py)
+MODEL_POSITIONS = 64
 # A sum of V fp32 terms is within V * 2^-24 of its exact value (relative to the total), each
 # order of summation alike: a sharded and a one-device CDF can disagree by twice that.
 BOUNDARY_ULPS = 2 * 2.0**-24
@@ -57,10 +64,11 @@ def bounds(vocab: int, size: int) -> list[int]:
     return [vocab * r // size for r in range(size + 1)]
 
 
-def sampler_check(world: World, out_dir: Path) -> None:
+def sampler_check(world: World, out_dir: Path, checkpoint: Path) -> None:
     """Rank check: each case through `sample_and_embed`, `fused_sample`, `argmax` and
-    `sample_ar` (temperature 0 on every other position) from the rank's slice; every rank saves
-    its results and the payloads its collectives moved, per call."""
+    `sample_ar` (temperature 0 on every other position) from the rank's slice; then the
+    parallel model's own slices (`model_slice_run`). Every rank saves its results and the
+    payloads its collectives moved, per call."""
     saved: dict[str, Any] = {}
     for name, (vocab, _) in CASES.items():
         case = make_case(name)
@@ -81,16 +89,53 @@ def sampler_check(world: World, out_dir: Path) -> None:
         broken[6] = float("-inf")
         saved[name]["argmax"] = sampler.argmax(broken)
         saved[name]["broken"] = sampler.fused_sample(broken, case["temperature"], case["uniform"])
+    saved["model"] = model_slice_run(world, checkpoint)
     torch.save(saved, out_dir / f"sampler-{world.rank}.pt")
+
+
+def model_inputs(hidden_size: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {
+        "hidden": torch.randn(MODEL_POSITIONS, hidden_size, generator=gen),
+        "temperature": torch.rand(MODEL_POSITIONS, generator=gen) + 0.3,
+        "uniform": torch.rand(MODEL_POSITIONS, generator=gen),
+    }
+
+
+@torch.inference_mode()
+def model_slice_run(world: World, checkpoint: Path) -> dict[str, Any]:
+    """The sampler over the parallel model's slices: the vocabulary-parallel head's logits
+    (all-gathered, to compare; the sampler reads the rank's `plan.vocab_range` of them) and
+    the rank's embedding rows."""
+    sharded = load_sharded(checkpoint, world, kernels="twins")
+    model, (lo, hi) = sharded.model, sharded.plan.vocab_range
+    inputs = model_inputs(model.cfg.hidden_size)
+    logits = model.logits(inputs["hidden"])  # [P, V]
+    result, soft = ShardedSampler(world, lo).sample_and_embed(
+        logits[:, lo:hi],
+        inputs["temperature"],
+        inputs["uniform"],
+        model.embed_tokens.weight,
+        float(model.embed_scale),
+    )
+    return {"logits": logits, "result": result, "soft": soft}
+
+
+@pytest.fixture(scope="module")
+def one_device(tiny_checkpoint: Callable[[str], Path]) -> torch.nn.Module:
+    return load_model(tiny_checkpoint(PRESET), kernels="twins", adapter=False)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda size: f"{size}-ranks")
 def world_run(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_checkpoint: Callable[[str], Path],
+    one_device: torch.nn.Module,  # loaded first: the forked ranks inherit what it imported
 ) -> tuple[int, list[dict[str, Any]]]:
     size = request.param
     out_dir = tmp_path_factory.mktemp(f"sampler-{size}")
-    spawn_world(sampler_check, size, out_dir)
+    spawn_world(sampler_check, size, out_dir, tiny_checkpoint(PRESET))
     runs = [torch.load(out_dir / f"sampler-{r}.pt", weights_only=False) for r in range(size)]
     return size, runs
 
@@ -144,6 +189,28 @@ def test_sharded_sampler_matches_one_device(
         assert torch.equal(got.sample, ref.argmax)
     fused = runs[0][name]["fused"]
     assert torch.equal(fused.sample, got.sample) and torch.equal(fused.entropy, got.entropy)
+
+
+def test_the_sampler_reads_the_parallel_models_own_slices(
+    world_run: tuple[int, list[dict[str, Any]]], one_device: torch.nn.Module
+) -> None:
+    """The slices `ShardPlan.vocab_range` gives the head and the embedding are the ones the
+    sampler's `vocab_start` names: one device's sampler over the gathered logits agrees."""
+    _, runs = world_run
+    saved = runs[0]["model"]
+    inputs = model_inputs(one_device.cfg.hidden_size)
+    case = {**inputs, "logits": saved["logits"]}
+    weight, scale = one_device.embed_tokens.weight, float(one_device.embed_scale)
+    ref, ref_soft = reference.sample_and_embed(
+        saved["logits"], inputs["temperature"], inputs["uniform"], weight, scale
+    )
+    got = saved["result"]
+    assert torch.equal(got.argmax, ref.argmax)
+    assert bool(near_boundary(case, got.sample, ref.sample).all())
+    assert torch.allclose(got.lse, ref.lse, rtol=REL_TOL, atol=0)
+    err = float((saved["soft"] - ref_soft).abs().max())
+    assert err <= REL_TOL * float(ref_soft.abs().max())
+    assert all(torch.equal(run["model"]["soft"], saved["soft"]) for run in runs)
 
 
 @pytest.mark.parametrize("name", list(CASES))
