@@ -1,30 +1,36 @@
 """Weight-only int8 against fp32 and bf16 on the CPU, at one canvas: does it pay?
 
     OMP_NUM_THREADS=2 python -m loadtest.cpu.int8_bench [--rounds 7] [--footprint-mb 600]
+        [--only bench-tiny bench-small real] [--rows R]
 
 For `bench-tiny`, `bench-small` and the real 26B-A4B text shapes, at one canvas (the preset's
-canvas length in rows), times one sliding layer's projections as Canvas runs them today and as
-weight-only int8 would run them (int8 weights, a symmetric scale per output channel, activations
-unquantized):
+canvas length in rows; `--rows` another count, 1 for an AR step), times one sliding layer's
+projections as Canvas runs them today and as weight-only int8 would run them (int8 weights, a
+symmetric scale per output channel, activations unquantized):
 
 - dense: q, k, v, o, gate, up, down. `fp32` and `bf16` go through `kernels.native.moe.linear`,
   the dispatch a model's projections take (at one canvas MKL's fp32 GEMM and oneDNN's bf16 one,
   on AMX where the CPU has it). `int8` is PyTorch's weight-only GEMM,
-  `aten._weight_int8pack_mm`, with bf16 activations and scales (`int8 f32` with fp32 ones), and
-  `int8>bf16` dequantizes the weight to bf16 for every call and runs oneDNN's bf16 GEMM (what a
-  kernel that widens int8 tiles in cache before AMX would at best save: the weight bytes read).
+  `aten._weight_int8pack_mm`, with bf16 activations and scales (`int8 f32` with fp32 ones, only
+  up to INT8_F32_MAX_ROWS rows: its GEMM is tens of times slower); `int8>bf16` widens the
+  weight to bf16 for every call and runs oneDNN's bf16 GEMM. `bf16 reordered` is oneDNN's bf16
+  GEMM on a weight reordered once into its own layout (not what Canvas runs: the rate a
+  prepacked bf16 weight reaches, against which int8's halved bytes would count).
 - experts: each touched expert's gate_up and down on its rows (uniform routing: canvas x top_k
-  / experts rows each) with the GeGLU between, the same GEMMs per method; on the bench
-  checkpoints also `moe.fused_moe` (Canvas' native experts) in fp32 and bf16.
+  / experts rows each) with the GeGLU between, the same GEMMs per method (Canvas' bf16 and fp32
+  experts of the real shapes run these, the twin's); on the bench checkpoints also
+  `moe.fused_moe` (Canvas' native experts) in fp32 and bf16.
 
 A forward reads every layer's weights once, so each method cycles through copies of the layer
 (its experts) until its own weights reach the checkpoint's layer count (the bench checkpoints:
 their real cache footprint) or `--footprint-mb` (the real shapes: 25B parameters fit no cache);
-times are per layer. On the bench checkpoints one warmed forward at one canvas
-(`loadtest.cpu.dtype_bench.Step`) in fp32 and bf16 gives the share the projections take, and
-the forward int8 would give is estimated as the best forward with its dense projections swapped
-for int8's. Methods run one after another in every round (this VM is shared and drifts); each
-cell is the median over rounds, the ratio is best-of-fp32/bf16's median over the method's.
+times are per layer, with the weight bytes each method read per second beside the rate one
+`sum` streams memory at (a memory-bound projection runs near it). On the bench checkpoints one
+warmed forward at one canvas (`loadtest.cpu.dtype_bench.Step`) in fp32 and bf16 gives the share
+the projections take, and the forward int8 would give is estimated as the faster forward with
+its dense projections (then also its experts) swapped for int8's. Methods run one after another
+in every round (this VM is shared and drifts); each line has the median and the fastest round,
+and the fastest of Canvas' fp32/bf16 over the method's, for each.
 """
 
 from __future__ import annotations
@@ -108,8 +114,11 @@ def quantize(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, t
     return q, scale.to(scale_dtype)
 
 
-def methods(packs: PackedWeights) -> dict[str, tuple[torch.dtype, Callable[..., Any], Linear]]:
-    """Per method: activation dtype, how a fp32 weight is stored, and x @ stored^T."""
+def methods(
+    packs: PackedWeights, rows: int
+) -> dict[str, tuple[torch.dtype, Callable[..., Any], Linear]]:
+    """Per method: activation dtype, how a fp32 weight is stored, and x @ stored^T (`rows`:
+    the activations' rows, which oneDNN's weight layout is chosen for)."""
 
     def native(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return moe.linear(x, w, [x.shape[0]], packs)
@@ -120,10 +129,17 @@ def methods(packs: PackedWeights) -> dict[str, tuple[torch.dtype, Callable[..., 
     def widened(x: torch.Tensor, qs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return F.linear(x, qs[0].to(torch.bfloat16) * qs[1][:, None])
 
+    def reordered(w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), rows)
+
+    def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
     bf = torch.bfloat16
     return {
         "fp32": (torch.float32, lambda w: w.clone(), native),
         "bf16": (bf, lambda w: w.to(bf), native),
+        "bf16 reordered": (bf, reordered, onednn),
         "int8": (bf, lambda w: quantize(w, bf), int8),
         "int8>bf16": (bf, lambda w: quantize(w, bf), widened),
         "int8 f32": (torch.float32, lambda w: quantize(w, torch.float32), int8),
@@ -255,7 +271,7 @@ def layer_times(
     packs, footprint = PackedWeights(), args.footprint_mb << 20
     chosen = {
         label: m
-        for label, m in methods(packs).items()
+        for label, m in methods(packs, shapes.rows).items()
         if label != "int8 f32" or shapes.rows <= INT8_F32_MAX_ROWS
     }
     print(
@@ -331,6 +347,9 @@ def forward_estimate(
         swap_dense = whole - layers * (dense[best][stat] - dense[int8][stat])
         swap_all = swap_dense - layers * (experts[native][stat] - experts[int8][stat])
         share = layers * (dense[best][stat] + experts[native][stat]) / whole
+        if share >= 1:
+            print(f"    {which}: the layers' times exceed the forward's (noise): no estimate")
+            continue
         print(
             f"    {which}: {best} fastest; its dense + experts x {layers} layers = {share:.0%} "
             f"of it; with {int8} dense est. {whole / swap_dense:.2f}x, dense + experts "
