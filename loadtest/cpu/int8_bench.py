@@ -319,24 +319,22 @@ def read_rate(footprint: int, rounds: int) -> float:
 
 
 def forward_estimate(
-    preset: str,
+    path: Path,
     args: argparse.Namespace,
     dense: dict[str, tuple[float, float]],
     experts: dict[str, tuple[float, float]],
 ) -> None:
-    """Time one forward of `preset` at one canvas in fp32 and bf16 (native kernels) and print
+    """Time one forward of the checkpoint at `path` (a bench preset's) at one canvas in fp32 and
+    bf16 (native kernels) and print
     the forward int8 would give, from the medians and from the fastest rounds: the faster
     forward with its layers' dense projections (then also its experts) swapped for the fastest
     int8 method's, the rest unchanged."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / preset
-        make_tiny(path, preset)
-        steps = {}
-        for label, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
-            model = open_checkpoint(CheckpointConfig(path, dtype, "cpu", kernels="native")).model
-            steps[label] = Step(model, 1)
-        forward = medians({k: s.run for k, s in steps.items()}, args.rounds, args.warmup)
-    layers = preset_text_config(preset)["num_hidden_layers"]
+    steps = {}
+    for label, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+        model = open_checkpoint(CheckpointConfig(path, dtype, "cpu", kernels="native")).model
+        steps[label] = Step(model, 1)
+    forward = medians({k: s.run for k, s in steps.items()}, args.rounds, args.warmup)
+    layers = model.cfg.num_layers
     print(f"  forward at one canvas, with the logits{'median ms':>11} {'fastest':>9}")
     for label, (m, f) in forward.items():
         print(f"    {label:>14}{1e3 * m:>20.2f} {1e3 * f:>9.2f}")
@@ -404,7 +402,8 @@ def main(argv: list[str] | None = None) -> None:
         shapes = shapes_of(preset, text, args.rows or PRESETS[preset].canvas_length)
         dense, experts = layer_times(shapes, args, text["num_hidden_layers"], native=True)
         if not args.rows:
-            forward_estimate(preset, args, dense, experts)
+            with tempfile.TemporaryDirectory() as tmp:
+                forward_estimate(make_tiny(Path(tmp) / preset, preset), args, dense, experts)
     print("(each line: median ms of one layer, and the fastest of Canvas' fp32/bf16 / its)")
 
 
