@@ -68,7 +68,7 @@ BASELINES = ("fp32", "bf16", "fp32 native", "bf16 native")
 INT8_F32_MAX_ROWS = 64
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Shapes:
     """One sliding layer of a checkpoint at one canvas."""
 
