@@ -118,7 +118,8 @@ def methods(
     packs: PackedWeights, rows: int
 ) -> dict[str, tuple[torch.dtype, Callable[..., Any], Linear]]:
     """Per method: activation dtype, how a fp32 weight is stored, and x @ stored^T (`rows`:
-    the activations' rows, which oneDNN's weight layout is chosen for)."""
+    the activations' rows, which oneDNN's weight layout is chosen for; `bf16 reordered` only
+    where torch has oneDNN)."""
 
     def native(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return moe.linear(x, w, [x.shape[0]], packs)
@@ -136,7 +137,7 @@ def methods(
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
     bf = torch.bfloat16
-    return {
+    chosen: dict[str, tuple[torch.dtype, Callable[..., Any], Linear]] = {
         "fp32": (torch.float32, lambda w: w.clone(), native),
         "bf16": (bf, lambda w: w.to(bf), native),
         "bf16 reordered": (bf, reordered, onednn),
@@ -144,6 +145,9 @@ def methods(
         "int8>bf16": (bf, lambda w: quantize(w, bf), widened),
         "int8 f32": (torch.float32, lambda w: quantize(w, torch.float32), int8),
     }
+    if not torch.backends.mkldnn.is_available():  # a torch built without oneDNN
+        del chosen["bf16 reordered"]
+    return chosen
 
 
 def stored_bytes(stored: Any) -> int:
