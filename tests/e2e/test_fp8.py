@@ -7,55 +7,29 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
 from engine.adapt.evaluate import load_eval_prompts, question_ids
 from engine.build import BuildConfig, CheckpointConfig
 from engine.inputs.tokenizer import Tokenizer
-from engine.model import CheckpointError, Mode, load_model
+from engine.model import CheckpointError, load_model
 from engine.model.adapter import AdapterConfig, attach_adapter, save_adapter
 from engine.model.quant import FP8, quantize_fp8
 from engine.params import DecodingDefaults
 from engine.sampler import token_entropy
 from kernels.reference import dequantize_fp8
 from server.cli import main
-from tests.e2e.forward_cases import Sequences
-
-# The projections and experts a hand-written checkpoint stores in FP8.
-QUANTIZED = re.compile(
-    r"model\.decoder\.layers\.\d+\."
-    r"(self_attn\.[qkvo]_proj\.weight|mlp\.(gate|up|down)_proj\.weight|experts\.\w+_proj)$"
+from tests.e2e.fp8_cases import (
+    HAND_LAYOUT,
+    IGNORE,
+    QUANTIZED,
+    first_step_logits,
+    fp8_state,
+    write_by_hand,
 )
-IGNORE = ["lm_head", "re:.*router.*", "re:.*self_conditioning.*", r"re:.*layers\.0\.mlp\..*"]
-HAND_LAYOUT = {
-    "quant_method": "compressed-tensors",
-    "format": "float-quantized",
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
-                        "symmetric": True, "dynamic": False, "observer": "minmax"},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                  "symmetric": True, "dynamic": True, "observer": None},
-        }
-    },
-    "ignore": IGNORE,
-    "quantization_status": "compressed",
-}  # fmt: skip
-
-
-def fp8_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters as bytes (FP8 compared bit for bit)."""
-    return {
-        name: t.view(torch.uint8) if t.dtype == FP8 else t for name, t in model.state_dict().items()
-    }
 
 
 def plan_weights(capsys: pytest.CaptureFixture[str], *args: str) -> int:
@@ -91,50 +65,6 @@ def test_convert_then_load_equals_quantizing_at_load(tiny_checkpoint, tmp_path, 
     assert main(["convert", "--from", str(out), "--to", str(tmp_path / "x"),
                  "--quantization", "fp8"]) == 2  # fmt: skip
     assert "already quantized" in capsys.readouterr().err
-
-
-def write_by_hand(
-    source: Path, out: Path, layout: dict, quantized: re.Pattern = QUANTIZED
-) -> dict[str, torch.Tensor]:
-    """`source` with the tensors `quantized` matches (but layer 0's MLP) in FP8 with bf16
-    scales [out, 1] and `layout` in config.json; returns the dequantized fp32 value of every
-    quantized tensor, by key."""
-    shutil.copytree(source, out)
-    tensors, values = {}, {}
-    with safe_open(str(source / "model.safetensors"), framework="pt") as handle:
-        for key in handle.keys():  # noqa: SIM118 (not a dict)
-            tensor = handle.get_tensor(key)
-            if quantized.match(key) and not re.match(r".*layers\.0\.mlp\.", key):
-                w = tensor.float()
-                scale = (w.abs().amax(-1, keepdim=True) / 448).to(torch.bfloat16)
-                tensor = (w / scale.float()).clamp(-448, 448).to(FP8)
-                tensors[key + "_scale"] = scale
-                values[key] = tensor.float() * scale.float()
-            tensors[key] = tensor
-    save_file(tensors, str(out / "model.safetensors"))
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(config | {"quantization_config": layout}))
-    return values
-
-
-def first_step_logits(
-    model: torch.nn.Module, seed: int, prompts: list[list[int]] | None = None
-) -> torch.Tensor:
-    """The logits [canvas, vocab] of a first denoising step over a random canvas after a
-    random 12-token prompt; with `prompts`, [prompt, canvas, vocab], one random canvas after
-    each prompt, all in one forward."""
-    length, vocab = model.config.canvas_length, model.cfg.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    one = prompts is None
-    if prompts is None:
-        prompts = [torch.randint(0, vocab, (12,), generator=gen).tolist()]
-    canvases = torch.randint(0, vocab, (len(prompts), length), generator=gen)
-    seqs = Sequences(model, len(prompts), max(map(len, prompts)) + length)
-    rows = [seqs.row(i, Mode.ENCODE, 0, len(p)) for i, p in enumerate(prompts)]
-    seqs.run(rows, torch.tensor([t for p in prompts for t in p]))
-    rows = [seqs.row(i, Mode.DECODE, len(p), length) for i, p in enumerate(prompts)]
-    logits = model.logits(seqs.run(rows, canvases.flatten())).float()
-    return logits.reshape(length, -1) if one else logits.reshape(len(prompts), length, -1)
 
 
 def first_step_accepted(logits: torch.Tensor) -> torch.Tensor:
@@ -199,35 +129,6 @@ def test_fp8_checkpoints_the_loader_cannot_run_are_refused(tiny_checkpoint, tmp_
     write_by_hand(tiny_checkpoint("c16"), tmp_path / "no-k", HAND_LAYOUT, no_k)
     with pytest.raises(CheckpointError, match="a module's projections all FP8 or none"):
         load_model(tmp_path / "no-k")
-
-
-def test_an_fp8_checkpoint_with_one_tensor_per_expert_is_refused_naming_the_layout(
-    tiny_checkpoint, tmp_path
-):
-    """llm-compressor's layout for experts that are Linear modules: each expert's gate, up and
-    down projections (and their scales) on their own, beside no fused tensor."""
-    source = tiny_checkpoint("c16")
-    write_by_hand(source, tmp_path / "fused", HAND_LAYOUT)
-    per_expert = tmp_path / "per-expert"
-    shutil.copytree(tmp_path / "fused", per_expert)
-    fused = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)(_scale)?$")
-    tensors = {}
-    with safe_open(str(per_expert / "model.safetensors"), framework="pt") as handle:
-        for key in handle.keys():  # noqa: SIM118 (not a dict)
-            tensor, match = handle.get_tensor(key), fused.match(key)
-            if match is None:
-                tensors[key] = tensor
-                continue
-            experts, proj, scale = match[1], match[2], match[3] or ""
-            for e, one in enumerate(tensor):
-                names = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
-                for name, part in zip(names, one.chunk(len(names)), strict=True):
-                    tensors[f"{experts}.{e}.{name}.weight{scale}"] = part.contiguous()
-    save_file(tensors, str(per_expert / "model.safetensors"))
-    assert any(".experts.0.gate_proj.weight_scale" in key for key in tensors)
-    with pytest.raises(CheckpointError, match=r"one tensor per expert \(model\.decoder\.layers"):
-        load_model(per_expert)
-    load_model(tmp_path / "fused", kernels="twins")  # the fused layout of the same weights loads
 
 
 def test_exact_numerics_refuse_fp8(tiny_checkpoint, tmp_path):
