@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -78,14 +79,39 @@ def first_step_accepted(logits: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(accept).scatter(-1, order, accept)
 
 
+class Agreement(NamedTuple):
+    """How many of a first step's argmaxes the FP8 model shares with the unquantized one."""
+
+    everywhere: float
+    committed: float  # at the positions the unquantized model commits (`first_step_accepted`)
+    beyond_bound: float  # at the positions whose top-2 margin exceeds `bound` (nan: none do)
+    num_beyond: int
+    bound: float  # FP8's error bound on a top-2 margin (`first_step_agreement`)
+
+
 def first_step_agreement(
     base: torch.nn.Module, fp8: torch.nn.Module, prompts: list[list[int]]
-) -> tuple[float, float]:
-    """How many of the first step's argmaxes the FP8 model shares with the unquantized one
-    (one canvas per prompt): at every position, and at the positions `base` commits."""
+) -> Agreement:
+    """The first step's agreement over one canvas per prompt. FP8's error bound on a top-2
+    margin is measured on other canvases (seed 1): the 99th percentile of how far FP8 moves the
+    unquantized second logit against the first. An argmax whose margin exceeds it flips only
+    where FP8 moves a margin more than at 99 of 100 positions, so agreement there is what the
+    quantizer gets right where the unquantized model is not at a near-tie."""
+    other, other_fp8 = first_step_logits(base, 1, prompts), first_step_logits(fp8, 1, prompts)
+    top2 = other.topk(2, dim=-1).indices
+    moved = (other_fp8 - other).gather(-1, top2)
+    bound = torch.quantile((moved[..., 1] - moved[..., 0]).abs().flatten(), 0.99).item()
     expected, logits = first_step_logits(base, 0, prompts), first_step_logits(fp8, 0, prompts)
     same = (expected.argmax(-1) == logits.argmax(-1)).float()
-    return same.mean().item(), same[first_step_accepted(expected)].mean().item()
+    values = expected.topk(2, dim=-1).values
+    beyond = values[..., 0] - values[..., 1] > bound
+    return Agreement(
+        same.mean().item(),
+        same[first_step_accepted(expected)].mean().item(),
+        same[beyond].mean().item(),
+        int(beyond.sum()),
+        bound,
+    )
 
 
 def test_a_hand_written_compressed_tensors_checkpoint_loads_and_runs_dequantized(
@@ -142,9 +168,10 @@ def test_exact_numerics_refuse_fp8(tiny_checkpoint, tmp_path):
 # The tolerances (docs/gpu.md, "FP8 quality", has the measured figures and why): 0.05 under
 # the measured agreement at every position and at the positions the unquantized model commits
 # (where it is confident); convergence within 10% of the steps. Random tiny stacks are chaotic:
-# rounding their weights to bf16 alone flips 4% of the first step's argmaxes, and FP8 flips
-# some whose logit margin is above 8, so the Goal's 99% is checked on the default model's real
-# weights below.
+# rounding their weights to bf16 alone moves c16's logits by 5% of their norm and flips 5% of
+# the first step's argmaxes, FP8 moves them by 36% (the real weights' by 5%) and flips some
+# whose margin is above 8, so FP8's error bound on a margin (13) leaves no position to check
+# the Goal's 99% at: it is checked on the default model's real weights below.
 TINY_MIN_AGREEMENT = (0.61, 0.82)  # measured 0.66 and 0.875
 MAX_STEPS_RATIO = 1.10
 
@@ -158,7 +185,7 @@ def test_fp8_quality_against_the_unquantized_model(tiny_checkpoint):
     prompts = [
         torch.randint(0, base.cfg.vocab_size, (12,), generator=gen).tolist() for _ in range(16)
     ]
-    everywhere, committed = first_step_agreement(base, fp8, prompts)
+    agreement = first_step_agreement(base, fp8, prompts)
     steps = []
     for quantization in ("auto", "fp8"):
         config = CheckpointConfig(path, dtype="float32", kernels="twins", quantization=quantization)
@@ -167,17 +194,21 @@ def test_fp8_quality_against_the_unquantized_model(tiny_checkpoint):
         outs = llm.generate(prompts, SamplingParams(max_tokens=32, seed=0))
         counts = [n for out in outs for n in out.steps_per_canvas]
         steps.append(sum(counts) / len(counts))
-    print(f"first-step agreement {everywhere:.3f}, committed {committed:.3f}, steps {steps}")
-    assert everywhere >= TINY_MIN_AGREEMENT[0] and committed >= TINY_MIN_AGREEMENT[1]
+    print(f"first step: {agreement}, steps {steps}")
+    assert agreement.everywhere >= TINY_MIN_AGREEMENT[0]
+    assert agreement.committed >= TINY_MIN_AGREEMENT[1]
     assert steps[1] <= MAX_STEPS_RATIO * steps[0] and steps[0] <= MAX_STEPS_RATIO * steps[1]
 
 
 # On the default model's real weights (SmolLM2-135M; the first 8 shipped questions): measured
-# 0.855 at every position and 1.0 at the committed ones; 0.05 under the first, the Goal's 0.99
-# for the second. Most positions of a first step over a random canvas are near-ties (median
-# top-1 probability 0.15), which FP8's rounding flips (rounding to bf16 alone flips 1%).
+# 0.855 at every position, 1.0 at the committed ones and 1.0 at the 98 of 256 positions whose
+# top-2 margin exceeds FP8's error bound (1.15); 0.05 under the first, the Goal's 0.99 for the
+# others. Most positions of a first step over a random canvas are near-ties (median top-1
+# probability 0.15) that FP8's rounding flips (rounding to bf16 alone flips 0.5%): every flip
+# is at a margin under 1 logit.
 DEFAULT_QUESTIONS = 8
 DEFAULT_MIN_AGREEMENT = (0.80, 0.99)
+DEFAULT_MIN_BEYOND = 20
 
 
 @pytest.mark.skipif(
@@ -199,9 +230,12 @@ def test_fp8_first_step_on_the_default_models_real_weights():
     prompts = [
         question_ids(tokenizer, p.question) for p in load_eval_prompts(limit=DEFAULT_QUESTIONS)
     ]
-    everywhere, committed = first_step_agreement(base, fp8, prompts)
-    print(f"first-step agreement {everywhere:.3f}, committed {committed:.3f}")
-    assert everywhere >= DEFAULT_MIN_AGREEMENT[0] and committed >= DEFAULT_MIN_AGREEMENT[1]
+    agreement = first_step_agreement(base, fp8, prompts)
+    print(f"first step: {agreement}")
+    assert agreement.everywhere >= DEFAULT_MIN_AGREEMENT[0]
+    assert agreement.committed >= DEFAULT_MIN_AGREEMENT[1]
+    assert agreement.beyond_bound >= DEFAULT_MIN_AGREEMENT[1]
+    assert agreement.num_beyond >= DEFAULT_MIN_BEYOND
 
 
 def test_an_adapter_on_fp8_weights_has_its_self_conditioning_quantized(tiny_checkpoint, tmp_path):
