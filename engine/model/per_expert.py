@@ -9,8 +9,8 @@ reads them as the fused layout of the unquantized checkpoint (transformers' `gat
 each expert's gate rows, then its up rows): `<p>.experts.gate_up_proj` [E, 2I, H] and
 `<p>.experts.down_proj` [E, H, I], and, when FP8, `<p>.experts.gate_up_proj_scale` [E, 2I, 1]
 and `<p>.experts.down_proj_scale` [E, H, 1] in fp32 (`engine.model.quant`'s layout). A fused
-tensor is filled on the device it loads to one expert's projection at a time, so a load holds
-the fused tensor and one expert's part of it, never a second copy.
+tensor is made on the device it loads to and filled there one expert's projection at a time
+from the memory-mapped file: a load never holds every expert's parts beside the fused tensor.
 
 Refused with a CheckpointError naming the key: a missing expert or projection, an expert past
 config.json's num_experts, a layer with both layouts, parts whose shapes or dtypes differ, an
@@ -63,9 +63,7 @@ class ExpertStack:
     def read(self, get: Callable[[str], torch.Tensor], device: str) -> torch.Tensor:
         """The fused tensor on `device`, filled one part at a time (`get(key)`: a part, e.g.
         memory-mapped)."""
-        out: torch.Tensor | None = (
-            None  # [E, rows, cols], made once the first part's dtype is known
-        )
+        out: torch.Tensor | None = None  # [E, rows, cols], made with the first part's dtype
         for expert, keys in enumerate(self.parts):
             row = 0
             for key in keys:
@@ -85,7 +83,7 @@ def find_stacks(
     """The fused tensors that `keys` (a checkpoint's tensors) hold one tensor per expert, by
     fused key; {} for a checkpoint without per-expert tensors. CheckpointError naming the key
     for any case the module docstring refuses."""
-    groups: dict[str, dict[int, set[str]]] = {}  # <p>.experts -> expert -> its tensors' names
+    groups: dict[str, None] = {}  # each `<p>.experts` with tensors per expert, in key order
     for key in keys:
         match = PER_EXPERT.match(key)
         if match is None:
@@ -99,7 +97,7 @@ def find_stacks(
             raise CheckpointError(
                 f"tensor {key} is expert {expert}, but config.json has num_experts={num_experts}"
             )
-        groups.setdefault(match["experts"], {}).setdefault(expert, set()).add(match["name"])
+        groups[match["experts"]] = None
     stacks = {}
     for experts in groups:
         for fused, projs in FUSED.items():

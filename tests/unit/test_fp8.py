@@ -12,6 +12,7 @@ import torch
 from engine.checkpoints.tiny import REAL_26B_A4B_TEXT_CONFIG
 from engine.device.memory import GB, Fp8Paths, meta_model, model_shapes
 from engine.model.config import CheckpointError, ModelConfig, parse_text_config
+from engine.model.per_expert import find_stacks
 from engine.model.quant import FP8, Fp8Layout, fp8_candidates, parse_layout, quantize_fp8
 from kernels.reference import dequantize_fp8
 from server.cli import main
@@ -166,3 +167,44 @@ def test_canvas_plan_refuses_exact_with_fp8(capsys):
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err
     assert "--exact" in err and "--quantization fp8" in err
+
+
+def test_per_expert_tensors_stack_gate_then_up_one_part_at_a_time():
+    """transformers' fused gate_up_proj holds each expert's gate rows, then its up rows."""
+    experts, hidden, inter = 3, 8, 4
+    stored = {}
+    for e in range(experts):
+        for proj, rows in (("gate_proj", inter), ("up_proj", inter), ("down_proj", hidden)):
+            weight = torch.randn(rows, inter if proj == "down_proj" else hidden)
+            stored[f"m.experts.{e}.{proj}.weight"], scale = quantize_fp8(weight)
+            stored[f"m.experts.{e}.{proj}.weight_scale"] = scale.to(torch.bfloat16)
+    stored["m.router.per_expert_scale"] = torch.ones(experts)  # not an expert's tensor
+
+    def meta(key: str) -> tuple[list[int], str]:
+        return list(stored[key].shape), {FP8: "F8_E4M3"}.get(stored[key].dtype, "BF16")
+
+    stacks = find_stacks(stored.keys(), meta, experts, Fp8Layout())
+    assert sorted(stacks) == [
+        "m.experts.down_proj",
+        "m.experts.down_proj_scale",
+        "m.experts.gate_up_proj",
+        "m.experts.gate_up_proj_scale",
+    ]
+    read: list[str] = []
+
+    def get(key: str) -> torch.Tensor:
+        read.append(key)
+        return stored[key]
+
+    gate_up = stacks["m.experts.gate_up_proj"].read(get, "cpu")
+    assert gate_up.shape == (experts, 2 * inter, hidden) and gate_up.dtype == FP8
+    assert read == [
+        f"m.experts.{e}.{p}_proj.weight" for e in range(experts) for p in ("gate", "up")
+    ]
+    for e in range(experts):
+        gate, up = gate_up[e].view(torch.uint8).chunk(2)
+        assert torch.equal(gate, stored[f"m.experts.{e}.gate_proj.weight"].view(torch.uint8))
+        assert torch.equal(up, stored[f"m.experts.{e}.up_proj.weight"].view(torch.uint8))
+    scales = stacks["m.experts.down_proj_scale"].read(get, "cpu")
+    assert scales.shape == (experts, hidden, 1) and scales.dtype == torch.float32
+    assert torch.equal(scales[2], stored["m.experts.2.down_proj.weight_scale"].float())
