@@ -75,6 +75,9 @@ GPUS = {
 TRITON = "triton"
 SCALED_MM_CAPABILITY = (9, 0)
 E4M3_CAPABILITY = (8, 9)
+# `kernels.triton_fp8.fp8_linear` takes `_scaled_mm` only where both of a weight's dimensions
+# are multiples of this; another weight's calls dequantize it.
+SCALED_MM_MULTIPLE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,8 +222,9 @@ def fp8_workspace(model: DiffusionLM, dtype: torch.dtype, fp8: Fp8Paths) -> tupl
     one call's dequantized weights, bytes per token). A dequantizing call
     (`kernels.reference_fp8`) holds the fp32 product of a weight and its copy in `dtype`; the
     experts' holds both expert weights in `dtype` beside the larger one's fp32 product. A
-    `_scaled_mm` projection (bf16 only) holds its input's FP8 copy and fp32 per-token scale;
-    the FP8 expert GEMM, what the unquantized one does. (0, 0) without FP8 weights."""
+    `_scaled_mm` projection (bf16, both dimensions multiples of 16) holds its input's FP8 copy
+    and fp32 per-token scale; the FP8 expert GEMM, what the unquantized one does. (0, 0)
+    without FP8 weights."""
     size = dtype.itemsize
     scaled_mm = fp8.scaled_mm and dtype == torch.bfloat16
     dequant = per_token = 0
@@ -230,10 +234,12 @@ def fp8_workspace(model: DiffusionLM, dtype: torch.dtype, fp8: Fp8Paths) -> tupl
         if any(p.dim() == 3 for p in fp8_weights):  # the experts: [E, out, in]
             if not fp8.fp8_experts:
                 dequant = max(dequant, sum(sizes) * size + max(sizes) * 4)
-        elif fp8_weights and scaled_mm:
-            per_token = max([per_token] + [p.shape[-1] + 4 for p in fp8_weights])
-        elif fp8_weights:
-            dequant = max(dequant, max(sizes) * (size + 4))
+            continue
+        for weight in fp8_weights:  # [out, in]
+            if scaled_mm and all(d % SCALED_MM_MULTIPLE == 0 for d in weight.shape):
+                per_token = max(per_token, weight.shape[-1] + 4)
+            else:
+                dequant = max(dequant, weight.numel() * (size + 4))
     return dequant, per_token
 
 

@@ -135,6 +135,11 @@ def test_the_plan_holds_room_for_what_each_devices_fp8_kernels_allocate():
     assert sm90.dequant_bytes == 0 and sm90.token_bytes == bf16.token_bytes + 16 * 512 + 4
     fp32 = meta_model(real_config(), torch.float32, "fp8")  # `_scaled_mm` takes bf16 only
     assert model_shapes(fp32, fp8=Fp8Paths.bound("triton", (9, 0))).dequant_bytes > 0
+    # a dense MLP 2,120 wide is not `_scaled_mm`'s (multiples of 16): its calls dequantize
+    text = parse_text_config(dict(REAL_26B_A4B_TEXT_CONFIG, intermediate_size=2120))
+    odd = meta_model(ModelConfig("diffusion_gemma", text, 256, "bfloat16"), torch.bfloat16, "fp8")
+    odd_sm90 = model_shapes(odd, fp8=Fp8Paths.bound("triton", (9, 0)))
+    assert odd_sm90.dequant_bytes == 2120 * 2816 * (2 + 4)
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0)])
