@@ -30,6 +30,7 @@ from engine.kv_pages import PageGeometry
 from engine.logits.filters import FILTER_CHUNK_ELEMENTS
 from engine.model import BACKBONES, DiffusionLM
 from engine.model.config import LayerType, ModelConfig, TextConfig
+from engine.model.quant import FP8, fp8_candidates, make_fp8
 
 if TYPE_CHECKING:
     from engine.engine import EngineConfig
@@ -55,16 +56,55 @@ EXACT_LOGIT_COPIES = 7
 
 @dataclass(frozen=True, slots=True)
 class Gpu:
-    """A GPU `canvas plan` assumes: `total_bytes` is what CUDA reports as its memory."""
+    """A GPU `canvas plan` assumes: `total_bytes` is what CUDA reports as its memory;
+    `capability`, its compute capability (which FP8 kernels it runs: `Fp8Paths`)."""
 
     name: str
     total_bytes: int
+    capability: tuple[int, int]
 
 
 GPUS = {
-    "h100": Gpu("H100 80 GB (81,559 MiB)", 81_559 << 20),
-    "h200": Gpu("H200 141 GB (143,771 MiB)", 143_771 << 20),
+    "a100": Gpu("A100 80 GB (81,920 MiB)", 81_920 << 20, (8, 0)),
+    "h100": Gpu("H100 80 GB (81,559 MiB)", 81_559 << 20, (9, 0)),
+    "h200": Gpu("H200 141 GB (143,771 MiB)", 143_771 << 20, (9, 0)),
 }
+# The Triton backend's FP8 kernels that read FP8 operands instead of dequantizing, and the
+# compute capabilities they are bound on (`kernels.triton_fp8.scaled_mm_rowwise`: sm_90 only;
+# `kernels.triton_fp8.e4m3_kernels`: from sm_89); tests hold these to those predicates.
+TRITON = "triton"
+SCALED_MM_CAPABILITY = (9, 0)
+E4M3_CAPABILITY = (8, 9)
+# `kernels.triton_fp8.fp8_linear` takes `_scaled_mm` only where both of a weight's dimensions
+# are multiples of this; another weight's calls dequantize it.
+SCALED_MM_MULTIPLE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Paths:
+    """Which FP8 kernels an engine runs, which decides what they hold beside the weights.
+    `scaled_mm`: dense projections through `torch._scaled_mm` over a per-token FP8 copy of
+    their bf16 input (else each call dequantizes its weight); `fp8_experts`: the expert GEMM
+    reads the FP8 experts (else each call dequantizes a layer's experts)."""
+
+    scaled_mm: bool = False
+    fp8_experts: bool = False
+
+    @classmethod
+    def bound(cls, backend: str, capability: tuple[int, int] | None) -> Fp8Paths:
+        """What kernel backend `backend` binds on a CUDA device of compute `capability` (None:
+        a CPU): the Triton backend's FP8 kernels where the capability has them; every other
+        backend, and the Triton backend on sm_80, dequantizes."""
+        if backend != TRITON or capability is None:
+            return cls()
+        return cls(capability == SCALED_MM_CAPABILITY, capability >= E4M3_CAPABILITY)
+
+    @classmethod
+    def of(cls, model: DiffusionLM) -> Fp8Paths:
+        """The paths of `model`'s bound kernels on the device it is loaded on."""
+        device = model.embed_tokens.weight.device
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        return cls.bound(model.kernels.backend, capability)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,16 +177,19 @@ class ModelShapes:
     max_position: int
     kv_bytes_per_position: dict[LayerType, int]  # K and V of every layer of the type
     slot_bytes: int  # one running request's sampler state (canvas, draft, soft input)
-    token_bytes: int  # one token of a step: its activations
+    token_bytes: int  # one token of a step: its activations (and FP8 copies: `fp8_workspace`)
     logit_bytes: int  # one sampled position: its logits in the sampler
     filter_bytes: int  # the filters' workspace and one canvas's raw logits kept beside it
     text: TextConfig = field(repr=False)
-    dequant_bytes: int = 0  # FP8 weights dequantized for one kernel call (`dequantized_bytes`)
+    dequant_bytes: int = 0  # FP8 weights dequantized for one kernel call (`fp8_workspace`)
 
 
-def model_shapes(model: DiffusionLM, exact: bool = False) -> ModelShapes:
+def model_shapes(
+    model: DiffusionLM, exact: bool = False, fp8: Fp8Paths | None = None
+) -> ModelShapes:
     """The shapes of `model` (loaded, or built on the meta device: nothing is read), with
-    `exact` numerics' sampler or the fast one."""
+    `exact` numerics' sampler or the fast one, and FP8 weights run by the kernels `fp8` names
+    (None: those `model` has bound, on its device)."""
     cfg = model.cfg
     dtype = model.embed_tokens.weight.dtype
     size = dtype.itemsize
@@ -158,31 +201,46 @@ def model_shapes(model: DiffusionLM, exact: bool = False) -> ModelShapes:
     vocab = cfg.vocab_size
     # The fp32 logits (exact numerics' copies of them) and the head's output while it is cast.
     sampler = (4 * (EXACT_LOGIT_COPIES if exact else 1) + size) * vocab
+    dequant, fp8_token = fp8_workspace(model, dtype, Fp8Paths.of(model) if fp8 is None else fp8)
     return ModelShapes(
         weights_bytes=sum(t.numel() * t.element_size() for t in tensors),
         canvas_length=length,
         max_position=cfg.max_position_embeddings,
         kv_bytes_per_position=kv,
         slot_bytes=length * (2 * 8 + cfg.hidden_size * size),
-        token_bytes=activation_bytes_per_token(cfg, size),
+        token_bytes=activation_bytes_per_token(cfg, size) + fp8_token,
         logit_bytes=sampler,
         filter_bytes=FILTER_BYTES_PER_ENTRY * min(FILTER_CHUNK_ELEMENTS, length * vocab)
         + 4 * length * vocab,
         text=cfg,
-        dequant_bytes=dequantized_bytes(model, size),
+        dequant_bytes=dequant,
     )
 
 
-def dequantized_bytes(model: DiffusionLM, size: int) -> int:
-    """The most one FP8 kernel call holds of dequantized weights (`kernels.reference_fp8`,
-    until FP8 GEMMs replace the twins): one module's FP8 weights in the activations' dtype
-    (`size` bytes), beside the fp32 product of the largest of them. 0 without FP8 weights."""
-    most = 0
+def fp8_workspace(model: DiffusionLM, dtype: torch.dtype, fp8: Fp8Paths) -> tuple[int, int]:
+    """What `model`'s FP8 weights' kernels hold beside them, activations of `dtype`: (bytes of
+    one call's dequantized weights, bytes per token). A dequantizing call
+    (`kernels.reference_fp8`) holds the fp32 product of a weight and its copy in `dtype`; the
+    experts' holds both expert weights in `dtype` beside the larger one's fp32 product. A
+    `_scaled_mm` projection (bf16, both dimensions multiples of 16) holds its input's FP8 copy
+    and fp32 per-token scale; the FP8 expert GEMM, what the unquantized one does. (0, 0)
+    without FP8 weights."""
+    size = dtype.itemsize
+    scaled_mm = fp8.scaled_mm and dtype == torch.bfloat16
+    dequant = per_token = 0
     for module in model.modules():
-        fp8 = [p.numel() for p in module.parameters(recurse=False) if p.element_size() == 1]
-        if fp8:
-            most = max(most, sum(fp8) * size + max(fp8) * 4)
-    return most
+        fp8_weights = [p for p in module.parameters(recurse=False) if p.dtype == FP8]
+        sizes = [p.numel() for p in fp8_weights]
+        if any(p.dim() == 3 for p in fp8_weights):  # the experts: [E, out, in]
+            if not fp8.fp8_experts:
+                dequant = max(dequant, sum(sizes) * size + max(sizes) * 4)
+            continue
+        for weight in fp8_weights:  # [out, in]
+            if scaled_mm and all(d % SCALED_MM_MULTIPLE == 0 for d in weight.shape):
+                per_token = max(per_token, weight.shape[-1] + 4)
+            else:
+                dequant = max(dequant, weight.numel() * (size + 4))
+    return dequant, per_token
 
 
 def activation_bytes_per_token(cfg: TextConfig, size: int) -> int:
@@ -202,8 +260,6 @@ def meta_model(config: ModelConfig, dtype: torch.dtype, quantization: str = "aut
     """The engine's model for `config` on the meta device: shapes and sizes, no memory.
     `quantization` "fp8": its projections and experts FP8 with their fp32 scales, as
     `--quantization fp8` loads them (`engine.model.quant`)."""
-    from engine.model.quant import fp8_candidates, make_fp8
-
     with torch.device("meta"):
         model = BACKBONES[config.model_type](config)
     model = model.to(dtype)

@@ -5,8 +5,11 @@
 Each weight file is rewritten under its own name, one tensor at a time, so memory holds at most
 one file's tensors: the projections and experts quantized exactly as `--quantization fp8`
 quantizes them at load (loading either gives the same FP8 weights and scales bit for bit), every
-other tensor copied as stored. The other files (tokenizer, generation config, adapter) are
-copied; config.json gains the `quantization_config`.
+other tensor copied as stored. The experts keep the source's layout: fused (`experts.
+gate_up_proj` and `experts.down_proj`, as Canvas and transformers write them) or one tensor per
+expert (`engine.model.per_expert`), each quantized per output channel, which gives the same
+bits. The other files (tokenizer, generation config, adapter) are copied; config.json gains
+the `quantization_config`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from safetensors.torch import save_file
 
 from engine.model.config import CheckpointError
 from engine.model.loader import BACKBONES, checkpoint_names, load_model_config, weight_files
+from engine.model.per_expert import expert_weight
 from engine.model.quant import SCALE_SUFFIX, Fp8Layout, fp8_candidates, quantize_fp8, read_layout
 
 INDEX = "model.safetensors.index.json"
@@ -47,7 +51,8 @@ def write_fp8_checkpoint(source: str | Path, out: str | Path) -> Path:
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             keys = set(handle.keys())
-            quantize = {_key(name, keys) for name in names} - {None}
+            quantize = {_key(name, keys) for name in names}
+            quantize |= {key for key in keys if expert_weight(key)}  # experts stored one by one
             tensors = {}
             for key in sorted(keys):
                 tensor = handle.get_tensor(key)

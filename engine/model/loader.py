@@ -30,6 +30,7 @@ from engine.model.base import DiffusionLM
 from engine.model.config import CheckpointError, ModelConfig, parse_model_config
 from engine.model.diffusion_gemma import DiffusionGemma
 from engine.model.llama import LlamaDiffusion
+from engine.model.per_expert import ExpertStack, find_stacks
 from engine.model.quant import (
     SAFETENSORS_FP8,
     Fp8Choice,
@@ -37,7 +38,6 @@ from engine.model.quant import (
     make_fp8,
     read_layout,
     refuse_exact,
-    refuse_per_expert,
 )
 from kernels import resolve_kernels
 
@@ -129,10 +129,13 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 class _Tensors:
-    """Key → (file handle) over all shards, opened memory-mapped."""
+    """Key → (file handle) over all shards, opened memory-mapped; with `stacks`, the fused
+    expert tensors the checkpoint holds one tensor per expert (`engine.model.per_expert`),
+    which stand in for their parts."""
 
     def __init__(self, files: list[Path], stack: ExitStack) -> None:
         self.where: dict[str, object] = {}
+        self.stacks: dict[str, ExpertStack] = {}
         for path in files:
             try:
                 handle = stack.enter_context(safe_open(str(path), framework="pt"))
@@ -144,14 +147,24 @@ class _Tensors:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 self.where[key] = handle
 
+    def __contains__(self, key: str) -> bool:
+        return key in self.where or key in self.stacks
+
     def keys(self) -> Iterator[str]:
-        return iter(self.where)
+        parts = {key for s in self.stacks.values() for expert in s.parts for key in expert}
+        yield from (key for key in self.where if key not in parts)
+        yield from self.stacks
 
     def meta(self, key: str) -> tuple[list[int], str]:
+        if key in self.stacks:
+            return list(self.stacks[key].shape), self.stacks[key].dtype
         sl = self.where[key].get_slice(key)  # type: ignore[attr-defined]
         return list(sl.get_shape()), sl.get_dtype()
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, device: str = "cpu") -> torch.Tensor:
+        """The tensor of `key`: memory-mapped as stored, or a stack read onto `device`."""
+        if key in self.stacks:
+            return self.stacks[key].read(self.get, device)
         return self.where[key].get_tensor(key)  # type: ignore[attr-defined]
 
 
@@ -186,7 +199,8 @@ def load_model(
     refuse_exact(exact, "an FP8 checkpoint" if layout is not None else fp8_source)
     with ExitStack() as stack:
         tensors = _Tensors(weight_files(model_dir), stack)
-        refuse_per_expert(tensors.keys())
+        experts = config.text.num_experts
+        tensors.stacks = find_stacks(tensors.where.keys(), tensors.meta, experts, layout)
         config = _with_vision_weights(config, tensors)
         with torch.device("meta"):
             model = BACKBONES[config.model_type](config)
@@ -207,7 +221,7 @@ def load_model(
             # Kept as views into the memory-mapped file when no cast is needed (as transformers
             # does): CPU GEMM results depend on operand alignment in the last bit, and matching
             # the reference bit for bit needs the same memory layout.
-            state.update(fp8.load(name, tensors.get(key), device, target))
+            state.update(fp8.load(name, tensors.get(key, device), device, target))
     model.load_state_dict(state, assign=True, strict=True)
     model.init_rope(device)  # non-persistent buffers were created on the meta device
     model.bind_kernels(resolve_kernels(torch.device(device).type, kernels, exact))
@@ -263,8 +277,7 @@ def _nbytes(tensors: _Tensors, key: str) -> int:
 
 def _stored(tensors: _Tensors, name: str) -> tuple[str, str] | None:
     """The checkpoint key and safetensors dtype that hold Canvas parameter `name`."""
-    available = tensors.where
-    key = next((c for c in checkpoint_names(name) if c in available), None)
+    key = next((c for c in checkpoint_names(name) if c in tensors), None)
     return None if key is None else (key, tensors.meta(key)[1])
 
 

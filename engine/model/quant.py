@@ -10,8 +10,9 @@ tensors), no `kv_cache_scheme` or `sparsity_config`, and an `ignore` list of mod
 "re:<regex>" kept unquantized. A quantized parameter `<name>` is stored as F8_E4M3 beside
 `<name>_scale` [..., out, 1] (fp32, bf16 or fp16): `q_proj.weight` and `q_proj.weight_scale`;
 the fused experts' `experts.gate_up_proj` and `experts.gate_up_proj_scale`, a scale per expert
-and output channel (experts stored one tensor per expert are refused, `refuse_per_expert`).
-Its value is fp8 * scale.
+and output channel. Experts stored one tensor per expert and projection (llm-compressor's
+`experts.<e>.gate_proj.weight` and `weight_scale`, `up_proj`, `down_proj`) are read as those
+fused tensors (`engine.model.per_expert`). Its value is fp8 * scale.
 
 What may be FP8 in Canvas is what a module lists in its `FP8_PARAMS`: attention's and the dense
 MLPs' projections, the experts. The embedding (and tied head), router, norms and vision tower
@@ -45,30 +46,6 @@ WEIGHTS |= {"dynamic": False}
 INPUT_ACTIVATIONS = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
 # The modules a converted checkpoint keeps unquantized, in compressed-tensors' spelling.
 IGNORE = ("lm_head", "re:.*embed.*", "re:.*router.*", "re:.*vision.*")
-
-
-# A projection of one expert on its own (how llm-compressor writes a model whose experts are
-# Linear modules): Canvas reads the experts fused, one tensor of every expert per projection.
-PER_EXPERT = re.compile(r"(?P<experts>.*\.experts)\.\d+\.(gate|up|down)_proj\.weight$")
-
-
-def refuse_per_expert(keys: Iterable[str]) -> None:
-    """CheckpointError naming the layout when `keys` (a checkpoint's tensors) hold an expert's
-    projection one tensor per expert (`<layer>.experts.<e>.gate_proj.weight`, `up_proj`,
-    `down_proj`, with or without FP8 `_scale`s); Canvas reads only the fused layout."""
-    for key in keys:
-        match = PER_EXPERT.match(key)
-        if match is not None:
-            experts = match["experts"]
-            raise CheckpointError(
-                f"tensor {key} holds one expert's projection: this checkpoint stores its "
-                f"experts one tensor per expert ({experts}.<e>.gate_proj/up_proj/down_proj"
-                f".weight), a layout Canvas does not read; it reads them fused, "
-                f"{experts}.gate_up_proj [experts, 2 * moe_intermediate_size, hidden_size] and "
-                f"{experts}.down_proj [experts, hidden_size, moe_intermediate_size], FP8 with "
-                f"their {SCALE_SUFFIX} [experts, out, 1] (stack each layer's experts in that "
-                "layout)"
-            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
-"""`canvas plan`: the memory plan (`engine.device.memory`) of a model's real shapes on one H100
-or H200, without a GPU: the model is built on the meta device from its config.json (or a
-preset), its weights counted from the parameters' shapes and dtypes, and the GPU's memory
-taken from `engine.device.memory.GPUS`."""
+"""`canvas plan`: the memory plan (`engine.device.memory`) of a model's real shapes on one A100,
+H100 or H200, without a GPU: the model is built on the meta device from its config.json (or a
+preset), its weights counted from the parameters' shapes and dtypes, the GPU's memory taken
+from `engine.device.memory.GPUS`, and FP8 weights run by the kernels the Triton backend (a CUDA
+engine's default) binds at that GPU's compute capability."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ import json
 import sys
 from pathlib import Path
 
-from engine.device.memory import GB, GPUS, MemoryPlan, assumed_gpu, meta_model, model_shapes
+from engine.device.memory import (
+    GB,
+    GPUS,
+    TRITON,
+    Fp8Paths,
+    MemoryPlan,
+    assumed_gpu,
+    meta_model,
+    model_shapes,
+)
 from engine.model.config import ModelConfig
 from server.cli.config import DTYPE, ENGINE_FLAGS, EXACT, QUANTIZATION, add_flags, build_config
 
@@ -38,7 +48,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="shapes without a checkpoint: real-26b-a4b is DiffusionGemma 26B-A4B's text stack "
         "(its vision tower not counted)",
     )
-    parser.add_argument("--gpu", required=True, choices=tuple(GPUS), help="the GPU assumed")
+    parser.add_argument(
+        "--gpu",
+        required=True,
+        choices=tuple(GPUS),
+        help="the GPU assumed: its memory, and which FP8 kernels run (a100: sm_80, dequantizing)",
+    )
     add_flags(parser, PLAN_FLAGS)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -98,7 +113,8 @@ def plan_for(args: argparse.Namespace) -> MemoryPlan:
     refuse_exact(build.checkpoint.exact, "FP8 weights" if quantization == "fp8" else None)
     dtype = resolve_dtype(build.checkpoint.dtype, config)
     model = meta_model(config, dtype, quantization)
-    shapes = model_shapes(model, build.checkpoint.exact)
+    fp8 = Fp8Paths.bound(TRITON, GPUS[args.gpu].capability)
+    shapes = model_shapes(model, build.checkpoint.exact, fp8)
     return plan_memory(shapes, build.engine, assumed_gpu(args.gpu, shapes.weights_bytes))
 
 

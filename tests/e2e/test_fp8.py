@@ -7,55 +7,30 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
-from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
 from engine.adapt.evaluate import load_eval_prompts, question_ids
 from engine.build import BuildConfig, CheckpointConfig
 from engine.inputs.tokenizer import Tokenizer
-from engine.model import CheckpointError, Mode, load_model
+from engine.model import CheckpointError, load_model
 from engine.model.adapter import AdapterConfig, attach_adapter, save_adapter
 from engine.model.quant import FP8, quantize_fp8
 from engine.params import DecodingDefaults
 from engine.sampler import token_entropy
 from kernels.reference import dequantize_fp8
 from server.cli import main
-from tests.e2e.forward_cases import Sequences
-
-# The projections and experts a hand-written checkpoint stores in FP8.
-QUANTIZED = re.compile(
-    r"model\.decoder\.layers\.\d+\."
-    r"(self_attn\.[qkvo]_proj\.weight|mlp\.(gate|up|down)_proj\.weight|experts\.\w+_proj)$"
+from tests.e2e.fp8_cases import (
+    HAND_LAYOUT,
+    IGNORE,
+    QUANTIZED,
+    first_step_logits,
+    fp8_state,
+    write_by_hand,
 )
-IGNORE = ["lm_head", "re:.*router.*", "re:.*self_conditioning.*", r"re:.*layers\.0\.mlp\..*"]
-HAND_LAYOUT = {
-    "quant_method": "compressed-tensors",
-    "format": "float-quantized",
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
-                        "symmetric": True, "dynamic": False, "observer": "minmax"},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                  "symmetric": True, "dynamic": True, "observer": None},
-        }
-    },
-    "ignore": IGNORE,
-    "quantization_status": "compressed",
-}  # fmt: skip
-
-
-def fp8_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters as bytes (FP8 compared bit for bit)."""
-    return {
-        name: t.view(torch.uint8) if t.dtype == FP8 else t for name, t in model.state_dict().items()
-    }
 
 
 def plan_weights(capsys: pytest.CaptureFixture[str], *args: str) -> int:
@@ -93,50 +68,6 @@ def test_convert_then_load_equals_quantizing_at_load(tiny_checkpoint, tmp_path, 
     assert "already quantized" in capsys.readouterr().err
 
 
-def write_by_hand(
-    source: Path, out: Path, layout: dict, quantized: re.Pattern = QUANTIZED
-) -> dict[str, torch.Tensor]:
-    """`source` with the tensors `quantized` matches (but layer 0's MLP) in FP8 with bf16
-    scales [out, 1] and `layout` in config.json; returns the dequantized fp32 value of every
-    quantized tensor, by key."""
-    shutil.copytree(source, out)
-    tensors, values = {}, {}
-    with safe_open(str(source / "model.safetensors"), framework="pt") as handle:
-        for key in handle.keys():  # noqa: SIM118 (not a dict)
-            tensor = handle.get_tensor(key)
-            if quantized.match(key) and not re.match(r".*layers\.0\.mlp\.", key):
-                w = tensor.float()
-                scale = (w.abs().amax(-1, keepdim=True) / 448).to(torch.bfloat16)
-                tensor = (w / scale.float()).clamp(-448, 448).to(FP8)
-                tensors[key + "_scale"] = scale
-                values[key] = tensor.float() * scale.float()
-            tensors[key] = tensor
-    save_file(tensors, str(out / "model.safetensors"))
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(config | {"quantization_config": layout}))
-    return values
-
-
-def first_step_logits(
-    model: torch.nn.Module, seed: int, prompts: list[list[int]] | None = None
-) -> torch.Tensor:
-    """The logits [canvas, vocab] of a first denoising step over a random canvas after a
-    random 12-token prompt; with `prompts`, [prompt, canvas, vocab], one random canvas after
-    each prompt, all in one forward."""
-    length, vocab = model.config.canvas_length, model.cfg.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    one = prompts is None
-    if prompts is None:
-        prompts = [torch.randint(0, vocab, (12,), generator=gen).tolist()]
-    canvases = torch.randint(0, vocab, (len(prompts), length), generator=gen)
-    seqs = Sequences(model, len(prompts), max(map(len, prompts)) + length)
-    rows = [seqs.row(i, Mode.ENCODE, 0, len(p)) for i, p in enumerate(prompts)]
-    seqs.run(rows, torch.tensor([t for p in prompts for t in p]))
-    rows = [seqs.row(i, Mode.DECODE, len(p), length) for i, p in enumerate(prompts)]
-    logits = model.logits(seqs.run(rows, canvases.flatten())).float()
-    return logits.reshape(length, -1) if one else logits.reshape(len(prompts), length, -1)
-
-
 def first_step_accepted(logits: torch.Tensor) -> torch.Tensor:
     """[..., canvas] bool: the positions the sampler commits at a first denoising step (the
     lowest-entropy ones within the entropy bound at t_max; `engine.sampler.denoise_update`),
@@ -148,14 +79,39 @@ def first_step_accepted(logits: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(accept).scatter(-1, order, accept)
 
 
+class Agreement(NamedTuple):
+    """How many of a first step's argmaxes the FP8 model shares with the unquantized one."""
+
+    everywhere: float
+    committed: float  # at the positions the unquantized model commits (`first_step_accepted`)
+    beyond_bound: float  # at the positions whose top-2 margin exceeds `bound` (nan: none do)
+    num_beyond: int
+    bound: float  # FP8's error bound on a top-2 margin (`first_step_agreement`)
+
+
 def first_step_agreement(
     base: torch.nn.Module, fp8: torch.nn.Module, prompts: list[list[int]]
-) -> tuple[float, float]:
-    """How many of the first step's argmaxes the FP8 model shares with the unquantized one
-    (one canvas per prompt): at every position, and at the positions `base` commits."""
+) -> Agreement:
+    """The first step's agreement over one canvas per prompt. FP8's error bound on a top-2
+    margin is measured on other canvases (seed 1): the 99th percentile of how far FP8 moves the
+    unquantized second logit against the first. An argmax whose margin exceeds it flips only
+    where FP8 moves a margin more than at 99 of 100 positions, so agreement there is what the
+    quantizer gets right where the unquantized model is not at a near-tie."""
+    other, other_fp8 = first_step_logits(base, 1, prompts), first_step_logits(fp8, 1, prompts)
+    top2 = other.topk(2, dim=-1).indices
+    moved = (other_fp8 - other).gather(-1, top2)
+    bound = torch.quantile((moved[..., 1] - moved[..., 0]).abs().flatten(), 0.99).item()
     expected, logits = first_step_logits(base, 0, prompts), first_step_logits(fp8, 0, prompts)
     same = (expected.argmax(-1) == logits.argmax(-1)).float()
-    return same.mean().item(), same[first_step_accepted(expected)].mean().item()
+    values = expected.topk(2, dim=-1).values
+    beyond = values[..., 0] - values[..., 1] > bound
+    return Agreement(
+        same.mean().item(),
+        same[first_step_accepted(expected)].mean().item(),
+        same[beyond].mean().item(),
+        int(beyond.sum()),
+        bound,
+    )
 
 
 def test_a_hand_written_compressed_tensors_checkpoint_loads_and_runs_dequantized(
@@ -201,35 +157,6 @@ def test_fp8_checkpoints_the_loader_cannot_run_are_refused(tiny_checkpoint, tmp_
         load_model(tmp_path / "no-k")
 
 
-def test_an_fp8_checkpoint_with_one_tensor_per_expert_is_refused_naming_the_layout(
-    tiny_checkpoint, tmp_path
-):
-    """llm-compressor's layout for experts that are Linear modules: each expert's gate, up and
-    down projections (and their scales) on their own, beside no fused tensor."""
-    source = tiny_checkpoint("c16")
-    write_by_hand(source, tmp_path / "fused", HAND_LAYOUT)
-    per_expert = tmp_path / "per-expert"
-    shutil.copytree(tmp_path / "fused", per_expert)
-    fused = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)(_scale)?$")
-    tensors = {}
-    with safe_open(str(per_expert / "model.safetensors"), framework="pt") as handle:
-        for key in handle.keys():  # noqa: SIM118 (not a dict)
-            tensor, match = handle.get_tensor(key), fused.match(key)
-            if match is None:
-                tensors[key] = tensor
-                continue
-            experts, proj, scale = match[1], match[2], match[3] or ""
-            for e, one in enumerate(tensor):
-                names = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
-                for name, part in zip(names, one.chunk(len(names)), strict=True):
-                    tensors[f"{experts}.{e}.{name}.weight{scale}"] = part.contiguous()
-    save_file(tensors, str(per_expert / "model.safetensors"))
-    assert any(".experts.0.gate_proj.weight_scale" in key for key in tensors)
-    with pytest.raises(CheckpointError, match=r"one tensor per expert \(model\.decoder\.layers"):
-        load_model(per_expert)
-    load_model(tmp_path / "fused", kernels="twins")  # the fused layout of the same weights loads
-
-
 def test_exact_numerics_refuse_fp8(tiny_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="--exact cannot run --quantization fp8"):
         load_model(tiny_checkpoint("c16"), exact=True, quantization="fp8")
@@ -241,9 +168,10 @@ def test_exact_numerics_refuse_fp8(tiny_checkpoint, tmp_path):
 # The tolerances (docs/gpu.md, "FP8 quality", has the measured figures and why): 0.05 under
 # the measured agreement at every position and at the positions the unquantized model commits
 # (where it is confident); convergence within 10% of the steps. Random tiny stacks are chaotic:
-# rounding their weights to bf16 alone flips 4% of the first step's argmaxes, and FP8 flips
-# some whose logit margin is above 8, so the Goal's 99% is checked on the default model's real
-# weights below.
+# rounding their weights to bf16 alone moves c16's logits by 5% of their norm and flips 5% of
+# the first step's argmaxes, FP8 moves them by 36% (the real weights' by 5%) and flips some
+# whose margin is above 8, so FP8's error bound on a margin (13) leaves no position to check
+# the Goal's 99% at: it is checked on the default model's real weights below.
 TINY_MIN_AGREEMENT = (0.61, 0.82)  # measured 0.66 and 0.875
 MAX_STEPS_RATIO = 1.10
 
@@ -257,7 +185,7 @@ def test_fp8_quality_against_the_unquantized_model(tiny_checkpoint):
     prompts = [
         torch.randint(0, base.cfg.vocab_size, (12,), generator=gen).tolist() for _ in range(16)
     ]
-    everywhere, committed = first_step_agreement(base, fp8, prompts)
+    agreement = first_step_agreement(base, fp8, prompts)
     steps = []
     for quantization in ("auto", "fp8"):
         config = CheckpointConfig(path, dtype="float32", kernels="twins", quantization=quantization)
@@ -266,17 +194,21 @@ def test_fp8_quality_against_the_unquantized_model(tiny_checkpoint):
         outs = llm.generate(prompts, SamplingParams(max_tokens=32, seed=0))
         counts = [n for out in outs for n in out.steps_per_canvas]
         steps.append(sum(counts) / len(counts))
-    print(f"first-step agreement {everywhere:.3f}, committed {committed:.3f}, steps {steps}")
-    assert everywhere >= TINY_MIN_AGREEMENT[0] and committed >= TINY_MIN_AGREEMENT[1]
+    print(f"first step: {agreement}, steps {steps}")
+    assert agreement.everywhere >= TINY_MIN_AGREEMENT[0]
+    assert agreement.committed >= TINY_MIN_AGREEMENT[1]
     assert steps[1] <= MAX_STEPS_RATIO * steps[0] and steps[0] <= MAX_STEPS_RATIO * steps[1]
 
 
 # On the default model's real weights (SmolLM2-135M; the first 8 shipped questions): measured
-# 0.855 at every position and 1.0 at the committed ones; 0.05 under the first, the Goal's 0.99
-# for the second. Most positions of a first step over a random canvas are near-ties (median
-# top-1 probability 0.15), which FP8's rounding flips (rounding to bf16 alone flips 1%).
+# 0.855 at every position, 1.0 at the committed ones and 1.0 at the 98 of 256 positions whose
+# top-2 margin exceeds FP8's error bound (1.15); 0.05 under the first, the Goal's 0.99 for the
+# others. Most positions of a first step over a random canvas are near-ties (median top-1
+# probability 0.15) that FP8's rounding flips (rounding to bf16 alone flips 0.5%): every flip
+# is at a margin under 1 logit.
 DEFAULT_QUESTIONS = 8
 DEFAULT_MIN_AGREEMENT = (0.80, 0.99)
+DEFAULT_MIN_BEYOND = 20
 
 
 @pytest.mark.skipif(
@@ -298,9 +230,12 @@ def test_fp8_first_step_on_the_default_models_real_weights():
     prompts = [
         question_ids(tokenizer, p.question) for p in load_eval_prompts(limit=DEFAULT_QUESTIONS)
     ]
-    everywhere, committed = first_step_agreement(base, fp8, prompts)
-    print(f"first-step agreement {everywhere:.3f}, committed {committed:.3f}")
-    assert everywhere >= DEFAULT_MIN_AGREEMENT[0] and committed >= DEFAULT_MIN_AGREEMENT[1]
+    agreement = first_step_agreement(base, fp8, prompts)
+    print(f"first step: {agreement}")
+    assert agreement.everywhere >= DEFAULT_MIN_AGREEMENT[0]
+    assert agreement.committed >= DEFAULT_MIN_AGREEMENT[1]
+    assert agreement.beyond_bound >= DEFAULT_MIN_AGREEMENT[1]
+    assert agreement.num_beyond >= DEFAULT_MIN_BEYOND
 
 
 def test_an_adapter_on_fp8_weights_has_its_self_conditioning_quantized(tiny_checkpoint, tmp_path):

@@ -211,8 +211,8 @@ def readme_rows() -> list[list[str]]:
 
 
 def test_the_readme_memory_table_is_the_plans(capsys):
-    rows = readme_rows()
-    assert {row[0].split()[0] for row in rows} == set(GPUS)
+    rows = readme_rows()  # the Hopper GPUs the README serves on
+    assert {row[0].split()[0] for row in rows} == {"h100", "h200"} <= set(GPUS)
     for gpu, max_model_len, running, canvases, positions, step in rows:
         gpu = gpu.split()[0]
         args = ("--preset", "real-26b-a4b", "--gpu", gpu, "--max-model-len", max_model_len)
