@@ -132,7 +132,9 @@ class KernelSet:
             fused_moe=ops_step.fused_moe,
             fp8_linear=ops_fp8.fp8_linear,
             fp8_moe=ops_fp8.fp8_moe,
-            **{name: getattr(ops_fp8, name) for name in FP8_ROWS if getattr(self, name) is not None},
+            **{
+                name: getattr(ops_fp8, name) for name in FP8_ROWS if getattr(self, name) is not None
+            },
             fused_sample=ops_step.fused_sample,
             entropy_accept=ops_step.entropy_accept,
             soft_embedding=ops_step.soft_embedding,

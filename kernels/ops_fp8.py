@@ -106,7 +106,7 @@ def _cuda_rows_impl(module: str, name: str) -> Callable[..., Any]:
     """The CUDA implementation of an FP8-rows kernel: the Triton launcher where Triton has E4M3
     (`fp8_linear_rows`: where `_scaled_mm` has row-wise scales), the twin elsewhere."""
     if not triton_available():
-        return getattr(reference, name)  # type: ignore[no-any-return]
+        return getattr(reference, name)
     import kernels.triton_fp8 as triton_fp8
 
     ok = triton_fp8.scaled_mm_rowwise() if name == "fp8_linear_rows" else triton_fp8.e4m3_kernels()
@@ -124,7 +124,7 @@ def _rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> T
 
 @_rms_norm_fp8.register_kernel("cuda")
 def _rms_norm_fp8_cuda(*args: Any) -> Tensors2:
-    return _cuda_rows_impl("triton_fp8_emit", "rms_norm_fp8")(*args)  # type: ignore[no-any-return]
+    return _cuda_rows_impl("triton_fp8_emit", "rms_norm_fp8")(*args)
 
 
 @_rms_norm_fp8.register_fake
@@ -142,7 +142,7 @@ def _rms_norm_pair_fp8(
 @_rms_norm_pair_fp8.register_kernel("cuda")
 def _rms_norm_pair_fp8_cuda(*args: Any) -> Tensors4:
     impl = _cuda_rows_impl("triton_fp8_emit", "rms_norm_pair_fp8")
-    return impl(*args)  # type: ignore[no-any-return]
+    return impl(*args)
 
 
 @_rms_norm_pair_fp8.register_fake
@@ -157,7 +157,7 @@ def _gated_act_fp8(gate: torch.Tensor, up: torch.Tensor, activation: str) -> Ten
 
 @_gated_act_fp8.register_kernel("cuda")
 def _gated_act_fp8_cuda(*args: Any) -> Tensors2:
-    return _cuda_rows_impl("triton_fp8_emit", "gated_act_fp8")(*args)  # type: ignore[no-any-return]
+    return _cuda_rows_impl("triton_fp8_emit", "gated_act_fp8")(*args)
 
 
 @_gated_act_fp8.register_fake
@@ -178,7 +178,7 @@ def _fp8_linear_rows(
 
 @_fp8_linear_rows.register_kernel("cuda")
 def _fp8_linear_rows_cuda(*args: Any) -> torch.Tensor:
-    return _cuda_rows_impl("triton_fp8", "fp8_linear_rows")(*args)  # type: ignore[no-any-return]
+    return _cuda_rows_impl("triton_fp8", "fp8_linear_rows")(*args)
 
 
 @_fp8_linear_rows.register_fake
@@ -208,7 +208,7 @@ def _fp8_moe_rows(
 
 @_fp8_moe_rows.register_kernel("cuda")
 def _fp8_moe_rows_cuda(*args: Any) -> torch.Tensor:
-    return _cuda_rows_impl("triton_fp8_moe", "fp8_moe_rows")(*args)  # type: ignore[no-any-return]
+    return _cuda_rows_impl("triton_fp8_moe", "fp8_moe_rows")(*args)
 
 
 @_fp8_moe_rows.register_fake
@@ -218,19 +218,19 @@ def _fp8_moe_rows_fake(q: torch.Tensor, *args: Any) -> torch.Tensor:
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> Tensors2:
     """`reference.rms_norm_fp8` as `canvas::rms_norm_fp8`."""
-    return torch.ops.canvas.rms_norm_fp8(x, weight, eps)  # type: ignore[no-any-return]
+    return torch.ops.canvas.rms_norm_fp8(x, weight, eps)
 
 
 def rms_norm_pair_fp8(
     x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, eps: float
 ) -> Tensors4:
     """`reference.rms_norm_pair_fp8` as `canvas::rms_norm_pair_fp8`."""
-    return torch.ops.canvas.rms_norm_pair_fp8(x, weight_a, weight_b, eps)  # type: ignore[no-any-return]
+    return torch.ops.canvas.rms_norm_pair_fp8(x, weight_a, weight_b, eps)
 
 
 def gated_act_fp8(gate: torch.Tensor, up: torch.Tensor, activation: str) -> Tensors2:
     """`reference.gated_act_fp8` as `canvas::gated_act_fp8`."""
-    return torch.ops.canvas.gated_act_fp8(gate, up, activation)  # type: ignore[no-any-return]
+    return torch.ops.canvas.gated_act_fp8(gate, up, activation)
 
 
 def fp8_linear_rows(

@@ -156,7 +156,9 @@ def fp8_moe_rows(
     sorted_pairs, block_expert = align_pairs(ids, num_experts, block_m)
     capacity = sorted_pairs.shape[0]
     act = torch.empty(capacity, inter, dtype=FP8, device=dev)
-    act_scale = torch.empty(capacity, triton.cdiv(inter, ACT_GROUP), dtype=torch.float32, device=dev)
+    act_scale = torch.empty(
+        capacity, triton.cdiv(inter, ACT_GROUP), dtype=torch.float32, device=dev
+    )
     common = dict(
         TOP_K=top_k, DT=_OUT_DTYPES[dtype], BLOCK_M=block_m, BLOCK_K=ACT_GROUP, FP8_MAX=FP8_MAX,
         FLOOR=SCALE_FLOOR,
@@ -173,7 +175,7 @@ def fp8_moe_rows(
         block_expert, num_pairs, num_experts, inter, hidden, act.stride(0), act_scale.stride(0),
         down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         out_pairs.stride(0), 0, weights.stride(0), weights.stride(1), GEGLU=False,
-        BLOCK_N=ACT_GROUP, num_warps=4, **common,
+        BLOCK_N=ACT_GROUP, num_warps=8, **common,
     )  # fmt: skip
     # Sum over the slots in (token, slot) order in fp32, as the twin does, and cast: one pass.
     return slot_sum(out_pairs, num_tokens, top_k, dtype)

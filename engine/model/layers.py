@@ -157,9 +157,7 @@ class Attention(nn.Module):
         q, k = self._project("q_proj", x, batch), self._project("k_proj", x, batch)
         return q, k, k if self.v_proj is None else self._project("v_proj", x, batch)
 
-    def _project(
-        self, name: str, x: torch.Tensor | Fp8Rows, batch: ForwardBatch
-    ) -> torch.Tensor:
+    def _project(self, name: str, x: torch.Tensor | Fp8Rows, batch: ForwardBatch) -> torch.Tensor:
         y = project(self.kernels, getattr(self, name), x, batch.segments)
         return y if self.lora is None else self.lora[name](x, y, batch)
 

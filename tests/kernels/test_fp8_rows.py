@@ -248,7 +248,9 @@ def test_the_custom_op_set_runs_the_fp8_rows_kernels_on_meta_and_as_twins() -> N
     assert ks.rms_norm_fp8 is not reference.rms_norm_fp8 and ks.fp8_rows
     assert not resolve_kernels("cpu", "twins").with_custom_ops().fp8_rows
     case = moe_rows_case(7, 2, 24, torch.device("cpu"))
-    assert torch.equal(ks.fp8_moe_rows(*case, torch.float32), reference.fp8_moe_rows(*case, torch.float32))
+    assert torch.equal(
+        ks.fp8_moe_rows(*case, torch.float32), reference.fp8_moe_rows(*case, torch.float32)
+    )
     with torch.device("meta"):
         x, w = torch.empty(1, 5, 32, dtype=torch.bfloat16), torch.empty(32, dtype=torch.bfloat16)
         qa, sa, qb, sb = ks.rms_norm_pair_fp8(x, w, w, 1e-6)
@@ -271,14 +273,19 @@ def counted(kernels, calls: Counter):
         return call
 
     names = ("fp8_linear", "fp8_moe", "rms_norm", "rms_norm_pair", "gated_act", *FP8_ROWS)
-    return replace(kernels, **{n: wrap(n, getattr(kernels, n)) for n in names if getattr(kernels, n)})
+    return replace(
+        kernels, **{n: wrap(n, getattr(kernels, n)) for n in names if getattr(kernels, n)}
+    )
 
 
 def first_step_logits(model) -> torch.Tensor:
     """Logits of a first denoising step over a random canvas after a 12-token prompt."""
     length, vocab = model.config.canvas_length, model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prompt, canvas = torch.randint(0, vocab, (12,), generator=gen), torch.randint(0, vocab, (length,), generator=gen)
+    prompt, canvas = (
+        torch.randint(0, vocab, (12,), generator=gen),
+        torch.randint(0, vocab, (length,), generator=gen),
+    )
     seqs = Sequences(model, 1, 12 + length)
     seqs.run([seqs.row(0, Mode.ENCODE, 0, 12)], prompt)
     return model.logits(seqs.run([seqs.row(0, Mode.DECODE, 12, length)], canvas)).float()
