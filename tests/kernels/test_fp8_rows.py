@@ -339,3 +339,14 @@ def test_the_triton_fp8_rows_kernels_give_the_twins_logits(tiny_checkpoint):
     model.bind_kernels(resolve_kernels("cpu", "twins").with_fp8_rows(triton_ops()))
     triton = first_step_logits(model)
     assert (triton - twins).norm() <= 0.02 * twins.norm()
+
+
+def test_the_fp8_rows_kernels_are_in_the_sm90_compile_check_from_sm89() -> None:
+    from loadtest.gpu.compile_variants import FP8_ARCH, variants
+
+    new = {"FP8 rows norms and GeGLU", "FP8 x FP8 experts"}
+    for which in ("make-test", "fp8"):
+        chosen = {v.name: v for v in variants(which) if v.name in new}
+        assert chosen.keys() == new and {v.min_arch for v in chosen.values()} == {FP8_ARCH}
+    edge = {v.name for v in variants("all") if v.group == "edge"}
+    assert {"one-token FP8 rows norms and GeGLU", "one-token FP8 x FP8 experts"} <= edge
