@@ -328,6 +328,43 @@ def test_a_model_on_fp8_rows_quantizes_once_per_input_and_gives_the_same_logits(
     assert torch.equal(rows, plain)
 
 
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Llama converted to the block-diffusion layout (`canvas convert`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.adapt.convert import ConvertOptions, convert
+    from engine.checkpoints.tiny import build_tokenizer
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    source = tmp_path_factory.mktemp("llama-src")
+    LlamaForCausalLM(config).save_pretrained(source)
+    build_tokenizer(512).save_pretrained(source)
+    out = tmp_path_factory.mktemp("llama-canvas")
+    return convert(str(source), out, ConvertOptions(canvas_length=8))
+
+
+def test_a_llama_backbone_on_fp8_rows_gives_the_same_logits(llama_checkpoint):
+    """The Llama backbone (the default model's) passes its norms' FP8 rows through too: the
+    input norm's to q/k/v, the post-attention norm's to gate/up."""
+    model = load_model(llama_checkpoint, dtype="float32", kernels="twins", quantization="fp8")
+    model.bind_kernels(quantizing(resolve_kernels("cpu", "twins")))
+    plain = first_step_logits(model)
+    calls: Counter = Counter()
+    model.bind_kernels(counted(quantizing(resolve_kernels("cpu", "twins").with_fp8_rows()), calls))
+    rows = first_step_logits(model)
+    layers = 2 * model.cfg.num_layers  # two forwards
+    assert calls["rms_norm_fp8"] == 2 * layers + 1  # and the self-conditioning block's
+    assert calls["gated_act_fp8"] == layers + 1 and calls["fp8_linear"] == layers  # o_proj
+    assert calls["rms_norm"] == 2  # the final norm of each forward
+    assert torch.equal(rows, plain)
+
+
 @needs_triton
 def test_the_triton_fp8_rows_kernels_give_the_twins_logits(tiny_checkpoint):
     """The same model through Triton's FP8-rows kernels (the interpreter; `_scaled_mm` is
