@@ -102,10 +102,9 @@ class KernelSet:
     def with_custom_ops(self) -> KernelSet:
         """This set with every kernel as a `torch.library` custom op (`kernels.ops`: the KV
         write and attention; `kernels.ops_layer`: a layer's fused norm tails and MLP product;
-        `kernels.ops_step`: norms, q/k/v norms and RoPE, softcap, router,
-        experts, sampler, random numbers; `kernels.ops_fp8`: FP8 projections and experts, and the
-        FP8-rows kernels where this set has them), so
-        that a step runs on the meta device and traces
+        `kernels.ops_step`: norms, q/k/v norms and RoPE, softcap, router, experts, sampler,
+        random numbers; `kernels.ops_fp8`: FP8 projections and experts, and the FP8-rows
+        kernels where this set has them), so that a step runs on the meta device and traces
         through them. Fast numerics only: the ops' CPU implementations are the batched twins."""
         if self.exact:
             raise ValueError("custom ops carry fast numerics only (the batched twins)")

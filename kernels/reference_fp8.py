@@ -56,8 +56,8 @@ class Fp8Rows:
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] to FP8 E4M3 with one fp32 scale per row: scale = max(amax, SCALE_FLOOR) / 448,
-    values x / scale (fp32, clamped to +-448) cast to FP8. Returns (q [M, K], scale [M, 1]);
+    """x [..., K] to FP8 E4M3 with one fp32 scale per row: scale = max(amax, SCALE_FLOOR) / 448,
+    values x / scale (fp32, clamped to +-448) cast to FP8. Returns (q [..., K], scale [..., 1]);
     q * scale approximates x (compressed-tensors' dynamic per-token activations)."""
     amax = x.float().abs().amax(-1, keepdim=True)
     scale = amax.clamp(min=SCALE_FLOOR) / FP8_MAX

@@ -38,17 +38,17 @@ _OUT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.flo
 @triton.jit(do_not_specialize=["num_pairs"])
 def _fp8_expert_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, weights_ptr, pairs_ptr, block_expert_ptr,
-    num_pairs, num_experts, k_dim, n_dim, sx_n, sxs_n, sw_e, sw_o, sws_e, sws_o, so_n, sos_n,
-    sr_n, sr_k, TOP_K: tl.constexpr, GEGLU: tl.constexpr, DT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8_MAX: tl.constexpr, FLOOR: tl.constexpr,
+    num_pairs, num_experts, k_dim, n_dim, sx_n, sw_e, sw_o, ss_e, ss_o, so_n, sr_n, sr_k,
+    TOP_K: tl.constexpr, GEGLU: tl.constexpr, DT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, FLOOR: tl.constexpr,
 ):  # fmt: skip
     """One expert block x one column block of x @ W[expert]^T, x and W in FP8. GEGLU (W =
-    gate_up, x by token = pair // TOP_K with one scale per token at xs): out = FP8 of
-    gelu(gate) * up in padded-row order, its scale per (row, column block) at os. Else (W =
-    down, x the GEGLU output in padded-row order, xs its block scales, BLOCK_K = their block):
-    out = the product times the routing weight, in DT, by pair. DT: the activations' dtype,
-    to which each GEMM's output is rounded."""
+    gate_up, x by token = pair // TOP_K with one scale per token at xs, contiguous): out = FP8
+    of gelu(gate) * up in padded-row order, its scale per (row, column block) at os, [rows,
+    cdiv(n_dim, BLOCK_N)]. Else (W = down, x the GEGLU output in padded-row order, xs its block
+    scales [rows, cdiv(k_dim, BLOCK_K)], BLOCK_K = their block): out = the product times the
+    routing weight, in DT, by pair. DT: the activations' dtype, to which each GEMM's output is
+    rounded."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= num_experts:
@@ -76,22 +76,24 @@ def _fp8_expert_gemm_kernel(
             )
             acc_up = tl.dot(x, w_up, acc_up)
         else:  # the activations' scale of this block of K
-            block_scale = tl.load(xs_ptr + x_rows * sxs_n + k0 // BLOCK_K, mask=valid, other=0.0)
+            xs_rows = xs_ptr + x_rows * tl.cdiv(k_dim, BLOCK_K)
+            block_scale = tl.load(xs_rows + k0 // BLOCK_K, mask=valid, other=0.0)
             acc += tl.dot(x, w) * block_scale[:, None]
-    s_base = ws_ptr + expert.to(tl.int64) * sws_e
-    acc *= tl.load(s_base + cols * sws_o, mask=c_mask, other=0.0)[None, :]
+    s_base = ws_ptr + expert.to(tl.int64) * ss_e
+    acc *= tl.load(s_base + cols * ss_o, mask=c_mask, other=0.0)[None, :]
     mask = valid[:, None] & c_mask[None, :]
     if GEGLU:
-        token_scale = tl.load(xs_ptr + x_rows * sxs_n, mask=valid, other=0.0)[:, None]
+        token_scale = tl.load(xs_ptr + x_rows, mask=valid, other=0.0)[:, None]
         acc = (acc * token_scale).to(DT).to(tl.float32)
-        up_scale = tl.load(s_base + (cols + n_dim) * sws_o, mask=c_mask, other=0.0)[None, :]
+        up_scale = tl.load(s_base + (cols + n_dim) * ss_o, mask=c_mask, other=0.0)[None, :]
         up = (acc_up * up_scale * token_scale).to(DT).to(tl.float32)
         h = gelu_tanh(acc).to(DT).to(tl.float32) * up
         h = tl.where(mask, h.to(DT).to(tl.float32), 0.0)
         q, scale = quantize_tile(h, FP8_MAX, FLOOR)
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_n + cols[None, :]
         tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(os_ptr + rows.to(tl.int64) * sos_n + pid_n, scale, mask=valid)
+        os_rows = os_ptr + rows.to(tl.int64) * tl.cdiv(n_dim, BLOCK_N)
+        tl.store(os_rows + pid_n, scale, mask=valid)
     else:
         token, slot = pair // TOP_K, pair % TOP_K
         acc = acc.to(DT).to(tl.float32)
@@ -152,6 +154,7 @@ def fp8_moe_rows(
     out_pairs = torch.empty(num_pairs, hidden, dtype=dtype, device=dev)
     if num_pairs == 0:
         return torch.zeros(num_tokens, hidden, dtype=dtype, device=dev)
+    q_scale = q_scale.contiguous()  # one per token, read at the token's index
     block_m = expert_block_m()
     sorted_pairs, block_expert = align_pairs(ids, num_experts, block_m)
     capacity = sorted_pairs.shape[0]
@@ -165,16 +168,16 @@ def fp8_moe_rows(
     )  # fmt: skip
     _fp8_expert_gemm_kernel[(block_expert.shape[0], triton.cdiv(inter, ACT_GROUP))](
         q, q_scale, gate_up, gate_up_scale, act, act_scale, weights, sorted_pairs, block_expert,
-        num_pairs, num_experts, hidden, inter, q.stride(0), q_scale.stride(0), gate_up.stride(0),
-        gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), act.stride(0),
-        act_scale.stride(0), weights.stride(0), weights.stride(1), GEGLU=True,
+        num_pairs, num_experts, hidden, inter, q.stride(0), gate_up.stride(0), gate_up.stride(1),
+        gate_up_scale.stride(0), gate_up_scale.stride(1), act.stride(0), weights.stride(0),
+        weights.stride(1), GEGLU=True,
         BLOCK_N=ACT_GROUP, num_warps=8, **common,
     )  # fmt: skip
     _fp8_expert_gemm_kernel[(block_expert.shape[0], triton.cdiv(hidden, ACT_GROUP))](
         act, act_scale, down, down_scale, out_pairs, act_scale, weights, sorted_pairs,
-        block_expert, num_pairs, num_experts, inter, hidden, act.stride(0), act_scale.stride(0),
-        down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
-        out_pairs.stride(0), 0, weights.stride(0), weights.stride(1), GEGLU=False,
+        block_expert, num_pairs, num_experts, inter, hidden, act.stride(0), down.stride(0),
+        down.stride(1), down_scale.stride(0), down_scale.stride(1), out_pairs.stride(0),
+        weights.stride(0), weights.stride(1), GEGLU=False,
         BLOCK_N=ACT_GROUP, num_warps=8, **common,
     )  # fmt: skip
     # Sum over the slots in (token, slot) order in fp32, as the twin does, and cast: one pass.
