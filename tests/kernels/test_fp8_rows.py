@@ -389,3 +389,51 @@ def test_the_fp8_rows_kernels_are_in_the_sm90_compile_check_from_sm89() -> None:
         assert chosen.keys() == new and {v.min_arch for v in chosen.values()} == {FP8_ARCH}
     edge = {v.name for v in variants("all") if v.group == "edge"}
     assert {"one-token FP8 rows norms and GeGLU", "one-token FP8 x FP8 experts"} <= edge
+
+
+def hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (triton_available() and hopper()), reason="needs an sm_90 GPU")
+def test_fp8_rows_at_the_real_shapes_on_sm90() -> None:
+    """The first GPU run's check of sm_90's FP8 path at 26B-A4B's shapes (a canvas of 256
+    tokens, bf16): the Triton backend binds the FP8 rows; the fused norms and GeGLU product are
+    bit for bit the bf16 kernels then the quantizer; `_scaled_mm` on the rows is `fp8_linear`;
+    the FP8 x FP8 experts (128 experts, top 8) match their twin."""
+    from engine.checkpoints.tiny import REAL_26B_A4B_TEXT_CONFIG as real
+    from kernels import triton_fp8, triton_layer, triton_norm
+
+    cuda = torch.device("cuda")
+    ks = resolve_kernels("cuda", "triton")
+    assert ks.fp8_rows
+    hidden, inter = real["hidden_size"], real["intermediate_size"]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 256, hidden, generator=gen).bfloat16().to(cuda)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).bfloat16().to(cuda)
+    q, scale = ks.rms_norm_fp8(x, w, 1e-6)
+    want = triton_fp8.quantize_fp8_rows(triton_norm.rms_norm(x, w, 1e-6)[0])
+    assert torch.equal(q[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(scale[0], want[1])
+    gate, up = (torch.randn(1, 256, inter, generator=gen).bfloat16().to(cuda) for _ in "gu")
+    q_act, s_act = ks.gated_act_fp8(gate, up, "gelu_pytorch_tanh")
+    want = triton_fp8.quantize_fp8_rows(triton_layer.gated_act(gate, up, "gelu_pytorch_tanh")[0])
+    assert torch.equal(q_act[0].view(torch.uint8), want[0].view(torch.uint8))
+    weight, w_scale = (t.to(cuda) for t in quantized(4096, hidden, gen=gen))
+    normed = triton_norm.rms_norm(x, w, 1e-6)
+    rows = ks.fp8_linear_rows(q, scale, weight, w_scale, torch.bfloat16)
+    assert torch.equal(rows, ks.fp8_linear(normed, weight, w_scale, [256]))
+    experts, top_k, moe_inter = (
+        real["num_experts"],
+        real["top_k_experts"],
+        real["moe_intermediate_size"],
+    )
+    gate_up, gate_up_scale = quantized(experts, 2 * moe_inter, hidden, gen=gen)
+    down, down_scale = quantized(experts, hidden, moe_inter, gen=gen)
+    logits = torch.randn(256, experts, generator=gen)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    case = [t.to(cuda) for t in (gate_up, gate_up_scale, down, down_scale, weights, ids)]
+    got = ks.fp8_moe_rows(q[0], scale[0], *case, torch.bfloat16)
+    twin = reference.fp8_moe_rows(q[0], scale[0], *case, torch.bfloat16)
+    torch.testing.assert_close(got, twin, rtol=5e-2, atol=5e-2 * twin.abs().max().item())
