@@ -67,8 +67,9 @@ class StepAccount:
     canvases: int
     acct: Accountant
     weight_bytes: float
-    # CUDA graphs replay the forward: its kernels' launch cost is gone (the head and the
-    # sampler run eager; a replay's own launch is left out).
+    # CUDA graphs replay the forward: its kernels' launch cost is gone (a replay's own launch
+    # is left out; the forward phase holds the LM head's two launches, which `--cuda-graphs`
+    # runs eager, and the sampler's stay counted).
     graphs: bool = False
 
     def op_seconds(self, record: OpRecord, hw: Hardware) -> float:
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--cuda-graphs", action="store_true",
-        help="the forward's kernels cost no launch (CUDA graphs replay it; head, sampler eager)",
+        help="the forward phase's kernels cost no launch (CUDA graphs replay it; sampler eager)",
     )  # fmt: skip
     parser.add_argument(
         "--measured-launch", action="store_true",
