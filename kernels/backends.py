@@ -16,12 +16,14 @@ from typing import Any, Protocol, TypeVar
 
 import kernels.reference as reference
 import kernels.support as support
-from kernels.kernel_set import KERNELS, KernelSet
+from kernels.kernel_set import FP8_ROWS, KERNELS, OPTIONAL, KernelSet
 
 # Each module exports KERNELS: its launchers, named exactly as their twins in `reference`.
 TRITON_MODULES = (
     "kernels.triton_attention",
     "kernels.triton_fp8",
+    "kernels.triton_fp8_emit",
+    "kernels.triton_fp8_moe",
     "kernels.triton_layer",
     "kernels.triton_moe",
     "kernels.triton_norm",
@@ -41,7 +43,7 @@ EXACT: dict[str, Callable[..., Any]] = {
     "linear": reference.segment_linear,
 }
 # The kernels every backend's module names; the optional ones (None: composed) are not.
-REQUIRED = tuple(name for name in KERNELS if name not in ("gated_linear", "linear_many"))
+REQUIRED = tuple(name for name in KERNELS if name not in OPTIONAL)
 
 
 def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -175,15 +177,17 @@ class TritonBackend(TwinsBackend):
 
     def fast(self, ops: Any) -> dict[str, Callable[..., Any]]:
         # Triton's norm is one pass; its experts kernels (FP8's too) are batched already. FP8
-        # projections take `_scaled_mm` where the device has it, FP8 experts Triton's E4M3
-        # kernel where it compiles; elsewhere (sm_80) each dequantizes, as its twin does.
+        # projections take `_scaled_mm` where the device has it, with the FP8 rows the norms
+        # emit and FP8 x FP8 experts; FP8 experts elsewhere Triton's E4M3 kernel where it
+        # compiles; elsewhere (sm_80) each dequantizes, as its twin does.
         fp8 = importlib.import_module("kernels.triton_fp8")
-        e4m3 = fp8.e4m3_kernels()
+        e4m3, scaled = fp8.e4m3_kernels(), fp8.scaled_mm_rowwise()
         return super().fast(ops) | {
             "rms_norm": ops.rms_norm,
             "fused_moe": ops.fused_moe,
-            "fp8_linear": ops.fp8_linear if fp8.scaled_mm_rowwise() else reference.fp8_linear,
+            "fp8_linear": ops.fp8_linear if scaled else reference.fp8_linear,
             "fp8_moe": ops.fp8_moe if e4m3 else reference.fp8_moe_with(ops.fused_moe),
+            **{name: getattr(ops, name) for name in FP8_ROWS if scaled},
         }
 
     def exact(self, ops: Any) -> dict[str, Callable[..., Any]]:

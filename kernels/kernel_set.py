@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
@@ -53,6 +54,15 @@ class KernelSet:
     # Several projections of one input (attention's q, k, v) in one call
     # (`kernels.native.moe.linear_many`); None: `linear` for each.
     linear_many: Callable[..., list[torch.Tensor]] | None = None
+    # FP8 rows (`with_fp8_rows`; Triton binds them on sm_90): the norms and the GeGLU product
+    # that feed FP8 projections emit FP8 with per-token scales, which the projections and the
+    # experts (FP8 x FP8) take without a quantizer launch; None: each FP8 projection quantizes
+    # its own input (`fp8_linear`).
+    rms_norm_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    rms_norm_pair_fp8: Callable[..., tuple[torch.Tensor, ...]] | None = None
+    gated_act_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    fp8_linear_rows: Callable[..., torch.Tensor] | None = None
+    fp8_moe_rows: Callable[..., torch.Tensor] | None = None
     # What makes the set one model binds, once, when it is bound (`for_model`): the native
     # backend's kernels given a store for that model's packed weights. None: this set as it is.
     prepare: Callable[[KernelSet], KernelSet] | None = None
@@ -74,6 +84,16 @@ class KernelSet:
         state the backend keeps (its own, not shared with another model)."""
         return self if self.prepare is None else replace(self.prepare(self), prepare=None)
 
+    @property
+    def fp8_rows(self) -> bool:
+        """Whether FP8 projections take FP8 rows from the kernels before them."""
+        return self.fp8_linear_rows is not None
+
+    def with_fp8_rows(self, ops: Any = reference) -> KernelSet:
+        """This set with `ops`' FP8-rows kernels (`FP8_ROWS`; the twins by default: what the
+        CPU tests and the roofline run of sm_90's path)."""
+        return replace(self, **{name: getattr(ops, name) for name in FP8_ROWS})
+
     def with_twin_attention(self) -> KernelSet:
         """This set with the twins' attention and KV writes (for head dims Triton lacks)."""
         attend = reference.canvas_attention_rowwise if self.exact else reference.canvas_attention
@@ -82,9 +102,9 @@ class KernelSet:
     def with_custom_ops(self) -> KernelSet:
         """This set with every kernel as a `torch.library` custom op (`kernels.ops`: the KV
         write and attention; `kernels.ops_layer`: a layer's fused norm tails and MLP product;
-        `kernels.ops_step`: norms, q/k/v norms and RoPE, softcap, router,
-        experts, sampler, random numbers; `kernels.ops_fp8`: FP8 projections and experts), so
-        that a step runs on the meta device and traces
+        `kernels.ops_step`: norms, q/k/v norms and RoPE, softcap, router, experts, sampler,
+        random numbers; `kernels.ops_fp8`: FP8 projections and experts, and the FP8-rows
+        kernels where this set has them), so that a step runs on the meta device and traces
         through them. Fast numerics only: the ops' CPU implementations are the batched twins."""
         if self.exact:
             raise ValueError("custom ops carry fast numerics only (the batched twins)")
@@ -111,6 +131,9 @@ class KernelSet:
             fused_moe=ops_step.fused_moe,
             fp8_linear=ops_fp8.fp8_linear,
             fp8_moe=ops_fp8.fp8_moe,
+            **{
+                name: getattr(ops_fp8, name) for name in FP8_ROWS if getattr(self, name) is not None
+            },
             fused_sample=ops_step.fused_sample,
             entropy_accept=ops_step.entropy_accept,
             soft_embedding=ops_step.soft_embedding,
@@ -123,3 +146,7 @@ class KernelSet:
 
 # The fields that are kernels (every one but the backend's name, the numerics and `prepare`).
 KERNELS = tuple(f.name for f in fields(KernelSet) if f.name not in ("backend", "exact", "prepare"))
+# The FP8-rows kernels, bound together or not at all (`KernelSet.with_fp8_rows`).
+FP8_ROWS = ("rms_norm_fp8", "rms_norm_pair_fp8", "gated_act_fp8", "fp8_linear_rows", "fp8_moe_rows")
+# The kernels a backend may leave out (None: composed from the others).
+OPTIONAL = ("gated_linear", "linear_many", *FP8_ROWS)

@@ -1,5 +1,5 @@
 """FP8 dense projections on Hopper. Twins: `reference.quantize_fp8_rows`,
-`reference.fp8_linear` (same signatures).
+`reference.fp8_linear`, `reference.fp8_linear_rows` (same signatures).
 
 - `quantize_fp8_rows`: activations to FP8 E4M3 with one fp32 scale per row (token), computed
   on the fly (amax / 448, compressed-tensors' dynamic per-token scheme): one program per row,
@@ -11,6 +11,9 @@
   the weight's rows packed, at least one row) the call falls back to the twin; which device
   runs this launcher at all is chosen once, at bind (`scaled_mm_rowwise`: sm_90 with a torch
   that has it).
+- `fp8_linear_rows`: `_scaled_mm` over rows already quantized per token (a norm or the GeGLU
+  product emitted them: `kernels.triton_fp8_emit`), no quantizer launch; the twin where the
+  operands do not fit.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import triton.language as tl
 
 from kernels.reference_fp8 import FP8_MAX, SCALE_FLOOR
 from kernels.reference_fp8 import fp8_linear as twin_fp8_linear
+from kernels.reference_fp8 import fp8_linear_rows as twin_fp8_linear_rows
 from kernels.support import expect, interpreting
 
 _ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,7 +51,7 @@ def e4m3_kernels() -> bool:
 
 
 @triton.jit
-def _round_to_e4m3(v):
+def round_to_e4m3(v):
     """v (fp32, |v| <= 448) rounded to nearest even on E4M3's grid, in fp32: the cast after it is
     exact wherever it runs (the interpreter's own cast rounds ties up and drops the carry of a
     mantissa that rounds over)."""
@@ -57,6 +61,16 @@ def _round_to_e4m3(v):
     # Below 2**-6 E4M3 is subnormal, in steps of 2**-9: 24576's fp32 ulp.
     subnormal = (v + 24576.0) - 24576.0
     return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def quantize_tile(h, FP8_MAX: tl.constexpr, FLOOR: tl.constexpr):
+    """Rows h [BLOCK_M, BLOCK_D] (fp32, zeros past the row) quantized per row as
+    `quantize_fp8_rows` does: (values on E4M3's grid in fp32 [BLOCK_M, BLOCK_D], scales
+    [BLOCK_M])."""
+    scale = tl.maximum(tl.max(tl.abs(h), 1), FLOOR) / FP8_MAX
+    q = h / scale[:, None]
+    return round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)), scale
 
 
 @triton.jit(do_not_specialize=["num_cols"])
@@ -76,7 +90,7 @@ def _quantize_rows_kernel(
     for c0 in range(0, num_cols, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + c, mask=c < num_cols, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX))
+        q = round_to_e4m3(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX))
         tl.store(q_row + c, q.to(q_ptr.dtype.element_ty), mask=c < num_cols)
 
 
@@ -96,16 +110,14 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, segments: list[int]
-) -> torch.Tensor:
-    """See `reference.fp8_linear`: x [..., N, In] @ (weight * scale)[Out, In]^T, out in x's
-    dtype, through `torch._scaled_mm` on x's rows quantized per token (the twin where the
-    operands do not fit its row-wise contract; see the module docstring)."""
+def _fits_scaled_mm(
+    rows: torch.Tensor, dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor
+) -> bool:
+    """Whether `_scaled_mm`'s row-wise contract holds (the module docstring)."""
     out_dim, in_dim = weight.shape
-    fits = (
-        x.numel() > 0
-        and x.dtype == torch.bfloat16
+    return (
+        rows.numel() > 0
+        and dtype == torch.bfloat16
         and in_dim % 16 == 0
         and out_dim % 16 == 0
         and weight.dtype == torch.float8_e4m3fn
@@ -113,13 +125,52 @@ def fp8_linear(
         and scale.dtype == torch.float32
         and scale.numel() == out_dim
     )
-    if not fits:
+
+
+def _scaled_mm(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """q [rows, In] FP8 (scales [rows, 1]) @ (weight * scale)^T: [rows, Out] in `dtype`."""
+    return torch._scaled_mm(
+        q, weight.t(), scale_a=q_scale, scale_b=scale.reshape(1, -1), out_dtype=dtype
+    )
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, segments: list[int]
+) -> torch.Tensor:
+    """See `reference.fp8_linear`: x [..., N, In] @ (weight * scale)[Out, In]^T, out in x's
+    dtype, through `torch._scaled_mm` on x's rows quantized per token (the twin where the
+    operands do not fit its row-wise contract; see the module docstring)."""
+    if not _fits_scaled_mm(x, x.dtype, weight, scale):
         return twin_fp8_linear(x, weight, scale, segments)
+    out_dim, in_dim = weight.shape
     q, q_scale = quantize_fp8_rows(x.reshape(-1, in_dim))
-    out = torch._scaled_mm(
-        q, weight.t(), scale_a=q_scale, scale_b=scale.reshape(1, out_dim), out_dtype=x.dtype
-    )  # [rows, Out]
+    out = _scaled_mm(q, q_scale, weight, scale, x.dtype)  # [rows, Out]
     return out.reshape(*x.shape[:-1], out_dim)
 
 
-KERNELS = (quantize_fp8_rows, fp8_linear)
+def fp8_linear_rows(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """See `reference.fp8_linear_rows`: FP8 rows q [..., N, In] with per-token scales
+    [..., N, 1] through `torch._scaled_mm` (the twin where the operands do not fit)."""
+    out_dim, in_dim = weight.shape
+    rows = q.reshape(-1, in_dim)
+    fits = q.dtype == torch.float8_e4m3fn and rows.stride(-1) == 1
+    fits = fits and q_scale.dtype == torch.float32 and q_scale.numel() == len(rows)
+    if not (fits and _fits_scaled_mm(rows, dtype, weight, scale)):
+        return twin_fp8_linear_rows(q, q_scale, weight, scale, dtype)
+    q_scale = q_scale.reshape(-1, 1)
+    return _scaled_mm(rows, q_scale, weight, scale, dtype).reshape(*q.shape[:-1], out_dim)
+
+
+KERNELS = (quantize_fp8_rows, fp8_linear, fp8_linear_rows)

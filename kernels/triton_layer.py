@@ -23,7 +23,7 @@ from kernels.support import expect, interpreting
 from kernels.triton_norm import rows_per_program
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_GATED = {"gelu_pytorch_tanh": 0, "silu": 1}
+GATED = {"gelu_pytorch_tanh": 0, "silu": 1}
 
 
 @triton.jit
@@ -154,27 +154,31 @@ def close_layer(
     return out
 
 
+@triton.jit
+def activate(g, ACT: tl.constexpr):
+    """The gated MLP's activation of fp32 g (`GATED`'s codes), in fp32."""
+    if ACT == 0:  # gelu, tanh approximation: tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|)
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        e = tl.exp(-2.0 * tl.abs(y))
+        t = (1.0 - e) / (1.0 + e)
+        return 0.5 * g * (1.0 + tl.where(y < 0, -t, t))
+    return g / (1.0 + tl.exp(-g))  # silu
+
+
 @triton.jit(do_not_specialize=["numel"])
 def _gated_act_kernel(g_ptr, u_ptr, out_ptr, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
-    if ACT == 0:  # gelu, tanh approximation: tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|)
-        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        e = tl.exp(-2.0 * tl.abs(y))
-        t = (1.0 - e) / (1.0 + e)
-        act = 0.5 * g * (1.0 + tl.where(y < 0, -t, t))
-    else:  # silu
-        act = g / (1.0 + tl.exp(-g))
-    act = act.to(dt).to(tl.float32)
+    act = activate(g, ACT).to(dt).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, (act * u).to(dt), mask=mask)
 
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """See `reference_layer.gated_act`: gate and up contiguous, of one shape and dtype."""
-    assert activation in _GATED, f"activation {activation!r}: one of {sorted(_GATED)}"
+    assert activation in GATED, f"activation {activation!r}: one of {sorted(GATED)}"
     expect(gate.reshape(-1), "gate", (None,), _FLOATS, gate.device)
     _check_rows(up, gate, "up")
     assert gate.is_contiguous() and up.is_contiguous(), "gate, up: must be contiguous"
@@ -183,7 +187,7 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Te
     if numel:
         block = 1 << 16 if interpreting() else 2048
         _gated_act_kernel[(triton.cdiv(numel, block),)](
-            gate, up, out, numel, ACT=_GATED[activation], BLOCK=block
+            gate, up, out, numel, ACT=GATED[activation], BLOCK=block
         )
     return out
 

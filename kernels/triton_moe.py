@@ -87,7 +87,7 @@ def _router_kernel(
 
 
 @triton.jit
-def _gelu_tanh(x):
+def gelu_tanh(x):
     # tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf, no libdevice needed.
     y = 0.7978845608028654 * (x + 0.044715 * x * x * x)
     return 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
@@ -154,7 +154,7 @@ def _expert_gemm_kernel(
     out_rows = rows if EPILOGUE == GEGLU else pair
     out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * so_n + cols[None, :]
     if EPILOGUE == GEGLU:
-        acc = _gelu_tanh(acc).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
+        acc = gelu_tanh(acc).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
     if EPILOGUE == WEIGHTED:
         token, slot = pair // TOP_K, pair % TOP_K
         acc *= tl.load(weights_ptr + token * sr_n + slot * sr_k, mask=valid, other=0.0)[:, None]
@@ -180,7 +180,7 @@ def _slot_sum_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _slot_sum(
+def slot_sum(
     out_pairs: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """[N * K, H] pair rows to [N, H] in `dtype`, summed in fp32 (`_slot_sum_kernel`)."""
@@ -194,7 +194,7 @@ def _slot_sum(
     return out
 
 
-def _block_m() -> int:
+def expert_block_m() -> int:
     # Fixed (not chosen from the token count) so that each pair's arithmetic never depends on
     # the batch; 64 rows fill a Hopper warpgroup MMA.
     return 16 if interpreting() else 64
@@ -322,7 +322,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     out = torch.zeros(num_rows, out_dim, dtype=weight.dtype, device=x.device)
     if num_rows == 0:
         return out
-    block_m, (block_n, block_k) = _block_m(), _gemm_blocks()
+    block_m, (block_n, block_k) = expert_block_m(), _gemm_blocks()
     row_expert = torch.searchsorted(
         offsets.to(torch.int64), torch.arange(num_rows, device=x.device), right=True
     )  # [S]; rows past offsets[-1] get num_experts and stay zero, as in the twin
@@ -444,7 +444,7 @@ def _experts(
     out_pairs = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=dev)
     if num_pairs == 0:
         return out_pairs.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
-    block_m = _block_m()
+    block_m = expert_block_m()
     sorted_pairs, block_expert = align_pairs(ids, num_experts, block_m)
     compute = gate_up.dtype if scales is None else hidden.dtype  # the (dequantized) weights'
     act = torch.empty(sorted_pairs.shape[0], inter, dtype=compute, device=dev)
@@ -467,7 +467,7 @@ def _experts(
         down_scale.stride(0), down_scale.stride(1), EPILOGUE=WEIGHTED, **common,
     )  # fmt: skip
     # Sum over the slots in (token, slot) order in fp32, as the twin does, and cast: one pass.
-    return _slot_sum(out_pairs, num_tokens, top_k, hidden.dtype)
+    return slot_sum(out_pairs, num_tokens, top_k, hidden.dtype)
 
 
 KERNELS = (route_experts, fused_moe, fp8_moe, grouped_mm)

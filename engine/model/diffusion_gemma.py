@@ -14,6 +14,7 @@ from engine.model.kv_cache import ForwardBatch, KVCache, Mode
 from engine.model.layers import UNBOUND, Attention, GatedMLP, RMSNorm
 from engine.model.quant import scale_of
 from kernels import KernelSet
+from kernels.reference_fp8 import Fp8Rows
 
 
 class Router(nn.Module):
@@ -91,16 +92,14 @@ class Layer(nn.Module):
         cache: KVCache,
     ) -> torch.Tensor:
         ops, eps = self.kernels, self.cfg.rms_norm_eps
-        h = self.self_attn(self.input_layernorm(x), rope, layer, batch, cache)
+        normed = self.input_layernorm(x, fp8=self.self_attn.takes_fp8_rows())
+        h = self.self_attn(normed, rope, layer, batch, cache)
         # x + post_attention_layernorm(h)
         x = ops.add_rms_norm(x, h, self.post_attention_layernorm.weight, eps)
 
         residual = x
         seg = batch.segments
-        # pre_feedforward_layernorm(x) and pre_feedforward_layernorm_2(x), one read of x
-        pre_dense, pre_moe = ops.rms_norm_pair(
-            x, self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm_2.weight, eps
-        )
+        pre_dense, pre_moe = self.pre_feedforward(x)
         dense = self.mlp(pre_dense, seg, batch)
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = ops.route_experts(
@@ -126,13 +125,42 @@ class Layer(nn.Module):
             eps,
         )
 
+    def pre_feedforward(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor | Fp8Rows]:
+        """pre_feedforward_layernorm(x) and pre_feedforward_layernorm_2(x), one read of x: as
+        FP8 rows where the dense MLP and the experts both take them (`rms_norm_pair_fp8`)."""
+        ops, eps = self.kernels, self.cfg.rms_norm_eps
+        weights = (self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm_2.weight)
+        experts_fp8 = ops.fp8_moe_rows is not None and self.experts_fp8()
+        if ops.rms_norm_pair_fp8 is None or not (experts_fp8 and self.mlp.takes_fp8_rows()):
+            return ops.rms_norm_pair(x, *weights, eps)
+        q_dense, s_dense, q_moe, s_moe = ops.rms_norm_pair_fp8(x, *weights, eps)
+        return Fp8Rows(q_dense, s_dense, x.dtype), Fp8Rows(q_moe, s_moe, x.dtype)
+
+    def experts_fp8(self) -> bool:
+        """Whether both expert weights are FP8 (`engine.model.quant`)."""
+        experts = self.experts
+        return None not in (scale_of(experts, "gate_up_proj"), scale_of(experts, "down_proj"))
+
     def run_experts(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, segments: list[int]
+        self,
+        x: torch.Tensor | Fp8Rows,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        segments: list[int],
     ) -> torch.Tensor:
-        """The experts over x [N, H]: `fp8_moe` with their scales where they are FP8."""
+        """The experts over x [N, H]: `fp8_moe` with their scales where they are FP8,
+        `fp8_moe_rows` where x is FP8 rows too."""
         experts, ops = self.experts, self.kernels
         gate_up_scale = scale_of(experts, "gate_up_proj")
         down_scale = scale_of(experts, "down_proj")
+        if isinstance(x, Fp8Rows):
+            assert ops.fp8_moe_rows is not None and self.experts_fp8(), "FP8 rows need both"
+            return ops.fp8_moe_rows(
+                x.values, x.scale, experts.gate_up_proj, gate_up_scale, experts.down_proj,
+                down_scale, weights, ids, x.dtype, segments=segments,
+            )  # fmt: skip
         if gate_up_scale is None or down_scale is None:
             return ops.fused_moe(
                 x, experts.gate_up_proj, experts.down_proj, weights, ids, segments=segments

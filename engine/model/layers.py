@@ -13,6 +13,7 @@ from engine.model.kv_cache import ForwardBatch, KVCache
 from engine.model.quant import scale_of
 from kernels import KernelSet, resolve_kernels
 from kernels.reference import apply_rope_fused
+from kernels.reference_fp8 import Fp8Rows
 from kernels.reference_layer import ACTIVATIONS
 
 # Until `DiffusionLM.bind_kernels` runs (load_model does): fast numerics, the PyTorch twins.
@@ -20,14 +21,25 @@ UNBOUND = resolve_kernels("cpu", "twins", exact=False)
 
 
 def project(
-    kernels: KernelSet, proj: nn.Module, x: torch.Tensor, segments: list[int]
+    kernels: KernelSet, proj: nn.Module, x: torch.Tensor | Fp8Rows, segments: list[int]
 ) -> torch.Tensor:
     """x @ proj.weight^T through the bound kernels: `fp8_linear` with the weight's per-channel
-    scale where the weight is FP8 (`engine.model.quant`), `linear` otherwise."""
+    scale where the weight is FP8 (`engine.model.quant`), `fp8_linear_rows` where x is FP8
+    rows already (`takes_fp8_rows`), `linear` otherwise."""
     scale = scale_of(proj, "weight")
+    if isinstance(x, Fp8Rows):
+        assert scale is not None and kernels.fp8_linear_rows is not None, "FP8 rows need both"
+        return kernels.fp8_linear_rows(x.values, x.scale, proj.weight, scale, x.dtype)
     if scale is None:
         return kernels.linear(x, proj.weight, segments)
     return kernels.fp8_linear(x, proj.weight, scale, segments)
+
+
+def takes_fp8_rows(kernels: KernelSet, *projections: nn.Module | None) -> bool:
+    """Whether the kernel before these projections (which share its output) emits FP8 rows for
+    them: the set has the FP8-rows kernels (sm_90) and every projection's weight is FP8."""
+    present = [p for p in projections if p is not None]
+    return kernels.fp8_rows and all(scale_of(p, "weight") is not None for p in present)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -64,7 +76,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if with_weight else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor | Fp8Rows:
+        """The norm of x; `fp8`: as FP8 rows with per-token scales (`rms_norm_fp8`)."""
+        if fp8:
+            assert self.kernels.rms_norm_fp8 is not None, "fp8 needs the FP8-rows kernels"
+            return Fp8Rows(*self.kernels.rms_norm_fp8(x, self.weight, self.eps), x.dtype)
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
@@ -93,15 +109,23 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, cfg.rms_norm_eps)
 
+    def takes_fp8_rows(self) -> bool:
+        """Whether q, k and v take their input as FP8 rows (`layers.takes_fp8_rows`; no
+        adapter: its deltas read the unquantized input)."""
+        return self.lora is None and takes_fp8_rows(
+            self.kernels, self.q_proj, self.k_proj, self.v_proj
+        )
+
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Fp8Rows,
         rope: tuple[torch.Tensor, torch.Tensor],
         layer: int,
         batch: ForwardBatch,
         cache: KVCache,
     ) -> torch.Tensor:
-        """x: [1, N, H] packed tokens of all rows. Returns [1, N, H]."""
+        """x: [1, N, H] packed tokens of all rows (FP8 rows where `takes_fp8_rows`). Returns
+        [1, N, H]."""
         ks = self.kernels
         shape = (1, x.shape[1], -1, self.spec.head_dim)
         cos, sin = rope
@@ -119,12 +143,13 @@ class Attention(nn.Module):
         return self._project("o_proj", out.reshape(1, x.shape[1], -1), batch)
 
     def _project_qkv(
-        self, x: torch.Tensor, batch: ForwardBatch
+        self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v; full layers of DiffusionGemma have no v_proj: V is the raw k_proj output.
         One call where the kernels project several weights at once and no adapter applies."""
         many = self.kernels.linear_many
-        if many is not None and self.lora is None and scale_of(self.q_proj, "weight") is None:
+        unquantized = isinstance(x, torch.Tensor) and scale_of(self.q_proj, "weight") is None
+        if many is not None and self.lora is None and unquantized:
             projections = [self.q_proj, self.k_proj]
             projections += [self.v_proj] if self.v_proj is not None else []
             q, k, *v = many(x, [p.weight for p in projections], batch.segments)
@@ -132,7 +157,7 @@ class Attention(nn.Module):
         q, k = self._project("q_proj", x, batch), self._project("k_proj", x, batch)
         return q, k, k if self.v_proj is None else self._project("v_proj", x, batch)
 
-    def _project(self, name: str, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _project(self, name: str, x: torch.Tensor | Fp8Rows, batch: ForwardBatch) -> torch.Tensor:
         y = project(self.kernels, getattr(self, name), x, batch.segments)
         return y if self.lora is None else self.lora[name](x, y, batch)
 
@@ -160,22 +185,33 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.lora: nn.ModuleDict | None = None  # a decoder adapter's deltas (DECODE rows only)
 
+    def takes_fp8_rows(self) -> bool:
+        """Whether gate and up take their input as FP8 rows (`layers.takes_fp8_rows`; no
+        adapter: its deltas read the unquantized input)."""
+        return self.lora is None and takes_fp8_rows(self.kernels, self.gate_proj, self.up_proj)
+
     def forward(
-        self, x: torch.Tensor, segments: list[int], batch: ForwardBatch | None = None
+        self, x: torch.Tensor | Fp8Rows, segments: list[int], batch: ForwardBatch | None = None
     ) -> torch.Tensor:
-        """`batch` (the forward's rows) is needed only when an adapter is attached."""
+        """`batch` (the forward's rows) is needed only when an adapter is attached; x is FP8
+        rows only where `takes_fp8_rows`."""
         ks = self.kernels
         gated_linear = ks.gated_linear if scale_of(self.gate_proj, "weight") is None else None
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
         if self.lora is None or batch is None:
-            if gated_linear is not None:  # act(gate) * up in one call
+            hidden: torch.Tensor | Fp8Rows
+            if gated_linear is not None and isinstance(x, torch.Tensor):  # one call
                 weights = (gate_proj.weight, up_proj.weight)
                 hidden = gated_linear(x, *weights, self.activation, segments)
             else:
                 gate = project(ks, gate_proj, x, segments)
                 up = project(ks, up_proj, x, segments)
-                hidden = ks.gated_act(gate, up, self.activation)  # act(gate) * up
+                if ks.gated_act_fp8 is not None and takes_fp8_rows(ks, down_proj):
+                    hidden = Fp8Rows(*ks.gated_act_fp8(gate, up, self.activation), gate.dtype)
+                else:
+                    hidden = ks.gated_act(gate, up, self.activation)  # act(gate) * up
             return project(ks, down_proj, hidden, segments)
+        assert isinstance(x, torch.Tensor), "an adapter reads the unquantized input"
         lora = self.lora
         gate = self.act(lora["gate_proj"](x, project(ks, gate_proj, x, segments), batch))
         up = lora["up_proj"](x, project(ks, up_proj, x, segments), batch)
@@ -200,5 +236,5 @@ class SelfConditioning(GatedMLP):
     def condition(
         self, embeds: torch.Tensor, soft_embeds: torch.Tensor, segments: list[int]
     ) -> torch.Tensor:
-        signal = self(self.pre_norm(soft_embeds), segments)
+        signal = self(self.pre_norm(soft_embeds, fp8=self.takes_fp8_rows()), segments)
         return self.post_norm(embeds + signal) if self.post_norm is not None else embeds + signal

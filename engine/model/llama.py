@@ -30,8 +30,11 @@ class LlamaLayer(nn.Module):
         batch: ForwardBatch,
         cache: KVCache,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, layer, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x), batch.segments, batch)
+        # each norm as FP8 rows where the projections after it take them (sm_90's FP8 path)
+        normed = self.input_layernorm(x, fp8=self.self_attn.takes_fp8_rows())
+        x = x + self.self_attn(normed, rope, layer, batch, cache)
+        normed = self.post_attention_layernorm(x, fp8=self.mlp.takes_fp8_rows())
+        return x + self.mlp(normed, batch.segments, batch)
 
 
 class LlamaDiffusion(DiffusionLM):

@@ -139,6 +139,50 @@ def quantize_rows(num_rows: int, num_cols: int, dtype: torch.dtype) -> Callable[
     return launch
 
 
+def fp8_rows(tokens: int, hidden: int, inter: int) -> Callable[[], object]:
+    """`triton_fp8_emit`'s kernels over [1, tokens, hidden] rows (the input norm, the pre-norm
+    pair) and the dense MLP's [1, tokens, inter] GeGLU product, bf16 in, FP8 rows out."""
+
+    def launch() -> object:
+        from kernels import triton_fp8_emit
+
+        x, weight = torch.empty(1, tokens, hidden, dtype=BF16), torch.empty(hidden, dtype=BF16)
+        gate = torch.empty(1, tokens, inter, dtype=BF16)
+        return (
+            triton_fp8_emit.rms_norm_fp8(x, weight, 1e-6),
+            triton_fp8_emit.rms_norm_pair_fp8(x, weight, weight, 1e-6),
+            triton_fp8_emit.gated_act_fp8(gate, gate, "gelu_pytorch_tanh"),
+        )
+
+    return launch
+
+
+def fp8_experts(
+    num_tokens: int,
+    hidden: int = REAL["hidden_size"],
+    experts: int = REAL["num_experts"],
+    top_k: int = REAL["top_k_experts"],
+    inter: int = REAL["moe_intermediate_size"],
+) -> Callable[[], object]:
+    """`triton_fp8_moe.fp8_moe_rows`: FP8 x FP8 experts over FP8 rows, bf16 out."""
+
+    def launch() -> object:
+        from kernels import triton_fp8_moe
+
+        fp8 = torch.float8_e4m3fn
+        q, q_scale = torch.empty(num_tokens, hidden, dtype=fp8), torch.empty(num_tokens, 1)
+        gate_up = torch.empty(experts, 2 * inter, hidden, dtype=fp8)
+        down = torch.empty(experts, hidden, inter, dtype=fp8)
+        scales = torch.empty(experts, 2 * inter, 1), torch.empty(experts, hidden, 1)
+        ids = torch.arange(num_tokens * top_k).view(num_tokens, top_k) % experts
+        weights = torch.empty(num_tokens, top_k)
+        return triton_fp8_moe.fp8_moe_rows(
+            q, q_scale, gate_up, scales[0], down, scales[1], weights, ids, BF16
+        )
+
+    return launch
+
+
 @contextmanager
 def _without_gemm() -> Iterator[None]:
     """The soft embedding's GEMM is cuBLAS's (`torch.matmul`), nothing to compile: skipped, so
@@ -337,6 +381,8 @@ def _fp8_real() -> list[Variant]:
         Variant("FP8 experts", "real", moe(CANVAS, BF16, route=False, fp8=True), FP8_ARCH),
         Variant("FP8 quantize rows hidden", "real", quantize_rows(CANVAS, hidden, BF16), FP8_ARCH),
         Variant("FP8 quantize rows MLP", "real", quantize_rows(CANVAS, inter, BF16), FP8_ARCH),
+        Variant("FP8 rows norms and GeGLU", "real", fp8_rows(CANVAS, hidden, inter), FP8_ARCH),
+        Variant("FP8 x FP8 experts", "real", fp8_experts(CANVAS), FP8_ARCH),
     ]
 
 
@@ -349,6 +395,13 @@ def _fp8_edge() -> list[Variant]:
             quantize_rows(1, REAL["hidden_size"], BF16),
             FP8_ARCH,
         ),
+        Variant(
+            "one-token FP8 rows norms and GeGLU",
+            "edge",
+            fp8_rows(1, REAL["hidden_size"], REAL["intermediate_size"]),
+            FP8_ARCH,
+        ),
+        Variant("one-token FP8 x FP8 experts", "edge", fp8_experts(1), FP8_ARCH),
     ]
 
 

@@ -89,6 +89,17 @@ def _fp8_moe(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
     return _experts("fp8_moe", hidden, gate_up, down, ids, (gate_up_scale, down_scale))
 
 
+def _fp8_moe_rows(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
+    """`triton_fp8_moe.fp8_moe_rows`: fused_moe's launches, FP8 x FP8 at FP8's dense peak
+    (twice bf16's: FLOPs counted at half, as `_fp8_linear`); FP8 rows read per pair, the
+    GeGLU output written and read as FP8 with a scale per row and block, pair rows and the
+    output in the activations' dtype."""
+    q, q_scale, gate_up, gate_up_scale, down, down_scale, weights, ids, dtype = args
+    out_size = torch.empty((), dtype=dtype).element_size()
+    scales = (gate_up_scale, down_scale)
+    return _experts("fp8_moe_rows", q, gate_up, down, ids, scales, out_size, flops_share=0.5)
+
+
 def _experts(
     name: str,
     hidden: torch.Tensor,
@@ -96,27 +107,32 @@ def _experts(
     down: torch.Tensor,
     ids: torch.Tensor,
     scales: tuple[torch.Tensor, ...],
+    out_size: int | None = None,
+    flops_share: float = 1.0,
 ) -> list[Part]:
+    """`out_size`: bytes an element of the pair rows and the output (default: hidden's);
+    `flops_share`: the GEMMs' FLOPs counted in bf16 equivalents (0.5: FP8 x FP8)."""
     num_tokens, hid = hidden.shape
     num_experts, two_inter, _ = gate_up.shape
     inter, top_k = two_inter // 2, ids.shape[1]
     pairs, el = num_tokens * top_k, hidden.element_size()
+    out_el = out_size or el
     experts = touched_experts(num_tokens, num_experts, top_k)
     per_expert = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
     per_expert += sum(s[0].numel() * s.element_size() for s in scales)
     w_bytes = experts * per_expert
     gemm = {
-        "flops": 2 * pairs * hid * two_inter + 2 * pairs * inter * hid,
-        "bytes": w_bytes + pairs * hid * el + 2 * pairs * inter * el + pairs * hid * el,
+        "flops": flops_share * (2 * pairs * hid * two_inter + 2 * pairs * inter * hid),
+        "bytes": w_bytes + pairs * hid * el + 2 * pairs * inter * el + pairs * hid * out_el,
         "launches": 2,
         "gemm": True,
     }
     parts = [Part(f"{name}.align_pairs", cost) for cost in align_pairs_costs(ids, num_experts)]
-    pair_rows = pairs * hid * el
+    pair_rows = pairs * hid * out_el
     return [
         *parts,
         Part(f"{name}.expert_gemms", gemm),
-        Part(f"{name}.slot_sum_cast", {"bytes": pair_rows + num_tokens * hid * el}),
+        Part(f"{name}.slot_sum_cast", {"bytes": pair_rows + num_tokens * hid * out_el}),
     ]
 
 
@@ -136,6 +152,19 @@ def _fp8_linear(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]
         "gemm": True,
     }
     return [Part("fp8_linear.quantize_rows", quantize), Part("fp8_linear.scaled_mm", gemm)]
+
+
+def _fp8_linear_rows(acct: Accountant, args: tuple[Any, ...], out: Any) -> list[Part]:
+    """`triton_fp8.fp8_linear_rows`: `_scaled_mm` alone on FP8 rows a kernel before it emitted
+    (`_fp8_linear` without the quantizer)."""
+    q, q_scale, weight, scale, dtype = args
+    rows, (out_dim, in_dim) = q.numel() // q.shape[-1], weight.shape
+    gemm = {
+        "flops": rows * in_dim * out_dim,  # 2 * M * K * N products at twice bf16's rate
+        "bytes": nbytes([q, q_scale, weight, scale, out]),
+        "gemm": True,
+    }
+    return [Part("fp8_linear_rows.scaled_mm", gemm)]
 
 
 def align_pairs_costs(ids: torch.Tensor, num_experts: int) -> list[dict[str, Any]]:
@@ -234,6 +263,12 @@ CUSTOM_RULES: dict[str, Rule] = {
     "fused_moe": _moe,
     "fp8_moe": _fp8_moe,
     "fp8_linear": _fp8_linear,
+    "fp8_linear_rows": _fp8_linear_rows,
+    "fp8_moe_rows": _fp8_moe_rows,
+    # `triton_fp8_emit`: one pass each, FP8 values and fp32 scales written
+    "rms_norm_fp8": _one_pass("rms_norm_fp8"),
+    "rms_norm_pair_fp8": _one_pass("rms_norm_pair_fp8"),
+    "gated_act_fp8": _one_pass("gated_act_fp8"),
     "fused_sample": _fused_sample,
     "soft_embedding": _soft_embedding,
     "sample_and_embed": _sample_and_embed,

@@ -3,7 +3,10 @@ run on the meta device through the custom ops (`KernelSet.with_custom_ops`), eve
 recorded by `loadtest.gpu.accountant` and its time predicted on an H200 and an H100 SXM.
 
     python -m loadtest.gpu.roofline [--canvases 1 4 16 64] [--layers N] [--top 8]   (make roofline)
-        [--quantization fp8]   (FP8 projections and experts, as `--quantization fp8` loads them)
+        [--quantization fp8]   (FP8 projections and experts, as `--quantization fp8` loads them,
+                                on sm_90's FP8 rows; `--without-fp8-rows`: each quantizes its own)
+        [--cuda-graphs]        (the forward's launches cost nothing: `--cuda-graphs` replays it)
+        [--launch-us US]       (every launch costs US µs; 0: none, the whole step captured)
     python -m loadtest.gpu.roofline --measured-launch   (launch cost measured here: launch_probe)
     python -m loadtest.gpu.roofline_calibrate     (the accountant against a measured CPU step)
 
@@ -64,6 +67,20 @@ class StepAccount:
     canvases: int
     acct: Accountant
     weight_bytes: float
+    # CUDA graphs replay the forward: its kernels' launch cost is gone (a replay's own launch
+    # is left out; the forward phase holds the LM head's two launches, which `--cuda-graphs`
+    # runs eager, and the sampler's stay counted).
+    graphs: bool = False
+
+    def op_seconds(self, record: OpRecord, hw: Hardware) -> float:
+        """One op's predicted time in this step (`graphs`: a forward op's launches free)."""
+        t = record.seconds(hw)
+        if self.graphs and record.phase == "forward" and not record.host:
+            t -= record.launches * hw.launch_s
+        return t
+
+    def seconds(self, hw: Hardware) -> float:
+        return sum(self.op_seconds(r, hw) for r in self.acct.records)
 
 
 def with_layers(config: ModelConfig, num_layers: int | None) -> ModelConfig:
@@ -226,13 +243,15 @@ def weight_bytes(model: DiffusionLM, num_tokens: int) -> float:
     return total
 
 
-def account(model: DiffusionLM, kind: str, canvases: int, prefix: int = PREFIX_LEN) -> StepAccount:
+def account(
+    model: DiffusionLM, kind: str, canvases: int, prefix: int = PREFIX_LEN, graphs: bool = False
+) -> StepAccount:
     meta = torch.device("meta")
     acct = Accountant("meta")
     with torch.inference_mode():
         StepHarness(model, kind, canvases, meta, prefix).run(acct)
     num_tokens = sum(n for _, n, _ in acct.rows.rows)
-    return StepAccount(kind, canvases, acct, weight_bytes(model, num_tokens))
+    return StepAccount(kind, canvases, acct, weight_bytes(model, num_tokens), graphs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,8 +293,8 @@ def summary_table(steps: list[StepAccount], gpus: tuple[Hardware, ...] = GPUS) -
     for s in steps:
         cells = []
         for hw in gpus:
-            t, f = s.acct.seconds(hw), floor_s(s, hw)
-            cells.append(f"{t * 1e3:.1f} | {f * 1e3:.1f} | {t / f:.1f}")
+            t, f = s.seconds(hw), floor_s(s, hw)
+            cells.append(f"{t * 1e3:.2f} | {f * 1e3:.2f} | {t / f:.2f}")
         inner = len(s.acct.syncs(("forward", "sampler")))
         lines.append(
             f"| {s.kind} | {s.canvases} | " + " | ".join(cells)
@@ -288,15 +307,15 @@ def top_ops(step: StepAccount, hw: Hardware, top: int) -> str:
     groups: dict[str, list[OpRecord]] = defaultdict(list)
     for r in step.acct.records:
         groups[f"{r.phase}: {r.name}"].append(r)
-    rows = sorted(groups.items(), key=lambda kv: -sum(r.seconds(hw) for r in kv[1]))[:top]
-    total = step.acct.seconds(hw)
+    rows = sorted(groups.items(), key=lambda kv: -sum(step.op_seconds(r, hw) for r in kv[1]))
+    total = step.seconds(hw)
     lines = [
         f"Top ops, {step.kind} at {step.canvases} canvases on {hw.name} ({total * 1e3:.1f} ms):",
         "| op | calls | launches | GB | TFLOP | ms | share |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, recs in rows:
-        t = sum(r.seconds(hw) for r in recs)
+    for name, recs in rows[:top]:
+        t = sum(step.op_seconds(r, hw) for r in recs)
         lines.append(
             f"| {name} | {len(recs)} | {sum(r.launches for r in recs)} "
             f"| {sum(r.bytes for r in recs) / 1e9:.2f} | {sum(r.flops for r in recs) / 1e12:.2f} "
@@ -364,24 +383,48 @@ def main(argv: list[str] | None = None) -> int:
         help="fp8: FP8 projections and experts (the Triton FP8 kernels' bytes); auto: bf16",
     )  # fmt: skip
     parser.add_argument(
+        "--without-fp8-rows", action="store_true",
+        help="fp8: each projection and the experts quantize their own input (no FP8 rows)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="the forward phase's kernels cost no launch (CUDA graphs replay it; sampler eager)",
+    )  # fmt: skip
+    parser.add_argument(
         "--measured-launch", action="store_true",
         help="predict with the launch cost this machine measures (loadtest.gpu.launch_probe)",
     )  # fmt: skip
+    parser.add_argument(
+        "--launch-us", type=float, default=None,
+        help="every kernel launch's cost in µs (default: the hardware's; 0: launches free)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     gpus = GPUS
+    if args.launch_us is not None:
+        if args.launch_us < 0 or args.measured_launch:
+            parser.error("--launch-us must be >= 0 and cannot go with --measured-launch")
+        gpus = tuple(hw.with_launch(args.launch_us * 1e-6) for hw in GPUS)
     if args.measured_launch:
         costs = [measured_launch(backend) for backend in launch_backends()]
         print("".join(f"Launch cost measured: {c.line()}\n" for c in costs))
         gpus = tuple(hw.with_launch(costs[-1].per_call_s) for hw in GPUS)
     config = with_layers(model_config(), args.layers)
-    kernels = resolve_kernels("cpu", "twins").with_custom_ops()
+    kernels = resolve_kernels("cpu", "twins")
+    fp8_rows = args.quantization == "fp8" and not args.without_fp8_rows
+    kernels = (kernels.with_fp8_rows() if fp8_rows else kernels).with_custom_ops()
     model = build(config, kernels, torch.device("meta"), args.quantization)
     weights = "FP8 projections and experts" if args.quantization == "fp8" else "bf16"
+    weights += " on FP8 rows" if fp8_rows else ""
+    numerics = "fast numerics" + (
+        ", CUDA graphs (forward launches free)" if args.cuda_graphs else ""
+    )
     began = time.perf_counter()
-    steps = [account(model, k, r) for k in args.kinds for r in args.canvases]
+    steps = [
+        account(model, k, r, graphs=args.cuda_graphs) for k in args.kinds for r in args.canvases
+    ]
     print(
         f"# Roofline: DiffusionGemma 26B-A4B, {config.text.num_layers} layers, {weights}, "
-        f"prefix {PREFIX_LEN}, fast numerics ({time.perf_counter() - began:.1f} s on meta)\n"
+        f"prefix {PREFIX_LEN}, {numerics} ({time.perf_counter() - began:.1f} s on meta)\n"
     )
     print("Peaks: " + "; ".join(
         f"{h.name} {h.tensor_flops / 1e12:.0f} TFLOP/s bf16, {h.fp32_flops / 1e12:.0f} fp32, "
