@@ -182,6 +182,14 @@ ENGINE_FLAGS = (
         "eager; a CUDA device and the Triton kernels only)",
         switch=True,
     ),
+    Flag(
+        "--no-overlap",
+        "engine.overlap",
+        "run each step's forward on the step loop's thread, its outputs handed over after it "
+        "(default: on a worker thread, the last step's outputs handed over meanwhile; exact "
+        "numerics never overlap)",
+        switch=False,
+    ),
 )
 
 
