@@ -112,7 +112,7 @@ class AsyncEngine:
         self._died = False  # the loop thread ended on a fault (set once, by that thread)
         self._failure = ""  # why it ended: a fatal CUDA error (set once, by that thread)
         self._warming = wants_warmup(engine) if warmup is None else warmup  # cleared by the loop
-        self._steps = StepPipeline(engine, engine.config.overlap)
+        self._steps = StepPipeline(engine, self._hand_over, engine.config.overlap)
 
     # -- lifecycle --
 
@@ -256,23 +256,22 @@ class AsyncEngine:
         engine, steps = self.engine, self._steps
         while not self._stop.is_set():
             if not engine.has_work():  # no next step to hand the last one over beside
-                steps.flush(self._hand_over)
+                steps.flush()
             self._drain_commands(block=not engine.has_work())
             if self._stop.is_set():
                 break
             try:
-                steps.step(self._hand_over)
+                steps.step()
             except Exception as exc:  # a model fault fails the running requests, not the server
                 if fatal_device_error(exc):  # ... unless the GPU cannot run anything any more
                     self._fail_device(exc)
                     return
                 logger.exception("engine step failed; failing the running requests")
                 self._fail_all(RuntimeError("internal engine error"))
-        steps.flush(self._hand_over)
+            self._update_stats()
 
     def _hand_over(self, result: StepResult) -> None:
         """A step's counters, listeners and outputs (after it, or beside the next forward)."""
-        self._update_stats()
         if result.stats.num_rows == 0:
             return  # nothing ran (idle wake-up): no step to count or observe
         self._counters.num_steps += 1

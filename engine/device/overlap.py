@@ -1,32 +1,32 @@
 """Overlapped steps, and step timing that lets the host run ahead of the device.
 
-Overlapped steps: the forward and sampler of step t run on a worker thread while the step
-loop hands step t-1's outputs over (its listeners, its publishing, its counters).
+Overlapped steps: step t's hand-over (its listeners, metrics, and publishing its outputs to the
+event loop) runs on a hand-over thread while the step loop executes step t+1 (its inputs,
+forward and sampler):
 
-    loop thread:    begin t ─ submit ─ hand over t-1 ─ wait ─ finish t ─ begin t+1 ─ ...
-    worker thread:                   └─ execute t (forward, sampler) ─┘
+    step loop:   begin t │ execute t ────────────── │ finish t │ begin t+1 │ execute t+1 ───── ...
+    hand-over:           │ hand over t-1 │                     │ hand over t │
 
-`Engine.begin` and `Engine.finish` write the scheduler's state, `Engine.execute` only the
-runner's and the sampler's, so the hand-over (which reads a finished step's values and the
-scheduler's counters) may run beside it; commands (new requests, aborts) are still taken
-between `finish` and the next `begin`. PyTorch's operators and the native kernels release the
-interpreter lock, so the hand-over and the server's front end, which wakes up to stream what was
-handed over, run while the forward computes instead of between two steps. The steps themselves
-are the serial loop's, in the same order, so the tokens are too (`tests/e2e/test_overlap.py`).
-
-Exact numerics never overlap: their loop stays the serial one it is checked against.
+`Engine.begin` and `Engine.finish` write the scheduler's state and the hand-over only reads a
+finished step's values, so they never race; commands (new requests, aborts) are still taken
+between `finish` and the next `begin`, on the step loop. PyTorch's operators and the native
+kernels release the interpreter lock, so the hand-over, and the HTTP front end that wakes up to
+stream what was handed over, run while the forward computes instead of between two steps. The
+forward stays on the step loop's thread (its device, streams, captured graphs and thread count
+are that thread's), and the steps are the serial loop's in the same order, so the tokens are
+too (`tests/e2e/test_overlap.py`). Exact numerics never overlap: their loop stays the serial
+one that is checked against the reference.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.device.cuda import select_device
 from engine.types import StepResult
 
 if TYPE_CHECKING:
@@ -36,49 +36,50 @@ HandOver = Callable[[StepResult], None]
 
 
 class StepPipeline:
-    """Steps an engine, each step's result handed to `hand_over` once, in step order: at once
-    (serial), or while the next step's forward runs (overlapped; `flush` hands over the last
-    one when no step follows)."""
+    """Steps an engine on the calling thread; every step's result goes to `hand_over` once, in
+    step order: on the calling thread right after the step (serial), or on the hand-over
+    thread while the next step executes (overlapped; `flush` when no step follows)."""
 
-    def __init__(self, engine: Engine, overlap: bool) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, hand_over: HandOver, overlap: bool) -> None:
+        self.engine, self.hand_over = engine, hand_over
         self.overlap = overlap and not engine.model.kernels.exact
-        self._worker: ThreadPoolExecutor | None = None
-        self._held: StepResult | None = None  # the last step's result, not handed over yet
-        if self.overlap:  # the worker launches kernels: on the engine's device (select_device)
-            self._worker = ThreadPoolExecutor(
-                1, "canvas-forward", initializer=select_device, initargs=(engine.device,)
-            )
+        self._pool = ThreadPoolExecutor(1, "canvas-hand-over") if self.overlap else None
+        self._held: StepResult | None = None  # the last step's result, not passed on yet
+        self._handing: Future[None] | None = None  # the last hand-over passed on
 
-    @property
-    def holding(self) -> bool:
-        """A finished step waits to be handed over."""
-        return self._held is not None
-
-    def step(self, hand_over: HandOver) -> None:
-        """One engine step. What it raises (`Engine.step`) comes after the last step's result
+    def step(self) -> None:
+        """One engine step. What it raises (`Engine.step`) comes after every result before it
         was handed over; the step that raised hands nothing over."""
         engine = self.engine
-        if self._worker is None:
-            hand_over(engine.step())
+        if self._pool is None:
+            self.hand_over(engine.step())
             return
         try:
             began = engine.begin()
-            running = self._worker.submit(engine.execute, began) if began.plan.rows else None
-        finally:
-            self.flush(hand_over)  # while the forward runs
-        effects = running.result() if running is not None else []
-        self._held = engine.finish(began, effects)
+            self._pass_on()  # handed over while this step executes
+            self._held = engine.finish(began, engine.execute(began))
+        except BaseException:
+            self.flush()
+            raise
 
-    def flush(self, hand_over: HandOver) -> None:
-        """Hand the held result over, if there is one."""
-        held, self._held = self._held, None
-        if held is not None:
-            hand_over(held)
+    def flush(self) -> None:
+        """Hand the held result over and wait until every result has been."""
+        if self._pool is None:
+            return
+        self._pass_on()
+        if self._handing is not None:
+            self._handing.result()
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
+        self.flush()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _pass_on(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            assert self._pool is not None
+            self._handing = self._pool.submit(self.hand_over, held)
 
 
 class ForwardClock:
