@@ -6,8 +6,8 @@ Callers (the HTTP server) see it through `engine.types.EngineClient`: `generate(
 iterator of `StepOutput`s for one request), `abort()`, `limits` and `stats`. Requests arrive
 validated (`engine.validation`). Each request has one output queue; the loop thread hands
 outputs to the event loop with `call_soon_threadsafe`, so publishing never blocks the step loop
-and the event loop never runs model code (overlapped: during the next step's forward,
-`engine.device.overlap`).
+and the event loop never runs model code (`--overlap`: from a thread of its own while the
+next step executes, `engine.device.overlap`).
 """
 
 from __future__ import annotations

@@ -87,9 +87,9 @@ class EngineConfig:
     warmup: bool | None = None
     # Replay all-denoise forwards as CUDA graphs (`engine.device.graphs`, `--cuda-graphs`).
     cuda_graphs: bool = False
-    # `AsyncEngine` runs a step's forward and sampler on a worker thread while its loop hands
-    # the last step's outputs over (`engine.device.overlap`, `canvas serve --no-overlap`).
-    overlap: bool = True
+    # `AsyncEngine` hands each step's outputs over on a thread of its own while the next step
+    # executes (`engine.device.overlap`, `canvas serve --overlap`; off: it hid nothing on CPU).
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         tokens = self.page_size if self.kv_cache_tokens is None else self.kv_cache_tokens

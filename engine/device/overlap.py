@@ -10,12 +10,17 @@ forward and sampler):
 `Engine.begin` and `Engine.finish` write the scheduler's state and the hand-over only reads a
 finished step's values, so they never race; commands (new requests, aborts) are still taken
 between `finish` and the next `begin`, on the step loop. PyTorch's operators and the native
-kernels release the interpreter lock, so the hand-over, and the HTTP front end that wakes up to
-stream what was handed over, run while the forward computes instead of between two steps. The
-forward stays on the step loop's thread (its device, streams, captured graphs and thread count
+kernels release the interpreter lock, so the hand-over runs beside the next step's inputs and
+forward instead of before them. The forward stays on the step loop's thread (its device, streams, captured graphs and thread count
 are that thread's), and the steps are the serial loop's in the same order, so the tokens are
 too (`tests/e2e/test_overlap.py`). Exact numerics never overlap: their loop stays the serial
 one that is checked against the reference.
+
+It is off by default (`canvas serve --overlap`): the hand-over is a few calls, cheaper than
+waking a thread for it, and what else a step spends besides its forward and sampler (the
+sampler's canvas inputs and state, the forward's inputs, the scheduler) lies between one
+forward's results and the next forward, which needs them (docs/performance.md, "Overlapped
+steps"). The clock below is what the GPU needs from this module either way: no synchronize.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Overlapped steps against serial ones (`engine.device.overlap`, `canvas serve --no-overlap`):
+"""Overlapped steps against serial ones (`engine.device.overlap`, `canvas serve --overlap`):
 how much of the engine's overhead hides behind the forward, and what that gives end to end.
 
     python -m loadtest.cpu.overlap_bench [--preset bench-tiny] [--repeats 5] [--out FILE]
 
-Two `AsyncEngine`s over one checkpoint in this process, one overlapped (the default) and one
-serial, each request streamed to a client coroutine on this event loop that detokenizes its
+Two `AsyncEngine`s over one checkpoint in this process, one overlapped and one serial (the
+default), each request streamed to a client coroutine on this event loop that detokenizes its
 text so far at every output, as the HTTP front end does (so the step loop shares the
 interpreter lock with a front end, without sockets). `make bench`'s `bench-tiny` workload:
 diffusion mode, a fixed number of denoising steps (random weights never converge), EOS
@@ -20,7 +20,10 @@ alternates by round); ratios are taken within a round. At the highest concurrenc
   step loop does besides them: scheduling, inputs, the update, outputs, metrics, publishing,
   and waiting for the interpreter lock;
 - hidden: (serial cycle - overlapped cycle) / serial overhead, the share of the overhead that
-  the overlapped loop no longer spends between two forwards.
+  the overlapped loop no longer spends between two forwards; and 1 - overlapped overhead /
+  serial overhead, the same share measured within each step (the machine's speed drifts
+  between runs by more than the overhead: the first compares two runs' cycles, the second
+  each step's cycle with its own forward and sampler).
 """
 
 from __future__ import annotations
@@ -67,19 +70,27 @@ class Run:
 
 
 def split(run: Run) -> dict[str, float] | None:
-    """Median cycle, forward + sampler and overhead (ms) of a run's steady steps."""
+    """Medians (ms) over a run's steady steps of the cycle, the forward + sampler, and the
+    overhead (each step's cycle minus its own forward and sampler)."""
     steady = run.steady()
     if not steady:
         return None
-    cycle = statistics.median(c for c, _ in steady)
-    busy = statistics.median(b for _, b in steady)
-    return {"steps": len(steady), "cycle_ms": cycle * 1e3, "busy_ms": busy * 1e3,
-            "overhead_ms": (cycle - busy) * 1e3}  # fmt: skip
+    return {
+        "steps": len(steady),
+        "cycle_ms": 1e3 * statistics.median(c for c, _ in steady),
+        "busy_ms": 1e3 * statistics.median(b for _, b in steady),
+        "overhead_ms": 1e3 * statistics.median(c - b for c, b in steady),
+    }
 
 
-def hidden_share(serial: dict[str, float], overlapped: dict[str, float]) -> float:
-    """(serial cycle - overlapped cycle) / serial overhead (module docstring)."""
-    return (serial["cycle_ms"] - overlapped["cycle_ms"]) / serial["overhead_ms"]
+def hidden_shares(serial: dict[str, float], overlapped: dict[str, float]) -> dict[str, float]:
+    """`cycles`: (serial cycle - overlapped cycle) / serial overhead; `overheads`: 1 -
+    overlapped overhead / serial overhead, the same share when overlap leaves the forward and
+    sampler alone, and robust to the machine's speed changing between the two runs."""
+    return {
+        "cycles": (serial["cycle_ms"] - overlapped["cycle_ms"]) / serial["overhead_ms"],
+        "overheads": 1 - overlapped["overhead_ms"] / serial["overhead_ms"],
+    }
 
 
 async def wave(
@@ -155,7 +166,7 @@ async def measure(preset: str, repeats: int, widths: Sequence[int]) -> dict[str,
             }
             entry["speedup"] = runs["overlap"].tokens_per_s / runs["serial"].tokens_per_s
             if splits["serial"] and splits["overlap"]:
-                entry["hidden"] = hidden_share(splits["serial"], splits["overlap"])
+                entry["hidden"] = hidden_shares(splits["serial"], splits["overlap"])
             result[f"c={width}"] = entry
             logger.info("round %d c=%d: %s", round_ + 1, width, json.dumps(entry, default=_r))
         rounds.append(result)
@@ -178,7 +189,10 @@ def summarize(rounds: list[dict[str, Any]], widths: Sequence[int]) -> dict[str, 
         out[key] = {
             **{f"{m}_tok_s": spread([e[m]["tok_s"] for e in entries]) for m in MODES},
             "speedup": spread([e["speedup"] for e in entries]),
-            "hidden": spread([e["hidden"] for e in entries if "hidden" in e]),
+            **{
+                f"hidden_by_{k}": spread([e["hidden"][k] for e in entries if "hidden" in e])
+                for k in ("cycles", "overheads")
+            },
             **{
                 f"{m}_{k}": spread([e[m]["split"][k] for e in entries if e[m]["split"]])
                 for m in MODES

@@ -183,12 +183,12 @@ ENGINE_FLAGS = (
         switch=True,
     ),
     Flag(
-        "--no-overlap",
+        "--overlap",
         "engine.overlap",
-        "run each step's forward on the step loop's thread, its outputs handed over after it "
-        "(default: on a worker thread, the last step's outputs handed over meanwhile; exact "
+        "hand each step's outputs (streaming, metrics) over on a thread of their own while the "
+        "next step executes (default off: on CPU it hid nothing and cost GIL hand-offs; exact "
         "numerics never overlap)",
-        switch=False,
+        switch=True,
     ),
 )
 
