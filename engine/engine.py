@@ -309,7 +309,7 @@ class Engine:
         rows one at a time (safe: nothing was written); a row that fails again gets an error
         effect, which ends only its own request. A CUDA error that the context does not
         survive (`fatal_device_error`) is raised at once: nothing can run after it. Writes only
-        the runner's and the sampler's state: it may run on another thread meanwhile."""
+        the runner's and the sampler's state (`engine.device.overlap` relies on it)."""
         plan, stats = began.plan, began.stats
         if not plan.rows:
             return []

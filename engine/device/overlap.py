@@ -11,10 +11,10 @@ forward and sampler):
 finished step's values, so they never race; commands (new requests, aborts) are still taken
 between `finish` and the next `begin`, on the step loop. PyTorch's operators and the native
 kernels release the interpreter lock, so the hand-over runs beside the next step's inputs and
-forward instead of before them. The forward stays on the step loop's thread (its device, streams, captured graphs and thread count
-are that thread's), and the steps are the serial loop's in the same order, so the tokens are
-too (`tests/e2e/test_overlap.py`). Exact numerics never overlap: their loop stays the serial
-one that is checked against the reference.
+forward instead of before them. The forward stays on the step loop's thread (its device,
+streams, captured graphs and thread count are that thread's), and the steps are the serial
+loop's in the same order, so the tokens are too (`tests/e2e/test_overlap.py`). Exact
+numerics never overlap: their loop stays the serial one that is checked against the reference.
 
 It is off by default (`canvas serve --overlap`): the hand-over is a few calls, cheaper than
 waking a thread for it, and what else a step spends besides its forward and sampler (the
@@ -115,6 +115,6 @@ class ForwardClock:
         if not self.cuda:
             begin, stop, now = self._times
             return stop - begin, now - stop
-        begin, stop, now = self._marks
-        now.synchronize()  # done already: the results were read after it
-        return begin.elapsed_time(stop) / 1e3, stop.elapsed_time(now) / 1e3
+        began, queued, done = self._marks
+        done.synchronize()  # done already: the results were read after it
+        return began.elapsed_time(queued) / 1e3, queued.elapsed_time(done) / 1e3
