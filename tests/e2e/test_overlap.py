@@ -5,6 +5,7 @@ overlap. The forward is timed without a device-wide synchronize."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 import time
@@ -19,6 +20,8 @@ from engine.engine import EngineConfig
 from engine.llm import LLM
 from engine.params import DecodeMode, SamplingParams
 from engine.types import StepStats
+from server.cli.config import ENGINE_FLAGS, build_config
+from server.cli.serve import add_serve_arguments
 
 GATHER = (0.5, 2.0)  # every request of a test arrives before the first step
 
@@ -226,3 +229,11 @@ def test_a_step_is_timed_by_cuda_events_without_a_synchronize(tiny_checkpoint, m
     stats = llm.engine.step().stats
     assert stats.forward_seconds > 0 and stats.sample_seconds > 0
     assert stats.forward_seconds + stats.sample_seconds <= stats.step_seconds
+
+
+def test_overlap_is_off_unless_the_flag_asks_for_it():
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    overlap = lambda *flags: build_config(parser.parse_args(flags), None, ENGINE_FLAGS)  # noqa: E731
+    assert overlap().engine.overlap is False and EngineConfig().overlap is False
+    assert overlap("--overlap").engine.overlap is True
