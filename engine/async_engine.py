@@ -6,7 +6,8 @@ Callers (the HTTP server) see it through `engine.types.EngineClient`: `generate(
 iterator of `StepOutput`s for one request), `abort()`, `limits` and `stats`. Requests arrive
 validated (`engine.validation`). Each request has one output queue; the loop thread hands
 outputs to the event loop with `call_soon_threadsafe`, so publishing never blocks the step loop
-and the event loop never runs model code.
+and the event loop never runs model code (`--overlap`: from a thread of its own while the
+next step executes, `engine.device.overlap`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from engine.device.cuda import fatal_device_error, select_device
+from engine.device.overlap import StepPipeline
 from engine.device.warmup import wants_warmup, warm_up
 from engine.engine import Engine
 from engine.inputs.images import PreparedImage
 from engine.params import ResolvedParams
 from engine.structured import Constraint
-from engine.types import EngineStats, QueueFull, StepListener, StepOutput
+from engine.types import EngineStats, QueueFull, StepListener, StepOutput, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,7 @@ class AsyncEngine:
         self._died = False  # the loop thread ended on a fault (set once, by that thread)
         self._failure = ""  # why it ended: a fatal CUDA error (set once, by that thread)
         self._warming = wants_warmup(engine) if warmup is None else warmup  # cleared by the loop
+        self._steps = StepPipeline(engine, self._hand_over, engine.config.overlap)
 
     # -- lifecycle --
 
@@ -242,6 +245,7 @@ class AsyncEngine:
                     self._warming = False
             self._step_loop()
         finally:
+            self._steps.close()
             loop = self._loop
             if not self._stop.is_set():  # a fault escaped the loop: fail what is in flight
                 self._died = True
@@ -249,38 +253,42 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(self.fail_all_inflight, self._died_error())
 
     def _step_loop(self) -> None:
-        engine = self.engine
+        engine, steps = self.engine, self._steps
         while not self._stop.is_set():
+            if not engine.has_work():  # no next step to hand the last one over beside
+                steps.flush()
             self._drain_commands(block=not engine.has_work())
             if self._stop.is_set():
                 break
             try:
-                result = engine.step()
+                steps.step()
             except Exception as exc:  # a model fault fails the running requests, not the server
                 if fatal_device_error(exc):  # ... unless the GPU cannot run anything any more
                     self._fail_device(exc)
                     return
                 logger.exception("engine step failed; failing the running requests")
                 self._fail_all(RuntimeError("internal engine error"))
-                continue
             self._update_stats()
-            if result.stats.num_rows == 0:
-                continue  # nothing ran (idle wake-up): no step to count or observe
-            self._counters.num_steps += 1
-            self._counters.last_step_time = time.monotonic()
-            for listener in self.on_step:
-                try:
-                    listener(result.stats, result.outputs)
-                except Exception:  # an observer's fault (metrics) never stops the step loop
-                    logger.exception("a step listener failed")
-            # A request that failed alone ends with an engine error; the others go on. One
-            # hand-off per step: one wake-up of the event loop, not one per request.
-            self._publish_all(
-                [
-                    (out.request_id, EngineFailure(RuntimeError(out.error)) if out.error else out)
-                    for out in result.outputs
-                ]
-            )
+
+    def _hand_over(self, result: StepResult) -> None:
+        """A step's counters, listeners and outputs (after it, or beside the next forward)."""
+        if result.stats.num_rows == 0:
+            return  # nothing ran (idle wake-up): no step to count or observe
+        self._counters.num_steps += 1
+        self._counters.last_step_time = time.monotonic()
+        for listener in self.on_step:
+            try:
+                listener(result.stats, result.outputs)
+            except Exception:  # an observer's fault (metrics) never stops the step loop
+                logger.exception("a step listener failed")
+        # A request that failed alone ends with an engine error; the others go on. One
+        # hand-off per step: one wake-up of the event loop, not one per request.
+        self._publish_all(
+            [
+                (out.request_id, EngineFailure(RuntimeError(out.error)) if out.error else out)
+                for out in result.outputs
+            ]
+        )
 
     def _drain_commands(self, block: bool) -> None:
         """Take the commands waiting (block: wait for one first, the engine being idle). A

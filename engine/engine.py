@@ -87,11 +87,23 @@ class EngineConfig:
     warmup: bool | None = None
     # Replay all-denoise forwards as CUDA graphs (`engine.device.graphs`, `--cuda-graphs`).
     cuda_graphs: bool = False
+    # `AsyncEngine` hands each step's outputs over on a thread of its own while the next step
+    # executes (`engine.device.overlap`, `canvas serve --overlap`; off: it hid nothing on CPU).
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         tokens = self.page_size if self.kv_cache_tokens is None else self.kv_cache_tokens
         if self.page_size < 1 or tokens < self.page_size:
             raise ValueError("page_size must be >= 1 and kv_cache_tokens >= page_size")
+
+
+@dataclass(frozen=True, slots=True)
+class StepBegun:
+    """A planned step: what `Engine.begin` hands to `execute` and `finish`."""
+
+    plan: StepPlan
+    stats: StepStats
+    start: float  # time.perf_counter() when it was begun
 
 
 class Engine:
@@ -254,6 +266,12 @@ class Engine:
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> StepResult:
+        """One step: `begin` (schedule), `execute` (forward, sampling), `finish` (update)."""
+        began = self.begin()
+        return self.finish(began, self.execute(began))
+
+    def begin(self) -> StepBegun:
+        """Plan the next step (writes scheduler state: not while another step executes)."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.copies:
@@ -262,7 +280,11 @@ class Engine:
         stats.row_kinds = dict(Counter(row.kind for row in plan.rows))
         if self.threads is not None and plan.num_tokens:
             stats.cpu_threads = self.threads.choose(plan.num_tokens)
-        effects = self._execute(plan, stats)
+        return StepBegun(plan, stats, start)
+
+    def finish(self, began: StepBegun, effects: list[RowEffect]) -> StepResult:
+        """Apply a begun step's effects (`Scheduler.update`): its outputs and counters."""
+        plan, stats = began.plan, began.stats
         outputs = [*plan.ended, *self.scheduler.update(plan, effects)]
         now = time.monotonic()
         stats.canvas_latencies = [
@@ -273,7 +295,7 @@ class Engine:
         stats.num_committed = sum(len(o.new_token_ids) for o in outputs)
         stats.accepted_lengths = [e.accepted for e in effects if e.accepted is not None]
         stats.num_drafted = len(stats.accepted_lengths) * (self.canvas_length - 1)
-        stats.step_seconds = time.perf_counter() - start
+        stats.step_seconds = time.perf_counter() - began.start
         if stats.num_tokens:
             self.scheduler.step_cost.observe(stats.num_tokens, stats.step_seconds)
         if self.threads is not None and stats.cpu_threads:
@@ -282,11 +304,13 @@ class Engine:
             self.scheduler.check()
         return StepResult(outputs, stats)
 
-    def _execute(self, plan: StepPlan, stats: StepStats) -> list[RowEffect]:
+    def execute(self, began: StepBegun) -> list[RowEffect]:
         """Each row's effect, computed without writing request state. A failure re-runs the
         rows one at a time (safe: nothing was written); a row that fails again gets an error
         effect, which ends only its own request. A CUDA error that the context does not
-        survive (`fatal_device_error`) is raised at once: nothing can run after it."""
+        survive (`fatal_device_error`) is raised at once: nothing can run after it. Writes only
+        the runner's and the sampler's state (`engine.device.overlap` relies on it)."""
+        plan, stats = began.plan, began.stats
         if not plan.rows:
             return []
         try:
@@ -332,8 +356,6 @@ class Engine:
                 encode=inputs,
             )
         )
-        stats.forward_seconds += out.forward_seconds
-        begin = time.perf_counter()
         batches = _kind_batches(rows, specs, inputs, canvas, out, self.sampling, stats)
         effects: list[RowEffect | None] = [None] * len(rows)
         installs = []
@@ -342,7 +364,9 @@ class Engine:
             for i, effect in zip(where, kind_effects, strict=True):
                 effects[i] = effect
             installs.append((install, [e.error is None for e in kind_effects]))
-        stats.sample_seconds += time.perf_counter() - begin
+        forward_seconds, sample_seconds = out.clock.seconds()
+        stats.forward_seconds += forward_seconds
+        stats.sample_seconds += sample_seconds
         for install, ok in installs:
             install(ok)
         return effects  # type: ignore[return-value]

@@ -19,7 +19,6 @@ head that an AR step at that position runs — its logits are AR's, bit for bit.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +26,7 @@ import torch
 
 from engine.device.cuda import to_device
 from engine.device.graphs import Capture, ForwardGraphs
+from engine.device.overlap import ForwardClock
 from engine.device.step_buffers import ForwardInputs
 from engine.kv_pages import PageTables
 from engine.model import DiffusionLM, ForwardBatch, Mode, PagedKVCache
@@ -65,7 +65,7 @@ class StepInputs:
 class RunOutput:
     denoise_logits: torch.Tensor | None  # [R * L, V] fp32, DENOISE rows in input order
     last_logits: torch.Tensor | None  # [R_last, V] fp32, ENCODE rows wanting them, in order
-    forward_seconds: float
+    clock: ForwardClock  # the forward's and the sampler's times, read after sampling
     verify_logits: list[torch.Tensor] | None = None  # [n, V] per verify row, in order
 
 
@@ -117,23 +117,21 @@ class ModelRunner:
         # Every host-made tensor moves before the forward is queued: no copy inside it waits.
         batch.prepare(self.device, self.cache.layer_types)
         index = to_device(np.array(last, dtype=np.int64), self.device) if last else None
-        start = time.perf_counter()
+        clock = ForwardClock(self.device)
         if replay is not None:
             hidden = replay.run(ids, step.soft_embeds, batch)  # [N, H]
         else:
             images = self._image_embeds(offsets)
             hidden = self.model(ids, step.soft_embeds, batch, self.cache, images)  # [N, H]
         denoise_logits, sampled = self._logits(hidden, num_canvas, last, index)
+        clock.stop()
         last_logits, verify_logits = sampled, None
         if spans:
             assert sampled is not None
             num_last = len(last) - sum(n for _, n in spans)
             last_logits = sampled[:num_last] if num_last else None
             verify_logits = list(sampled[num_last:].split([n for _, n in spans]))
-        if self.device.type == "cuda":  # the forward's time, not its launch time
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - start
-        return RunOutput(denoise_logits, last_logits, elapsed, verify_logits)
+        return RunOutput(denoise_logits, last_logits, clock, verify_logits)
 
     def _logits(
         self, hidden: torch.Tensor, num_canvas: int, last: list[int], index: torch.Tensor | None

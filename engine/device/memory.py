@@ -48,7 +48,7 @@ CUDA_CONTEXT_BYTES = 1 << 30
 # values, int64 indices), its softmax and cumulative sums, and the masks (4 + 8 + 4 + 4 + 1 + 1
 # and a little). Beside it a filtered row whose raw logits are read later (log-probabilities, a
 # grammar's repair) keeps a copy of them: held here for one canvas; a step with more such rows
-# that runs out of memory is run again one request at a time (`Engine._execute`).
+# that runs out of memory is run again one request at a time (`Engine.execute`).
 FILTER_BYTES_PER_ENTRY = 25
 # Exact numerics' sampler keeps about seven fp32 copies of a canvas's logits.
 EXACT_LOGIT_COPIES = 7

@@ -182,6 +182,14 @@ ENGINE_FLAGS = (
         "eager; a CUDA device and the Triton kernels only)",
         switch=True,
     ),
+    Flag(
+        "--overlap",
+        "engine.overlap",
+        "hand each step's outputs (streaming, metrics) over on a thread of their own while the "
+        "next step executes (default off: on CPU it hid nothing and cost GIL hand-offs; exact "
+        "numerics never overlap)",
+        switch=True,
+    ),
 )
 
 

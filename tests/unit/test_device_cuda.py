@@ -53,7 +53,8 @@ def test_load_model_on_cuda_1_makes_gpu_1_current_before_loading(
 
 
 def test_the_step_loop_thread_makes_its_engines_gpu_current(set_device, monkeypatch):
-    engine = SimpleNamespace(device=torch.device("cuda:1"), limits=None)
+    config = SimpleNamespace(overlap=False)
+    engine = SimpleNamespace(device=torch.device("cuda:1"), limits=None, config=config)
     async_engine = AsyncEngine(engine, warmup=False)  # type: ignore[arg-type]
 
     def record_then_stop(index: int) -> None:

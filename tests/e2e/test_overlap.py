@@ -1,0 +1,239 @@
+"""Overlapped steps (`engine.device.overlap`): each step's outputs are handed over while the next
+step executes, the tokens are the serial loop's for the same seeds in every mode, commands
+between steps and failing steps are handled as in the serial loop, and exact numerics never
+overlap. The forward is timed without a device-wide synchronize."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.device import overlap
+from engine.engine import EngineConfig
+from engine.llm import LLM
+from engine.params import DecodeMode, SamplingParams
+from engine.types import StepStats
+from server.cli.config import ENGINE_FLAGS, build_config
+from server.cli.serve import add_serve_arguments
+
+GATHER = (0.5, 2.0)  # every request of a test arrives before the first step
+
+
+def make_llm(path: Any, overlapped: bool, exact: bool = False) -> LLM:
+    return LLM.from_pretrained(path, config=EngineConfig(overlap=overlapped), exact=exact)
+
+
+def serve(
+    llm: LLM,
+    params: list[SamplingParams],
+    setup: Callable[[AsyncEngine], None] = lambda engine: None,
+) -> list[list[int] | Exception]:
+    """Each request's tokens (or what it raised), all sent at once through an AsyncEngine."""
+    engine = AsyncEngine(llm.engine, gather=GATHER, warmup=False)
+    setup(engine)
+    resolved = [llm.validator.validate([5, 6, 7 + i], p) for i, p in enumerate(params)]
+
+    async def one(i: int) -> list[int] | Exception:
+        tokens: list[int] = []
+        try:
+            async for out in engine.generate(f"r{i}", [5, 6, 7 + i], resolved[i]):
+                tokens += out.new_token_ids
+        except Exception as exc:
+            return exc
+        return tokens
+
+    async def main() -> list[list[int] | Exception]:
+        engine.start(asyncio.get_running_loop())
+        return list(await asyncio.gather(*(one(i) for i in range(len(params)))))
+
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def mixed_params() -> list[SamplingParams]:
+    """Diffusion, AR and hybrid requests of different lengths and seeds, sampled at T=1."""
+    modes = [DecodeMode.DIFFUSION, DecodeMode.AR, DecodeMode.HYBRID]
+    return [
+        SamplingParams(
+            max_tokens=6 + 5 * i, mode=modes[i % 3], seed=i, temperature=1.0, max_denoising_steps=3
+        )
+        for i in range(6)
+    ]
+
+
+def test_overlapped_steps_give_the_serial_tokens_in_every_mode(tiny_checkpoint):
+    path = tiny_checkpoint("c16")
+    serial = serve(make_llm(path, overlapped=False), mixed_params())
+    overlapped = serve(make_llm(path, overlapped=True), mixed_params())
+    assert all(isinstance(t, list) and t for t in serial)
+    assert overlapped == serial
+
+
+def test_a_step_executes_while_the_last_steps_outputs_are_handed_over(tiny_checkpoint):
+    """Each hand-over (a listener) waits for the next step's forward to have begun, and each
+    forward waits for the last step's hand-over to have begun: possible only if they overlap
+    (the serial loop would never hand step 0 over)."""
+    llm = make_llm(tiny_checkpoint("c16"), overlapped=True)
+    execute = llm.engine.runner.execute
+    forwards = [threading.Event() for _ in range(100)]  # forward i has begun
+    handing = [threading.Event() for _ in range(100)]  # step i's hand-over has begun
+    threads: set[str] = set()
+    num_forwards, num_handed = [0], [0]
+
+    def slow_execute(step: Any) -> Any:
+        index = num_forwards[0]
+        num_forwards[0] += 1
+        forwards[index].set()
+        if index > 0:
+            assert handing[index - 1].wait(10), "the last step's hand-over did not begin"
+        threads.add(threading.current_thread().name)
+        return execute(step)
+
+    def listener(stats: StepStats, outputs: Any) -> None:
+        index = num_handed[0]
+        num_handed[0] += 1
+        handing[index].set()
+        if index + 1 < expected_steps:
+            assert forwards[index + 1].wait(10), "the next step did not begin"
+
+    llm.engine.runner.execute = slow_execute  # type: ignore[method-assign]
+    params = [SamplingParams(max_tokens=40, max_denoising_steps=3, seed=1)]
+    expected_steps = len(serve_counting_steps(make_llm(tiny_checkpoint("c16"), False), params))
+    tokens = serve(llm, params, lambda engine: engine.on_step.append(listener))
+    assert isinstance(tokens[0], list) and len(tokens[0]) == 40
+    assert num_handed[0] == expected_steps == num_forwards[0] > 3
+    assert threads == {"canvas-step-loop"}  # the forward stays on the step loop's thread
+
+
+def serve_counting_steps(llm: LLM, params: list[SamplingParams]) -> list[StepStats]:
+    steps: list[StepStats] = []
+    serve(llm, params, lambda engine: engine.on_step.append(lambda s, o: steps.append(s)))
+    return steps
+
+
+def test_exact_numerics_never_overlap(tiny_checkpoint):
+    llm = make_llm(tiny_checkpoint("c16"), overlapped=True, exact=True)
+    steps = overlap.StepPipeline(llm.engine, lambda result: None, overlap=True)
+    assert llm.engine.config.overlap and not steps.overlap
+    steps.close()
+
+
+def test_aborts_and_arrivals_between_overlapped_steps(tiny_checkpoint):
+    """A request cancelled mid-way ends and releases what it held; one sent later runs."""
+    llm = make_llm(tiny_checkpoint("c16"), overlapped=True)
+    engine = AsyncEngine(llm.engine, gather=(0.0, 0.0), warmup=False)
+    params = llm.validator.validate([5, 6, 7], SamplingParams(max_tokens=200, seed=3))
+    short = llm.validator.validate([5, 6, 8], SamplingParams(max_tokens=8, seed=4))
+
+    async def main() -> list[int]:
+        engine.start(asyncio.get_running_loop())
+        stream = engine.generate("long", [5, 6, 7], params)
+        seen = 0
+        async for out in stream:
+            seen += len(out.new_token_ids)
+            if seen:
+                break
+        await stream.aclose()  # the client went away: aborts it
+        return [
+            t async for out in engine.generate("late", [5, 6, 8], short) for t in out.new_token_ids
+        ]
+
+    try:
+        late = asyncio.run(main())
+        deadline = time.monotonic() + 10
+        while llm.engine.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.shutdown()
+    assert len(late) == 8 and not llm.engine.requests
+    assert llm.engine.pages.usage() == 0.0
+
+
+def test_a_failing_overlapped_step_fails_only_its_rows(tiny_checkpoint, monkeypatch):
+    llm = make_llm(tiny_checkpoint("c16"), overlapped=True)
+    run = llm.engine._run
+
+    def faulty(rows: list[Any], stats: StepStats) -> Any:
+        if any(row.req.request_id == "r1" for row in rows):
+            raise RuntimeError("injected")
+        return run(rows, stats)
+
+    monkeypatch.setattr(llm.engine, "_run", faulty)
+    out = serve(llm, [SamplingParams(max_tokens=12, seed=i) for i in range(3)])
+    assert isinstance(out[1], RuntimeError) and "internal engine error" in str(out[1])
+    assert [len(t) for t in (out[0], out[2]) if isinstance(t, list)] == [12, 12]
+
+
+def test_a_fatal_device_error_in_an_overlapped_step_stops_the_engine(tiny_checkpoint):
+    llm = make_llm(tiny_checkpoint("c16"), overlapped=True)
+    calls: list[int] = []
+
+    def poisoned(step: Any) -> Any:
+        calls.append(1)
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    llm.engine.runner.execute = poisoned  # type: ignore[method-assign]
+    holder: list[AsyncEngine] = []
+    out = serve(llm, [SamplingParams(max_tokens=4, seed=i) for i in range(2)], holder.append)
+    assert calls == [1] and all(isinstance(o, RuntimeError) for o in out)
+    assert "GPU context is lost" in holder[0].stats.failure
+
+
+class FakeEvent:
+    """torch.cuda.Event on a CPU: records the host's clock."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        assert self.at is not None
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.at is not None and end.at is not None
+        return (end.at - self.at) * 1e3
+
+
+def test_a_step_is_timed_by_cuda_events_without_a_synchronize(tiny_checkpoint, monkeypatch):
+    """The runner's clock on the CUDA path (events faked on the host): a whole step runs with
+    `torch.cuda.synchronize` forbidden, and its forward and sampler times come from events."""
+    llm = make_llm(tiny_checkpoint("c16"), overlapped=False)
+    made: list[overlap.ForwardClock] = []
+
+    def cuda_clock(device: torch.device) -> overlap.ForwardClock:
+        made.append(overlap.ForwardClock(torch.device("cuda")))
+        return made[-1]
+
+    def forbidden(*args: object) -> None:
+        raise AssertionError("a step synchronized the device")
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+    monkeypatch.setattr("engine.runner.ForwardClock", cuda_clock)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, seed=2))
+    assert len(out[0].output_ids) == 20 and made and all(c.cuda for c in made)
+    params = llm.validator.validate([5, 6, 9], SamplingParams(max_tokens=4))
+    llm.engine.add_request("x", [5, 6, 9], params)
+    stats = llm.engine.step().stats
+    assert stats.forward_seconds > 0 and stats.sample_seconds > 0
+    assert stats.forward_seconds + stats.sample_seconds <= stats.step_seconds
+
+
+def test_overlap_is_off_unless_the_flag_asks_for_it():
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    overlap = lambda *flags: build_config(parser.parse_args(flags), None, ENGINE_FLAGS)  # noqa: E731
+    assert overlap().engine.overlap is False and EngineConfig().overlap is False
+    assert overlap("--overlap").engine.overlap is True
