@@ -124,6 +124,12 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def fail(self, reason: str) -> None:
+        """Stop for good, from any thread (a rank of the parallel model exited): /health turns
+        503 with `reason`, the server exits, and the step loop fails what is in flight."""
+        self._failure = self._failure or reason
+        self._commands.put(None)  # wakes an idle loop
+
     @property
     def stats(self) -> EngineStats:
         """A snapshot; `healthy`: alive, and stepping whenever there is work (no stall longer
@@ -252,7 +258,7 @@ class AsyncEngine:
         engine = self.engine
         while not self._stop.is_set():
             self._drain_commands(block=not engine.has_work())
-            if self._stop.is_set():
+            if self._stop.is_set() or self._failure:
                 break
             try:
                 result = engine.step()
@@ -345,7 +351,8 @@ class AsyncEngine:
         engine failed (`stats.failure`; /health 503), so that the server exits and is
         restarted (`server.serve.serve`) instead of failing every request that follows."""
         text = " ".join(str(exc).split())[:300]
-        self._failure = f"CUDA error, the GPU context is lost: {type(exc).__name__}: {text}"
+        what = getattr(exc, "failure", "CUDA error, the GPU context is lost")
+        self._failure = f"{what}: {type(exc).__name__}: {text}"
         logger.critical("the engine stops: %s", self._failure, exc_info=exc)
         self._fail_all(RuntimeError(f"internal engine error ({self._failure})"))
 

@@ -128,9 +128,10 @@ def build_state(
     model_dir = checkpoint.model_dir
     assert model_dir is not None, "opened from a directory"
     name, *other_names = args.served_model_name or [checkpoint.name or model_dir.name]
-    state = ServerState(
-        AsyncEngine(engine), checkpoint.tokenizer, checkpoint.defaults, name, tuple(other_names)
-    )
+    client = AsyncEngine(engine)
+    if checkpoint.ranks is not None:  # a rank that exits ends the engine (/health 503, exit)
+        checkpoint.ranks.watch(client.fail)
+    state = ServerState(client, checkpoint.tokenizer, checkpoint.defaults, name, tuple(other_names))
     state.api_keys = api_keys
     state.reasoning_field = args.reasoning_field
     if checkpoint.tokenizer is not None:

@@ -19,7 +19,13 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
 
 class WorldError(RuntimeError):
-    """The process group cannot form; the message names the cause and the setting at fault."""
+    """The process group cannot form, or a rank left it; the message names the cause and the
+    setting at fault. Fatal to a serving engine (`ends_engine`, read by
+    `engine.device.cuda.fatal_device_error`): a world that lost a rank, or whose ranks are out
+    of step, runs no collective again; `failure` is how /health's reason begins."""
+
+    ends_engine = True
+    failure = "the parallel model's world broke"
 
 
 @dataclass(frozen=True, slots=True)
