@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from engine.device.cuda import fatal_device_error, select_device
@@ -106,6 +106,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         # Run on the loop thread after every step that ran rows (metrics).
         self.on_step: list[StepListener] = []
+        self.on_shutdown: list[Callable[[], None]] = []  # after the loop (a parallel model's ranks)
         self._inflight = 0  # touched on the event loop only
         self._died = False  # the loop thread ended on a fault (set once, by that thread)
         self._failure = ""  # why it ended: a fatal CUDA error (set once, by that thread)
@@ -123,10 +124,11 @@ class AsyncEngine:
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+        for stop in self.on_shutdown:
+            stop()
 
     def fail(self, reason: str) -> None:
-        """Stop for good, from any thread (a rank of the parallel model exited): /health turns
-        503 with `reason`, the server exits, and the step loop fails what is in flight."""
+        """Fail for good, from any thread, as on a fatal CUDA error (a parallel rank exited)."""
         self._failure = self._failure or reason
         self._commands.put(None)  # wakes an idle loop
 

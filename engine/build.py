@@ -154,8 +154,7 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig | None = None) -> 
     device cannot hold one canvas)."""
     model, images = checkpoint.model, checkpoint.image_processor
     engine = Engine(model, checkpoint.defaults, config, checkpoint.tokenizer, images)
-    if checkpoint.ranks is not None:
-        serve_ranks(checkpoint.ranks, engine)
+    serve_ranks(checkpoint.ranks, engine)  # a parallel model's: lead its other ranks
     logger.info("%s", engine.plan.describe())
     return engine
 

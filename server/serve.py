@@ -131,6 +131,7 @@ def build_state(
     client = AsyncEngine(engine)
     if checkpoint.ranks is not None:  # a rank that exits ends the engine (/health 503, exit)
         checkpoint.ranks.watch(client.fail)
+        client.on_shutdown.append(checkpoint.ranks.stop)
     state = ServerState(client, checkpoint.tokenizer, checkpoint.defaults, name, tuple(other_names))
     state.api_keys = api_keys
     state.reasoning_field = args.reasoning_field

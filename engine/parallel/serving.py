@@ -72,10 +72,13 @@ def check_tensor_parallel(config: CheckpointConfig) -> None:
             )
 
 
-def serve_ranks(ranks: Ranks, engine: Engine) -> None:
+def serve_ranks(ranks: Ranks | None, engine: Engine) -> None:
     """Make `engine` (built on rank 0's model from `start_ranks`) lead the followers: their KV
-    caches sized like its own, its model calls and page copies sent to them. ValueError for
-    `--cuda-graphs` (a replayed graph would skip the calls)."""
+    caches sized like its own, its model calls and page copies sent to them (nothing without
+    `ranks`: one device). ValueError for `--cuda-graphs` (a replayed graph would skip the
+    calls)."""
+    if ranks is None:
+        return
     if engine.config.cuda_graphs:
         raise ValueError(
             f"--cuda-graphs is not run with --tensor-parallel-size {ranks.spec.size} yet"

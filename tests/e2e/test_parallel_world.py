@@ -1,8 +1,9 @@
 """The parallel model's edges, in this process: a world that cannot form says why (the port is
 taken, a rank never comes, too few GPUs), a size that does not divide the model is refused
 naming the quantity, a rank that dies fails the others' next call at once, one rank through
-the parallel path is the one-device model bit for bit, and `canvas serve` refuses
---tensor-parallel-size above 1 (and --exact with it) by name."""
+the parallel path is the one-device model bit for bit, and `canvas serve` refuses by name
+what it does not run over ranks (--exact, FP8, an adapter; a size that does not divide the
+model)."""
 
 from __future__ import annotations
 
@@ -95,9 +96,12 @@ def test_one_rank_through_the_parallel_path_is_the_one_device_model(
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: serving over several ranks"),
         (["-tp", "2", "--exact"], "--exact runs on one device only: --tensor-parallel-size 2"),
+        (["-tp", "2", "--quantization", "fp8"], "--quantization fp8 is not run over ranks"),
+        (["-tp", "2", "--adapter", "/a"], "--adapter DIR: a decoder adapter is not run over"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1, got 0"),
+        (["--enable-expert-parallel"], "--enable-expert-parallel splits the experts over"),
+        (["-tp", "3"], "3 ranks must divide layer 0's 4 KV heads"),
     ],
 )
 def test_serve_refuses_tensor_parallelism_it_cannot_serve(
