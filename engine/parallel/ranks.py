@@ -20,6 +20,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import queue
 import sys
 import threading
 import time
@@ -50,7 +51,8 @@ STOP_TIMEOUT_S = 10.0  # a stopped follower that has not exited by then is kille
 @dataclass(frozen=True, slots=True)
 class RankSpec:
     """What every rank loads: the checkpoint directory, the split (`expert_parallel`), the
-    dtype and kernel backend, the world's address and backend, and torch's CPU threads."""
+    dtype and kernel backend, the world's address and backend, torch's CPU threads, and how
+    long the world may take to form (`timeout_s`; also its collectives' timeout)."""
 
     model_dir: Path
     size: int
@@ -60,6 +62,7 @@ class RankSpec:
     init_method: str
     backend: str
     threads: int
+    timeout_s: float = WORLD_TIMEOUT_S
 
 
 def follower_main(rank: int, spec: RankSpec, pipe: Connection) -> None:
@@ -68,7 +71,7 @@ def follower_main(rank: int, spec: RankSpec, pipe: Connection) -> None:
     torch.set_num_threads(spec.threads)
     stage = "join the world"
     try:
-        world = init_world(rank, spec.size, spec.backend, spec.init_method, WORLD_TIMEOUT_S)
+        world = init_world(rank, spec.size, spec.backend, spec.init_method, spec.timeout_s)
         stage = "load its shard"
         sharded = load_sharded(
             spec.model_dir, world, spec.expert_parallel, spec.dtype, spec.kernels
@@ -102,6 +105,7 @@ class Ranks:
         self.pipes: list[Connection] = []
         self.procs: list[BaseProcess] = []
         self.world: World | None = None
+        self.joiner: threading.Thread | None = None  # rank 0 joining the world
         self.leader: Leader | None = None
         self.stopping = False
         for rank in range(1, spec.size):
@@ -117,14 +121,32 @@ class Ranks:
         atexit.register(self.stop)
 
     def join_world(self) -> World:
-        """Rank 0's place in the world; WorldError naming a follower that exited first."""
-        spec = self.spec
-        try:
-            self.world = init_world(0, spec.size, spec.backend, spec.init_method, WORLD_TIMEOUT_S)
-        except WorldError as exc:
-            gone = self.exited()
-            raise WorldError(f"{exc}{'; ' + gone if gone else ''}") from None
-        return self.world
+        """Rank 0's place in the world; WorldError naming a follower that exited first (the
+        world cannot form without it: rank 0 does not wait out the timeout for it)."""
+        spec, joined = self.spec, queue.SimpleQueue[World | WorldError]()
+
+        def join() -> None:
+            try:
+                joined.put(init_world(0, spec.size, spec.backend, spec.init_method, spec.timeout_s))
+            except WorldError as exc:
+                joined.put(exc)
+
+        # Left behind when a follower exits first: it ends at the timeout, or with the process.
+        self.joiner = threading.Thread(target=join, name="canvas-world-join", daemon=True)
+        self.joiner.start()
+        while True:
+            try:
+                got = joined.get(timeout=0.2)
+            except queue.Empty:
+                if gone := self.exited():
+                    raise WorldError(
+                        f"the world of {spec.size} ranks cannot form: {gone}"
+                    ) from None
+                continue
+            if isinstance(got, WorldError):
+                raise got
+            self.world = got
+            return got
 
     def exited(self) -> str:
         """The followers that have exited, with their exit codes ('' when none has)."""

@@ -29,7 +29,7 @@ from engine.parallel.loader import load_sharded
 from engine.parallel.plan import ShardPlan
 from engine.parallel.ranks import Ranks, RankSpec
 from engine.parallel.step import Leader
-from engine.parallel.world import free_port
+from engine.parallel.world import WorldError, check_port_free, free_port
 
 if TYPE_CHECKING:
     from engine.build import CheckpointConfig
@@ -125,7 +125,11 @@ def start_ranks(model_dir: Path, config: CheckpointConfig) -> tuple[DiffusionLM,
     if config.adapter is True and (model_dir / ADAPTER_SUBDIR).is_dir():
         logger.warning("the checkpoint's decoder adapter is not run over ranks: serving without")
     device = resolve_device(config.device)
-    port = config.distributed_port or int(os.environ.get(PORT_ENV, 0)) or free_port()
+    port = config.distributed_port or int(os.environ.get(PORT_ENV) or 0) or free_port()
+    try:
+        check_port_free(f"tcp://127.0.0.1:{port}")  # before any follower could join a stranger
+    except WorldError as exc:
+        raise WorldError(f"--distributed-port / ${PORT_ENV}: {exc}") from None
     spec = RankSpec(
         model_dir=model_dir,
         size=size,

@@ -98,7 +98,7 @@ def init_world(
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     if rank == 0 and world_size > 1:
-        _check_port_free(init_method)
+        check_port_free(init_method)
     try:
         dist.init_process_group(
             backend,
@@ -123,7 +123,7 @@ def close_world() -> None:
         dist.destroy_process_group()
 
 
-def _check_port_free(init_method: str) -> None:
+def check_port_free(init_method: str) -> None:
     """WorldError where rank 0 cannot listen on `init_method`'s port (torch would otherwise
     wait for its timeout, or join a stranger's world)."""
     url = urlparse(init_method)

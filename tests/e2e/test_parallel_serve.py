@@ -14,6 +14,7 @@ import copy as copy_module
 import json
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from engine.model.config import LayerType
 from engine.parallel.ranks import Ranks
 from engine.runner import ModelRunner, RunOutput, StepInputs
 from loadtest.load.inprocess import ServerHandle, serve_in_thread
+from server.cli import main
 from tests.e2e.parallel_cases import REL_TOL
 from tests.server.process import serve_process
 
@@ -236,18 +238,38 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.slow  # a real `canvas serve` process and its spawned follower: ~15 s on 2 cores
-def test_canvas_serve_exits_3_when_a_follower_dies_and_leaves_no_process(
-    checkpoint: Path,
-) -> None:
+@pytest.mark.parametrize("dies", ["follower", "leader"])
+def test_a_dead_rank_ends_canvas_serve_and_leaves_no_process(checkpoint: Path, dies: str) -> None:
+    """A follower killed: `canvas serve` exits 3 naming it. Rank 0 killed: its follower sees
+    its pipe close and exits."""
     with serve_process(checkpoint, [*COMMON, "-tp", "2"]) as server:
         pid = server.process.pid
         started = children(pid)
         (follower,) = followers(started)
-        os.kill(follower, signal.SIGKILL)
-        code, _ = server.wait(60)
-        assert code == 3, server.output
-        assert "rank 1 of the parallel model exited" in server.output
+        if dies == "follower":
+            os.kill(follower, signal.SIGKILL)
+            code, _ = server.wait(60)
+            assert code == 3, server.output
+            assert "rank 1 of the parallel model exited" in server.output
+        else:
+            server.process.kill()
+            server.wait(60)
     wait_until(lambda: not any(alive(c) for c in started), 30)
+
+
+def test_a_taken_distributed_port_is_named_before_any_rank_starts(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["serve", "--model", str(checkpoint), "--port", "0", "-tp", "2"]
+        assert main([*argv, "--distributed-port", str(port)]) == 2
+    assert (
+        f"--distributed-port / $MASTER_PORT: rank 0 cannot listen on tcp://127.0.0.1:{port}: "
+        f"port {port} is in use" in capsys.readouterr().err
+    )
 
 
 @pytest.mark.slow  # a `canvas serve` process spawning 3 (or 1) followers: ~15 s on 2 cores

@@ -7,7 +7,9 @@ model)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from engine.model import load_model, load_model_config
 from engine.parallel.layers import parallelize
 from engine.parallel.loader import load_sharded
 from engine.parallel.plan import ShardPlan
+from engine.parallel.ranks import Ranks, RankSpec
 from engine.parallel.world import World, WorldError, free_port, init_world
 from server.cli import main
 from tests.e2e.parallel_cases import dead_rank_check, run_scenario, spawn_world
@@ -113,3 +116,46 @@ def test_serve_refuses_tensor_parallelism_it_cannot_serve(
     argv = ["serve", "--model", str(tiny_checkpoint(PRESET)), "--port", "0", *flags]
     assert main(argv) == 2
     assert f"canvas serve: error: {message}" in capsys.readouterr().err
+
+
+def in_fork(check: Callable[..., None], *args: object) -> None:
+    """Run `check(*args)` in a forked process (a world that failed to form leaves torch's group
+    counter moved on in its process, so a later world there would wait for names its peers
+    never use); fails unless it passed."""
+    process = multiprocessing.get_context("fork").Process(target=check, args=args)
+    process.start()
+    process.join(180)
+    assert process.exitcode == 0, "the check failed in its process (its error above)"
+
+
+def dies_before_joining(checkpoint: Path) -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    # threads=0: torch refuses it, so rank 1 dies at its first line
+    spec = RankSpec(checkpoint, 2, False, "auto", "twins", address, "gloo", 0)
+    ranks = Ranks(spec)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorldError, match="ranks cannot form: rank 1 exited with code 1"):
+            ranks.join_world()
+        assert time.monotonic() - start < spec.timeout_s / 2  # not the formation's timeout
+    finally:
+        ranks.stop()
+
+
+def cannot_load(checkpoint: Path) -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    ranks = Ranks(RankSpec(checkpoint, 2, False, "float8", "twins", address, "gloo", 1))
+    try:
+        ranks.join_world()
+        with pytest.raises(WorldError, match="rank 1 could not load its shard: ValueError: .*"):
+            ranks.gather("load its shard")
+    finally:
+        ranks.stop()
+    assert [p.exitcode for p in ranks.procs] == [1]
+
+
+@pytest.mark.parametrize("check", [dies_before_joining, cannot_load], ids=lambda c: c.__name__)
+def test_a_follower_that_cannot_start_fails_start_up_at_once_naming_it(
+    tiny_checkpoint: Callable[[str], Path], check: Callable[[Path], None]
+) -> None:
+    in_fork(check, tiny_checkpoint(PRESET))
