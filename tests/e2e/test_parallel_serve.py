@@ -31,6 +31,7 @@ from engine.runner import ModelRunner, RunOutput, StepInputs
 from loadtest.load.inprocess import ServerHandle, serve_in_thread
 from server.cli import main
 from tests.e2e.parallel_cases import REL_TOL
+from tests.media import data_url, encode, noise_image
 from tests.server.process import serve_process
 
 PRESET = "c32-window"  # 4 q heads, 4 and 2 KV heads, 4 experts: TP 2 and 4, EP 2
@@ -83,21 +84,49 @@ def near_tie_bound(checkpoint: Path) -> float:
     return 2 * REL_TOL * cap
 
 
+def assert_same_greedy(ours: dict[str, Any], ref: dict[str, Any], bound: float) -> None:
+    """Two greedy AR answers (choices with log-probabilities, the top two) are the same text,
+    or part first where `ref`'s top two log-probabilities lie within `bound`; until then each
+    token's log-probability is within `bound` of `ref`'s (a logit and the normaliser each move
+    by at most half of it)."""
+    ours_steps, ref_steps = ours["logprobs"]["content"], ref["logprobs"]["content"]
+    for i, (got, want) in enumerate(zip(ours_steps, ref_steps, strict=False)):
+        if got["token"] != want["token"]:
+            top = [t["logprob"] for t in want["top_logprobs"]]
+            assert top[0] - top[1] <= bound, f"the answers part at token {i}, not a near tie"
+            return
+        assert abs(got["logprob"] - want["logprob"]) <= bound, f"token {i}'s log-probability"
+    assert ours["message"]["content"] == ref["message"]["content"]
+
+
+GREEDY = {"mode": "ar", "temperature": 0, "max_tokens": 24, "logprobs": True, "top_logprobs": 2}
+
+
 def test_greedy_ar_text_is_tp1s_except_at_near_ties(
     one: ServerHandle, tp2: ServerHandle, checkpoint: Path
 ) -> None:
     bound = near_tie_bound(checkpoint)
-    body = {"mode": "ar", "temperature": 0, "max_tokens": 24, "logprobs": True, "top_logprobs": 2}
     for prompt in PROMPTS:
-        ours = chat(tp2, prompt, **body)["choices"][0]
-        ref = chat(one, prompt, **body)["choices"][0]
-        if ours["message"]["content"] == ref["message"]["content"]:
-            continue
-        ours_tokens = [t["token"] for t in ours["logprobs"]["content"]]
-        ref_steps = ref["logprobs"]["content"]
-        first = next(i for i, s in enumerate(ref_steps) if ours_tokens[i] != s["token"])
-        top = [t["logprob"] for t in ref_steps[first]["top_logprobs"]]
-        assert top[0] - top[1] <= bound, f"{prompt!r}: differs at {first} away from a near tie"
+        ours = chat(tp2, prompt, **GREEDY)["choices"][0]
+        assert_same_greedy(ours, chat(one, prompt, **GREEDY)["choices"][0], bound)
+
+
+@pytest.mark.slow  # a vision checkpoint served at TP=1 and TP=2 (a process): ~25 s on 2 cores
+def test_an_image_chat_at_tp2_is_tp1s_except_at_near_ties(vision_checkpoint: Path) -> None:
+    """Rank 0 runs the (replicated) vision tower; its soft tokens go with the forward."""
+    image = {"type": "image_url", "image_url": {"url": data_url(encode(noise_image(40, 60)))}}
+    content = [image, {"type": "text", "text": "What is in the picture?"}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], **GREEDY}
+    flags = ("--device", "cpu", "--kernels", "twins", "--served-model-name", "tiny")
+    with serve_in_thread(vision_checkpoint, flags) as one:
+        ref = httpx.post(f"{one.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert ref.status_code == 200, ref.text
+    with serve_process(vision_checkpoint, [*flags[:4], "-tp", "2"]) as server:
+        ours = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert ours.status_code == 200, ours.text
+    assert ours.json()["usage"] == ref.json()["usage"]  # the image's tokens counted alike
+    bound = near_tie_bound(vision_checkpoint)
+    assert_same_greedy(ours.json()["choices"][0], ref.json()["choices"][0], bound)
 
 
 @contextlib.contextmanager
