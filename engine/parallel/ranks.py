@@ -68,9 +68,9 @@ class RankSpec:
 def follower_main(rank: int, spec: RankSpec, pipe: Connection) -> None:
     """A follower process: join, load, build the cache rank 0 sizes, say ready, follow. Exits
     0 once stopped, 1 when it cannot start (the reason sent to rank 0) or the world breaks."""
-    torch.set_num_threads(spec.threads)
     stage = "join the world"
     try:
+        torch.set_num_threads(spec.threads)
         world = init_world(rank, spec.size, spec.backend, spec.init_method, spec.timeout_s)
         stage = "load its shard"
         sharded = load_sharded(

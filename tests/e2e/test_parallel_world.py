@@ -130,7 +130,7 @@ def in_fork(check: Callable[..., None], *args: object) -> None:
 
 def dies_before_joining(checkpoint: Path) -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
-    # threads=0: torch refuses it, so rank 1 dies at its first line
+    # threads=0: torch refuses it, so rank 1 exits before it joins
     spec = RankSpec(checkpoint, 2, False, "auto", "twins", address, "gloo", 0)
     ranks = Ranks(spec)
     start = time.monotonic()
