@@ -118,11 +118,12 @@ def test_serve_refuses_tensor_parallelism_it_cannot_serve(
     assert f"canvas serve: error: {message}" in capsys.readouterr().err
 
 
-def in_fork(check: Callable[..., None], *args: object) -> None:
-    """Run `check(*args)` in a forked process (a world that failed to form leaves torch's group
-    counter moved on in its process, so a later world there would wait for names its peers
-    never use); fails unless it passed."""
-    process = multiprocessing.get_context("fork").Process(target=check, args=args)
+def in_fresh_process(check: Callable[..., None], *args: object) -> None:
+    """Run `check(*args)` in a spawned process: a world that failed to form (here, or in a
+    process this one forked from) leaves torch's group counter moved on, and a world formed
+    there would wait for names that its freshly spawned followers never use. Fails unless the
+    check passed."""
+    process = multiprocessing.get_context("spawn").Process(target=check, args=args)
     process.start()
     process.join(180)
     assert process.exitcode == 0, "the check failed in its process (its error above)"
@@ -158,4 +159,4 @@ def cannot_load(checkpoint: Path) -> None:
 def test_a_follower_that_cannot_start_fails_start_up_at_once_naming_it(
     tiny_checkpoint: Callable[[str], Path], check: Callable[[Path], None]
 ) -> None:
-    in_fork(check, tiny_checkpoint(PRESET))
+    in_fresh_process(check, tiny_checkpoint(PRESET))
