@@ -312,6 +312,8 @@ def test_tp4_and_ep2_answer_and_their_followers_exit_at_shutdown(
     with serve_process(checkpoint, [*COMMON, *flags]) as server:
         started = children(server.process.pid)
         assert len(followers(started)) == int(flags[1]) - 1
+        split = "experts split whole" if "--enable-expert-parallel" in flags else "tensor parallel"
+        assert f"  {flags[1]} ranks, {split}\n" in server.output  # the banner
         request = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
         response = httpx.post(
             f"{server.url}/v1/chat/completions", json={**request, **body}, timeout=TIMEOUT
