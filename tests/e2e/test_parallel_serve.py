@@ -1,8 +1,10 @@
 """`canvas serve --tensor-parallel-size N` over CPU processes (gloo), end to end over HTTP: a
-TP=2 server gives TP=1's greedy AR text except at near ties, its diffusion answers within the
-forward tolerance's reach, streams, aborts without leaking a page; TP=4 and EP=2 answer; a
-follower that dies takes the server down (/health 503 with the reason; the process exits 3,
-leaving no process behind); the followers exit cleanly at shutdown.
+TP=2 server gives TP=1's greedy AR answers (text and log-probabilities) except at near ties,
+with an image too; every step it runs (diffusion, hybrid, a reused prefix's page copies) is
+within the forward tolerance of one device on the same inputs; it streams and aborts without
+leaking a page; TP=4 and EP=2 answer and release their followers at shutdown; a dead rank
+takes the server down (/health 503 with the reason, exit 3) and leaves no process behind; a
+taken world port is named before any rank starts.
 
 Each server spawns its followers (each imports torch and loads its shard): seconds per server
 on a small CPU, so the module starts few servers and every wait has a timeout."""
