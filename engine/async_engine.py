@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from engine.device.cuda import fatal_device_error, select_device
@@ -108,6 +108,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         # Run on the loop thread after every step that ran rows (metrics).
         self.on_step: list[StepListener] = []
+        self.on_shutdown: list[Callable[[], None]] = []  # after the loop (a parallel model's ranks)
         self._inflight = 0  # touched on the event loop only
         self._died = False  # the loop thread ended on a fault (set once, by that thread)
         self._failure = ""  # why it ended: a fatal CUDA error (set once, by that thread)
@@ -126,6 +127,13 @@ class AsyncEngine:
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+        for stop in self.on_shutdown:
+            stop()
+
+    def fail(self, reason: str) -> None:
+        """Fail for good, from any thread, as on a fatal CUDA error (a parallel rank exited)."""
+        self._failure = self._failure or reason
+        self._commands.put(None)  # wakes an idle loop
 
     @property
     def stats(self) -> EngineStats:
@@ -258,7 +266,7 @@ class AsyncEngine:
             if not engine.has_work():  # no next step to hand the last one over beside
                 steps.flush()
             self._drain_commands(block=not engine.has_work())
-            if self._stop.is_set():
+            if self._stop.is_set() or self._failure:
                 break
             try:
                 steps.step()
@@ -353,7 +361,8 @@ class AsyncEngine:
         engine failed (`stats.failure`; /health 503), so that the server exits and is
         restarted (`server.serve.serve`) instead of failing every request that follows."""
         text = " ".join(str(exc).split())[:300]
-        self._failure = f"CUDA error, the GPU context is lost: {type(exc).__name__}: {text}"
+        what = getattr(exc, "failure", "CUDA error, the GPU context is lost")
+        self._failure = f"{what}: {type(exc).__name__}: {text}"
         logger.critical("the engine stops: %s", self._failure, exc_info=exc)
         self._fail_all(RuntimeError(f"internal engine error ({self._failure})"))
 

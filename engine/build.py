@@ -23,7 +23,8 @@ from engine.engine import Engine, EngineConfig
 from engine.inputs.images import ImageProcessor
 from engine.inputs.tokenizer import Tokenizer
 from engine.model import DiffusionLM, load_model
-from engine.parallel.serving import check_tensor_parallel
+from engine.parallel.ranks import Ranks
+from engine.parallel.serving import check_tensor_parallel, serve_ranks, start_ranks
 from engine.params import DecodingDefaults
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,9 @@ class CheckpointConfig:
     Canvas's; `vllm`, Canvas's with no max_new_tokens; or a directory),
     `override_generation_config`: generation_config.json keys set on top of them.
     `quantization`: "auto" (the weights as stored) or "fp8" (`engine.model.quant`).
-    `tensor_parallel_size`: ranks the model is split over; serving runs 1 for now
-    (`engine.parallel.serving.check_tensor_parallel` refuses more, and `exact` with more)."""
+    `tensor_parallel_size`: ranks the model is split over (`engine.parallel.serving`: rank 0
+    here, the others spawned), its experts whole with `expert_parallel`; `distributed_port`:
+    the world's (0: $MASTER_PORT, else a free one)."""
 
     model_dir: str | Path | None = None
     dtype: str = "auto"
@@ -58,9 +60,11 @@ class CheckpointConfig:
     download_dir: Path | None = None
     quantization: str = "auto"
     tensor_parallel_size: int = 1
+    expert_parallel: bool = False
+    distributed_port: int = 0
 
     def __post_init__(self) -> None:
-        check_tensor_parallel(self.tensor_parallel_size, self.exact)
+        check_tensor_parallel(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +82,8 @@ class Checkpoint:
     it was read from (None: a model built without one, as the GPU benchmark's); `name`: what
     clients call it unless told otherwise, the hub id without its revision or the directory's
     name; `image_processor`: its image preprocessing, where it has a vision tower and a
-    processor config (the engine's warm-up prepares its image with it, as a client's)."""
+    processor config (the engine's warm-up prepares its image with it, as a client's);
+    `ranks`: the other ranks of a parallel model, which `build_engine` makes it lead."""
 
     model: DiffusionLM
     tokenizer: Tokenizer | None
@@ -86,6 +91,7 @@ class Checkpoint:
     model_dir: Path | None = None
     name: str | None = None
     image_processor: ImageProcessor | None = None
+    ranks: Ranks | None = None
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:
@@ -108,15 +114,19 @@ def open_checkpoint(config: CheckpointConfig) -> Checkpoint:
         name = model_dir.name
     else:
         model_dir, name = locate(config.model_dir, config.download_dir)
-    model = load_model(
-        model_dir,
-        dtype=config.dtype,
-        device=config.device,
-        exact=config.exact,
-        kernels=config.kernels,
-        adapter=config.adapter,
-        quantization=config.quantization,
-    )
+    ranks = None
+    if config.tensor_parallel_size > 1:
+        model, ranks = start_ranks(model_dir, config)
+    else:
+        model = load_model(
+            model_dir,
+            dtype=config.dtype,
+            device=config.device,
+            exact=config.exact,
+            kernels=config.kernels,
+            adapter=config.adapter,
+            quantization=config.quantization,
+        )
     tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
     defaults = DecodingDefaults.from_checkpoint(
         model_dir,
@@ -125,7 +135,7 @@ def open_checkpoint(config: CheckpointConfig) -> Checkpoint:
         config.override_generation_config,
     )
     images = image_processor(model_dir) if model.vision is not None else None
-    return Checkpoint(model, tokenizer, defaults, model_dir, name, images)
+    return Checkpoint(model, tokenizer, defaults, model_dir, name, images, ranks)
 
 
 def image_processor(model_dir: Path) -> ImageProcessor | None:
@@ -144,6 +154,7 @@ def build_engine(checkpoint: Checkpoint, config: EngineConfig | None = None) -> 
     device cannot hold one canvas)."""
     model, images = checkpoint.model, checkpoint.image_processor
     engine = Engine(model, checkpoint.defaults, config, checkpoint.tokenizer, images)
+    serve_ranks(checkpoint.ranks, engine)  # a parallel model's: lead its other ranks
     logger.info("%s", engine.plan.describe())
     return engine
 

@@ -128,9 +128,11 @@ def build_state(
     model_dir = checkpoint.model_dir
     assert model_dir is not None, "opened from a directory"
     name, *other_names = args.served_model_name or [checkpoint.name or model_dir.name]
-    state = ServerState(
-        AsyncEngine(engine), checkpoint.tokenizer, checkpoint.defaults, name, tuple(other_names)
-    )
+    client = AsyncEngine(engine)
+    if checkpoint.ranks is not None:  # a rank that exits ends the engine (/health 503, exit)
+        checkpoint.ranks.watch(client.fail)
+        client.on_shutdown.append(checkpoint.ranks.stop)
+    state = ServerState(client, checkpoint.tokenizer, checkpoint.defaults, name, tuple(other_names))
     state.api_keys = api_keys
     state.reasoning_field = args.reasoning_field
     if checkpoint.tokenizer is not None:
@@ -193,11 +195,16 @@ def banner(
 
     model = engine.model
     threads = describe_threads(engine.config.cpu_threads, model.kernels.exact)
+    split = "experts split whole" if args.enable_expert_parallel else "tensor parallel"
+    ranks = (
+        [f"  {args.tensor_parallel_size} ranks, {split}"] if args.tensor_parallel_size > 1 else []
+    )
     return [
         f"Canvas serving {', '.join(map(repr, state.served_names))} from {model_dir}",
         f"  canvas length {model.config.canvas_length}, {model.cfg.num_layers} layers, "
         f"dtype {next(model.parameters()).dtype}, device {args.device}, "
         f"{model.kernels.describe()}",
+        *ranks,
         f"  decoder adapter: {'attached' if model.adapter is not None else 'none'}, "
         f"prefix caching {'on' if state.engine.limits.prefix_caching else 'off'}, "
         f"image input {'on' if state.media is not None else 'off'}",

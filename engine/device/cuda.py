@@ -50,11 +50,14 @@ def select_device(device: torch.device | str) -> None:
 def fatal_device_error(exc: BaseException) -> bool:
     """Whether `exc` (or an exception it was raised from) is a CUDA error that leaves the
     context unusable: a `torch.AcceleratorError`, or a RuntimeError whose text names a CUDA,
-    cuBLAS or Triton launch failure (`FATAL_ERROR_TEXTS`). Out of memory is never fatal: it
-    fails the step that asked, and the next one may fit."""
+    cuBLAS or Triton launch failure (`FATAL_ERROR_TEXTS`); or one that says it ends the engine
+    (`ends_engine`: a parallel model's broken world, `engine.parallel.world`). Out of memory is
+    otherwise never fatal: it fails the step that asked, and the next one may fit."""
     seen: BaseException | None = exc
     while seen is not None:
         text = str(seen).lower()
+        if getattr(seen, "ends_engine", False):
+            return True
         if isinstance(seen, torch.cuda.OutOfMemoryError) or "out of memory" in text:
             return False
         if isinstance(seen, torch.AcceleratorError):

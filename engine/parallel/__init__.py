@@ -2,5 +2,5 @@
 process group (`world`), which part of each parameter a rank holds (`plan`), the in-place
 rewrite into a rank's shard (`layers`), the loader that reads only those slices (`loader`),
 rank 0 leading the others through a step's model calls (`step`), the communication's
-accounting (`roofline`) and what serving accepts of it (`serving`). docs/parallelism.md has
-the design."""
+accounting (`roofline`), and serving over ranks: the processes (`ranks`), what serving accepts
+and how rank 0 starts (`serving`). docs/parallelism.md has the design."""

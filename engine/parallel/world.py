@@ -19,7 +19,13 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
 
 class WorldError(RuntimeError):
-    """The process group cannot form; the message names the cause and the setting at fault."""
+    """The process group cannot form, or a rank left it; the message names the cause and the
+    setting at fault. Fatal to a serving engine (`ends_engine`, read by
+    `engine.device.cuda.fatal_device_error`): a world that lost a rank, or whose ranks are out
+    of step, runs no collective again; `failure` is how /health's reason begins."""
+
+    ends_engine = True
+    failure = "the parallel model's world broke"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +98,7 @@ def init_world(
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     if rank == 0 and world_size > 1:
-        _check_port_free(init_method)
+        check_port_free(init_method)
     try:
         dist.init_process_group(
             backend,
@@ -117,7 +123,7 @@ def close_world() -> None:
         dist.destroy_process_group()
 
 
-def _check_port_free(init_method: str) -> None:
+def check_port_free(init_method: str) -> None:
     """WorldError where rank 0 cannot listen on `init_method`'s port (torch would otherwise
     wait for its timeout, or join a stranger's world)."""
     url = urlparse(init_method)

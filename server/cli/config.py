@@ -171,8 +171,22 @@ ENGINE_FLAGS = (
     Flag(
         "--tensor-parallel-size",
         "checkpoint.tensor_parallel_size",
-        "ranks (GPUs) the model is split over; only 1 is served yet (docs/parallelism.md)",
+        "ranks (GPUs; processes on a CPU) the model is split over: canvas serve starts the "
+        "others itself (docs/parallelism.md)",
         aliases=("-tp",),
+    ),
+    Flag(
+        "--enable-expert-parallel",
+        "checkpoint.expert_parallel",
+        "split the experts whole over the ranks instead of each expert's slice (with "
+        "--tensor-parallel-size 2 or more)",
+        switch=True,
+    ),
+    Flag(
+        "--distributed-port",
+        "checkpoint.distributed_port",
+        "port on 127.0.0.1 the ranks form their world at (default 0: $MASTER_PORT, else a "
+        "free one)",
     ),
     Flag(
         "--cuda-graphs",

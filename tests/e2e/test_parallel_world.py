@@ -1,12 +1,15 @@
 """The parallel model's edges, in this process: a world that cannot form says why (the port is
 taken, a rank never comes, too few GPUs), a size that does not divide the model is refused
 naming the quantity, a rank that dies fails the others' next call at once, one rank through
-the parallel path is the one-device model bit for bit, and `canvas serve` refuses
---tensor-parallel-size above 1 (and --exact with it) by name."""
+the parallel path is the one-device model bit for bit, and `canvas serve` refuses by name
+what it does not run over ranks (--exact, FP8, an adapter; a size that does not divide the
+model)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from engine.model import load_model, load_model_config
 from engine.parallel.layers import parallelize
 from engine.parallel.loader import load_sharded
 from engine.parallel.plan import ShardPlan
+from engine.parallel.ranks import Ranks, RankSpec
 from engine.parallel.world import World, WorldError, free_port, init_world
 from server.cli import main
 from tests.e2e.parallel_cases import dead_rank_check, run_scenario, spawn_world
@@ -95,9 +99,12 @@ def test_one_rank_through_the_parallel_path_is_the_one_device_model(
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: serving over several ranks"),
         (["-tp", "2", "--exact"], "--exact runs on one device only: --tensor-parallel-size 2"),
+        (["-tp", "2", "--quantization", "fp8"], "--quantization fp8 is not run over ranks"),
+        (["-tp", "2", "--adapter", "/a"], "--adapter DIR: a decoder adapter is not run over"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1, got 0"),
+        (["--enable-expert-parallel"], "--enable-expert-parallel splits the experts over"),
+        (["-tp", "3"], "3 ranks must divide layer 0's 4 KV heads"),
     ],
 )
 def test_serve_refuses_tensor_parallelism_it_cannot_serve(
@@ -109,3 +116,47 @@ def test_serve_refuses_tensor_parallelism_it_cannot_serve(
     argv = ["serve", "--model", str(tiny_checkpoint(PRESET)), "--port", "0", *flags]
     assert main(argv) == 2
     assert f"canvas serve: error: {message}" in capsys.readouterr().err
+
+
+def in_fresh_process(check: Callable[..., None], *args: object) -> None:
+    """Run `check(*args)` in a spawned process: a world that failed to form (here, or in a
+    process this one forked from) leaves torch's group counter moved on, and a world formed
+    there would wait for names that its freshly spawned followers never use. Fails unless the
+    check passed."""
+    process = multiprocessing.get_context("spawn").Process(target=check, args=args)
+    process.start()
+    process.join(180)
+    assert process.exitcode == 0, "the check failed in its process (its error above)"
+
+
+def dies_before_joining(checkpoint: Path) -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    # threads=0: torch refuses it, so rank 1 exits before it joins
+    spec = RankSpec(checkpoint, 2, False, "auto", "twins", address, "gloo", 0)
+    ranks = Ranks(spec)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorldError, match="ranks cannot form: rank 1 exited with code 1"):
+            ranks.join_world()
+        assert time.monotonic() - start < spec.timeout_s / 2  # not the formation's timeout
+    finally:
+        ranks.stop()
+
+
+def cannot_load(checkpoint: Path) -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    ranks = Ranks(RankSpec(checkpoint, 2, False, "float8", "twins", address, "gloo", 1))
+    try:
+        ranks.join_world()
+        with pytest.raises(WorldError, match="rank 1 could not load its shard: ValueError: .*"):
+            ranks.gather("load its shard")
+    finally:
+        ranks.stop()
+    assert [p.exitcode for p in ranks.procs] == [1]
+
+
+@pytest.mark.parametrize("check", [dies_before_joining, cannot_load], ids=lambda c: c.__name__)
+def test_a_follower_that_cannot_start_fails_start_up_at_once_naming_it(
+    tiny_checkpoint: Callable[[str], Path], check: Callable[[Path], None]
+) -> None:
+    in_fresh_process(check, tiny_checkpoint(PRESET))
