@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
@@ -99,6 +100,11 @@ def init_world(
         torch.cuda.set_device(device)
     if rank == 0 and world_size > 1:
         check_port_free(init_method)
+    # A failed `init_process_group` leaves torch's group counter moved on, and a world formed
+    # later in this process would then wait under names its freshly started peers never use:
+    # put it back on failure (torch keeps it on a private object).
+    counter = getattr(distributed_c10d, "_world", None)
+    count = getattr(counter, "group_count", None)
     try:
         dist.init_process_group(
             backend,
@@ -109,6 +115,8 @@ def init_world(
             device_id=device if backend == "nccl" else None,
         )
     except (RuntimeError, OSError) as exc:  # torch raises DistStoreError (a RuntimeError)
+        if count is not None and not dist.is_initialized():
+            counter.group_count = count
         raise WorldError(
             f"rank {rank} of {world_size} could not join the world at {init_method} within "
             f"{timeout_s:g} s: {str(exc).splitlines()[0]} (did every rank start, with the same "
