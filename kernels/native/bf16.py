@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import torch
 
+import kernels.native.onednn as onednn
 import kernels.reference as reference
 import kernels.reference_layer as reference_layer
-from kernels.native import onednn
 from kernels.native.args import (
     Bf16GatedArgs,
     Bf16GegluArgs,

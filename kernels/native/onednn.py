@@ -5,7 +5,9 @@ bf16 GEMM is oneDNN's, reordering the plain weight into oneDNN's blocked layout 
 `reorder` is `torch.ops.mkldnn._reorder_linear_weight` (an opaque oneDNN tensor of the same
 shape and dtype, laid out for oneDNN's default batch hint); `linear` is
 `torch.ops.mkldnn._linear_pointwise` with no bias and no fused op, which takes that layout as it
-is (no reorder of the weight or the input per call) and returns x's dtype. Whether a binding
+is (no reorder of the weight or the input per call) and returns x's dtype: the same sums as the
+twin's, its values within a bf16 ulp (a row's value may differ by one with the batch it shares, as
+the twin's: fast numerics; exact numerics never bind these kernels). Whether a binding
 uses them is decided once, when the binding is made (`decide`, logged at debug): a torch
 without oneDNN or without the two ops, or a CPU whose oneDNN refuses bf16 or does not give
 F.linear's values on a probe, keeps the twin.
