@@ -35,15 +35,16 @@ from dataclasses import replace
 from typing import Any
 
 from kernels.kernel_set import KernelSet
-from kernels.native import moe, step
+from kernels.native import moe, onednn, step
 from kernels.native.packing import PackedWeights
 
 
 def bind_packed(kernels: KernelSet) -> KernelSet:
     """`kernels` for one model (`KernelSet.for_model`): the native kernels that pack weights
     (dense projections, experts, router) given a `PackedWeights` of this binding's own, so each
-    weight is packed once for the model and its copy goes with the model's kernels."""
-    packs = PackedWeights()
+    weight is packed once for the model and its copy goes with the model's kernels; whether
+    its bf16 dense projections run oneDNN on weights reordered once is decided here."""
+    packs = PackedWeights(onednn=onednn.decide())
     packing = {
         "linear": moe.linear,
         "linear_many": moe.linear_many,

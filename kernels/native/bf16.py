@@ -8,7 +8,9 @@ outputs are rounded to bf16, as the twins' (oneDNN's bf16 GEMMs) are. The produc
 AVX512-BF16's `vdpbf16ps` where the CPU has it (the library is built for this machine:
 `canvas_bf16_paths`), the generic vector code (the same bits, any CPU) elsewhere or with
 `CANVAS_NATIVE_BF16=generic`. Shapes the tiles do not take (output widths not whole blocks of
-32 columns, weights beyond the L2 budget) and autograd run the twins.
+32 columns, weights beyond the L2 budget) and autograd run the twins; a dense projection the
+tiles do not take (every one where oneDNN has AMX) runs oneDNN on the weight reordered once per
+binding (`kernels.native.onednn`) where the binding decided so, the twin otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+import kernels.native.onednn as onednn
 import kernels.reference as reference
 import kernels.reference_layer as reference_layer
 from kernels.native.args import (
@@ -115,8 +118,8 @@ def _fits(n: int, k: int) -> bool:
 
 def onednn_amx() -> bool:
     """Whether the twins' bf16 GEMMs (oneDNN's) run on AMX tiles here: the CPU has amx_bf16 and
-    ONEDNN_MAX_CPU_ISA does not cap oneDNN below it. Then a dense bf16 projection takes the
-    twin, an order of magnitude faster than `bf16.c`'s AVX512-BF16 tiles (docs/performance.md);
+    ONEDNN_MAX_CPU_ISA does not cap oneDNN below it. Then a dense bf16 projection takes oneDNN
+    (`dense`), an order of magnitude faster than `bf16.c`'s AVX512-BF16 tiles (docs/performance.md);
     without AMX the tiles are at least as fast as oneDNN's and keep a row's bits batch-free."""
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
     return "amx_bf16" in cpu_flags() and (isa in ("ALL", "DEFAULT") or "AMX" in isa)
@@ -126,8 +129,22 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, segments: list[int] | None, packs: PackedWeights | None
 ) -> torch.Tensor:
     """`reference.linear` for bf16 operands: `linear_tiles` where N is whole blocks of 32, the
-    weight within MAX_PACKED_BYTES and oneDNN has no AMX (`onednn_amx`); the twin otherwise."""
+    weight within MAX_PACKED_BYTES and oneDNN has no AMX (`onednn_amx`); `dense` otherwise."""
     return linear_many(x, [weight], segments, packs)[0]
+
+
+def dense(
+    x: torch.Tensor, weight: torch.Tensor, segments: list[int] | None, packs: PackedWeights | None
+) -> torch.Tensor:
+    """The twin's product (`reference.linear`: oneDNN's bf16 GEMM, which reorders the weight on
+    every call), on the weight reordered once into oneDNN's layout (`onednn.reorder`, kept in
+    the binding's `packs` and redone when the weight changes in place) where the binding chose
+    oneDNN (`PackedWeights.onednn`) and the operands fit (`onednn.fits`): the same sums, the
+    twin's values within a bf16 ulp. Without a binding (`packs` None) the twin."""
+    if packs is None or not packs.onednn or not onednn.fits(x, weight):
+        return reference.linear(x, weight, segments or [])
+    (reordered,) = packs.get("bf16_onednn", (weight,), lambda: (onednn.reorder(weight),))
+    return onednn.linear(x, reordered)
 
 
 def linear_many(
@@ -137,14 +154,14 @@ def linear_many(
     packs: PackedWeights | None,
 ) -> list[torch.Tensor]:
     """[linear(x, w) for w in weights]: `linear_tiles` of all in one pass where every weight
-    fits the tiles (and oneDNN has no AMX), the twin's one by one otherwise."""
+    fits the tiles (and oneDNN has no AMX), `dense` one by one otherwise."""
     k = weights[0].shape[-1]
     if (
         onednn_amx()
         or len(weights) > 3
         or not all(w.dim() == 2 and w.shape[1] == k and _fits(w.shape[0], k) for w in weights)
     ):
-        return [reference.linear(x, w, segments or []) for w in weights]
+        return [dense(x, w, segments, packs) for w in weights]
     return linear_tiles(x, weights, packs)
 
 

@@ -25,7 +25,10 @@ class PackedWeights:
     loaded checkpoint, a training step); the weights are held with their copies, so the memory
     a key names stays theirs."""
 
-    def __init__(self) -> None:
+    def __init__(self, onednn: bool = False) -> None:
+        """onednn: whether this binding's bf16 dense projections run oneDNN on weights reordered
+        once (`kernels.native.onednn.decide`, when the binding is made)."""
+        self.onednn = onednn
         self.copies: dict[tuple[object, ...], tuple[Packed, tuple[int, ...], Packed]] = {}
 
     def get(self, kind: str, weights: Packed, make: Callable[[], Packed]) -> Packed:
