@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.checkpoints.default import default_model_dir
 from engine.checkpoints.hub import locate
+from engine.device.cpu_dtype import auto_dtype
 from engine.engine import Engine, EngineConfig
 from engine.inputs.images import ImageProcessor
 from engine.inputs.tokenizer import Tokenizer
@@ -108,9 +109,10 @@ def open_checkpoint(config: CheckpointConfig) -> Checkpoint:
         name = model_dir.name
     else:
         model_dir, name = locate(config.model_dir, config.download_dir)
+    dtype = auto_dtype(model_dir, config.dtype, config.device, config.exact, config.quantization)
     model = load_model(
         model_dir,
-        dtype=config.dtype,
+        dtype=dtype,
         device=config.device,
         exact=config.exact,
         kernels=config.kernels,
