@@ -16,6 +16,8 @@ from safetensors.torch import load_file, save_file
 from engine.build import CheckpointConfig, open_checkpoint
 from engine.device import cpu_dtype
 from engine.device.cpu_dtype import all_bf16_values, auto_dtype, choose_cpu_dtype, has_amx_bf16
+from server.cli import build_parser
+from server.cli.config import CHECKPOINT_FLAGS, build_config
 
 AMX = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 AVX512_BF16 = frozenset({"avx512f", "avx512_bf16"})  # no AMX
@@ -88,12 +90,12 @@ def test_auto_on_an_amx_cpu_loads_bf16_and_logs_why(bf16_valued, monkeypatch, ca
         "a bf16 value" in caplog.messages
     )
     # --dtype forces, --exact keeps the checkpoint's dtype: neither is decided here
-    for config in (
-        CheckpointConfig(bf16_valued, dtype="float32", device="cpu"),
-        CheckpointConfig(bf16_valued, device="cpu", exact=True),
-    ):
+    parser, _ = build_parser()
+    for flags in (["--dtype", "float32"], ["--exact"]):
+        args = parser.parse_args(["serve", "--model", str(bf16_valued), "--device", "cpu", *flags])
+        config = build_config(args, args.model, CHECKPOINT_FLAGS).checkpoint
         model = open_checkpoint(config).model
-        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        assert {p.dtype for p in model.parameters()} == {torch.float32}, flags
 
 
 def test_auto_without_amx_widens_a_bf16_checkpoint_unless_forced(bf16_valued, monkeypatch):
