@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from loadtest.cpu.bench import build_parser, configs_from_args
+from loadtest.cpu.bench import build_parser, configs_from_args, main
 from loadtest.cpu.bench_config import BenchConfig, configurations
 from loadtest.cpu.bench_report import assemble, bench_markdown
 from loadtest.cpu.bench_runs import Series
@@ -103,7 +103,7 @@ def test_each_configuration_runs_beside_its_twin_in_the_other_dtype():
     ]
 
 
-def test_dtypes_default_to_both_and_are_checked():
+def test_dtypes_default_to_both_and_are_checked(capsys):
     (tiny,) = configs_from_args(build_parser().parse_args(["--size", "tiny"]))
     assert tiny.dtypes == ("float32", "bfloat16")
     (one,) = configs_from_args(
@@ -113,3 +113,5 @@ def test_dtypes_default_to_both_and_are_checked():
     for bad in ((), ("float16",), ("float32", "float32")):
         with pytest.raises(ValueError, match="dtypes must"):
             BenchConfig(dtypes=bad)
+    assert main(["--size", "toy", "--dtypes", "float32,float16"]) == 2  # before anything runs
+    assert "bench: error: dtypes must be some of float32, bfloat16" in capsys.readouterr().err
