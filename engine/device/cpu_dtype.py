@@ -6,12 +6,11 @@ that takes a few) and on a shared VM one forward's timing swings by more than th
 decides. The features predict the outcome well enough:
 
 - with AMX-bf16 (`amx_bf16`, and oneDNN not capped below AMX by ONEDNN_MAX_CPU_ISA) the dense
-  bf16 projections run on oneDNN's AMX tiles and the experts on `kernels/native/bf16_amx.h`'s:
-  one bf16 forward of `bench-small` took 0.68x fp32's at 1 canvas and 0.50x at 16
-  (docs/performance.md, "bf16 on the CPU");
+  bf16 projections run on oneDNN's AMX tiles and the experts on `kernels/native/bf16_amx.h`'s,
+  and a bf16 forward beats fp32's at one canvas and at many;
 - without it (AVX512-BF16's `vdpbf16ps` only, or the generic vector code) the bf16 tiles run no
-  faster than the fp32 FMA tiles, the conversions cost on top, and with oneDNN capped below
-  AMX one bf16 forward took over twice fp32's at 1 canvas: fp32 runs faster.
+  faster than the fp32 FMA tiles and the conversions cost on top: fp32 runs faster at one
+  canvas and at many (docs/performance.md, "bf16 on the CPU", has the measurements).
 
 So, for a checkpoint that `auto` would otherwise load as stored (`choose_cpu_dtype`):
 
