@@ -42,9 +42,11 @@ SWEEP_CASES ?= 300
 parity-sweep: $(STAMP)
 	$(BIN)/python -m tests.parity_sweep --cases $(SWEEP_CASES)
 
-# Canvas vs the transformers reference on two checkpoints, bench-small and bench-tiny (CPU,
-# ~20 min; every configuration warmed, then timed in rounds); reports in bench-out/small and
-# bench-out/tiny. A quick end-to-end check: make bench BENCH_ARGS="--size toy".
+# Canvas vs the transformers reference on two checkpoints, bench-small and bench-tiny, each in
+# fp32 and bf16 against the reference in the same dtype, bf16 / fp32 reported (CPU, ~40 min;
+# every configuration warmed, then timed in rounds); reports in bench-out/small and
+# bench-out/tiny. A quick end-to-end check: make bench BENCH_ARGS="--size toy"; one dtype:
+# BENCH_ARGS="--dtypes float32".
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	touch $(BENCH_STAMP)

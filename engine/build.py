@@ -12,6 +12,7 @@ inside it). The command line maps its flags onto these fields (`server.cli.confi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 from engine.checkpoints.default import default_model_dir
 from engine.checkpoints.hub import locate
+from engine.device.cpu_dtype import auto_dtype
 from engine.engine import Engine, EngineConfig
 from engine.inputs.images import ImageProcessor
 from engine.inputs.tokenizer import Tokenizer
@@ -114,13 +116,14 @@ def open_checkpoint(config: CheckpointConfig) -> Checkpoint:
         name = model_dir.name
     else:
         model_dir, name = locate(config.model_dir, config.download_dir)
+    dtype = auto_dtype(model_dir, config.dtype, config.device, config.exact, config.quantization)
     ranks = None
     if config.tensor_parallel_size > 1:
-        model, ranks = start_ranks(model_dir, config)
+        model, ranks = start_ranks(model_dir, dataclasses.replace(config, dtype=dtype))
     else:
         model = load_model(
             model_dir,
-            dtype=config.dtype,
+            dtype=dtype,
             device=config.device,
             exact=config.exact,
             kernels=config.kernels,

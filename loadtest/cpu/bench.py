@@ -1,6 +1,7 @@
 """Side-by-side benchmark: Canvas against the transformers reference, in one run.
 
-    python -m loadtest.cpu.bench [--out bench-out] [--size full|small|tiny|toy] [flags]
+    python -m loadtest.cpu.bench [--out bench-out] [--size full|small|tiny|toy]
+        [--dtypes float32,bfloat16] [flags]
     make bench
 
 Two checkpoints (`--size full`, the default): `bench-small` (the real model's layer pattern
@@ -16,13 +17,17 @@ denoising steps, all in this process with the same torch thread count:
 2. Canvas AR mode at each --ar-concurrency against the reference's AR path (a greedy KV-cached
    loop over the same checkpoint's encoder and LM head) one at a time and in static batches.
 
+Each of these runs in every dtype of --dtypes (fp32 and bf16 by default), Canvas and the reference
+alike: bf16 against the reference in bf16, and each bf16 configuration next to its fp32 twin
+in every round, the report dividing the two (bf16 / fp32; labels without a dtype are fp32's).
+
 Every configuration is warmed at the shape it is timed at (--warmup runs of its first wave)
 before anything is timed, then all are timed once per round for --repeats rounds, each Canvas
 run next to its reference run; ratios are taken within a round and reported with their spread
 (`loadtest.cpu.bench_runs`, `loadtest.cpu.bench_report`). Per step the report splits forward,
 sampler and the rest. It also measures this machine's fp32 GEMM rate and computes the
 checkpoint's FLOP floor (`loadtest.cpu.floor`), so every diffusion throughput reads as a
-fraction of the floor.
+fraction of the floor (fp32's: the rate is an fp32 GEMM's).
 
 Random weights never converge like a trained model's, so the adaptive stop is disabled and
 every canvas runs exactly --denoising-steps steps (vLLM's published DiffusionGemma benchmark
@@ -42,28 +47,17 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from loadtest.cpu.bench_config import SIZE_CHOICES, SIZES, BenchConfig, configurations
 from loadtest.cpu.bench_report import assemble, write_bench_report
-from loadtest.cpu.bench_runs import (
-    Configuration,
-    Ledger,
-    Series,
-    Shape,
-    canvas_runner,
-    reference_runner,
-)
+from loadtest.cpu.bench_runs import Ledger, Series
 from loadtest.cpu.bench_runs import measure as run_configurations
 from loadtest.cpu.floor import Floor, compute_floor, measure_gemm_rate
-from loadtest.load.client import RequestSpec
-from loadtest.load.loadgen import LoadConfig
 from loadtest.load.prompts import PROMPT_SETS, Prompt, make_prompts
 from loadtest.machine import comma_ints, hardware, package_version
-
-if TYPE_CHECKING:
-    from loadtest.load.inprocess import ServerHandle
 
 logger = logging.getLogger(__name__)
 NOTE = (
@@ -71,99 +65,6 @@ NOTE = (
     "unreachable 1e-30 in the reference) and every canvas runs exactly {steps} denoising steps, "
     "as vLLM's published DiffusionGemma benchmark forces a fixed step count."
 )
-
-
-@dataclass(frozen=True, slots=True)
-class BenchConfig:
-    out_dir: Path = Path("bench-out")
-    cache_dir: Path | None = None  # None: $CANVAS_CACHE or ~/.cache/canvas, then /bench
-    preset: str = "bench-small"
-    concurrency: tuple[int, ...] = (1, 4, 16)
-    ar_concurrency: tuple[int, ...] = (1, 16)
-    exact_concurrency: tuple[int, ...] = (1, 16)
-    num_requests: int = 16  # per level above concurrency 1 (at least the concurrency)
-    reference_requests: int = 4  # one at a time, and Canvas at concurrency 1
-    static_batch: int = 16
-    max_tokens: int = 128
-    denoising_steps: int = 16
-    prompt_set: str = "short-chat"
-    warmup: int = 1  # warm-up runs of each configuration's first wave, before any timing
-    repeats: int = 2  # timed rounds: every configuration once per round
-    threads: int = 2  # the reference's torch threads (the benchmark's own process)
-    # The Canvas servers' `--threads` (a count or "auto"); None: the server's default, "auto"
-    # (every core but one, the other left to its HTTP front end and, here, the load generator,
-    # measured per step against every core).
-    server_threads: str | None = None
-    seed: int = 0
-    # "subprocess": each Canvas server in its own process (a sidecar, as deployed); "thread":
-    # in this process, beside the load generator (their interpreter lock is shared).
-    server: str = "subprocess"
-    request_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        for name in (
-            "num_requests",
-            "reference_requests",
-            "static_batch",
-            "max_tokens",
-            "denoising_steps",
-            "threads",
-            "warmup",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        threads = self.server_threads
-        if threads is not None and threads != "auto" and not (threads.isdigit() and int(threads)):
-            raise ValueError(f"server_threads must be 'auto' or a count >= 1, got {threads!r}")
-        if self.repeats < 2:
-            raise ValueError(f"repeats must be >= 2 (one run has no spread), got {self.repeats}")
-        if not self.concurrency or min(self.concurrency) < 1:
-            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
-        for name in ("ar_concurrency", "exact_concurrency"):
-            levels = getattr(self, name)
-            if levels and min(levels) < 1:
-                raise ValueError(f"{name} levels must be >= 1, got {levels}")
-        if self.server not in ("subprocess", "thread"):
-            raise ValueError(f"server must be 'subprocess' or 'thread', got {self.server!r}")
-        if self.prompt_set not in PROMPT_SETS:
-            raise ValueError(f"unknown prompt set {self.prompt_set!r}")
-        from engine.checkpoints.tiny import PRESETS  # light: the weights code imports torch lazily
-
-        if self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; expected one of {sorted(PRESETS)}")
-
-    def requests_at(self, concurrency: int) -> int:
-        return self.reference_requests if concurrency == 1 else max(self.num_requests, concurrency)
-
-
-# The checkpoints of `--size` (BenchConfig's defaults are `small`); `full` runs both of
-# `make bench`, in this order. Flags override every size.
-SIZES: dict[str, dict[str, Any]] = {
-    "small": {},
-    # Per-step costs dominate: 16 requests x 64 tokens, 8 steps; cheap, so five rounds (this
-    # VM's speed swings by a third between minutes: three rounds' medians moved too much).
-    "tiny": {
-        "preset": "bench-tiny",
-        "concurrency": (1, 16),
-        "reference_requests": 8,
-        "max_tokens": 64,
-        "denoising_steps": 8,
-        "repeats": 5,
-    },
-    # A few seconds: the test's size, and a check that `make bench` works end to end.
-    "toy": {
-        "preset": "c16",
-        "concurrency": (1, 2),
-        "ar_concurrency": (1, 2),
-        "exact_concurrency": (1, 2),
-        "num_requests": 2,
-        "reference_requests": 2,
-        "static_batch": 2,
-        "max_tokens": 24,
-        "denoising_steps": 2,
-    },
-}
-SIZE_CHOICES = {"full": ("small", "tiny"), **{name: (name,) for name in SIZES}}
 
 
 def checkpoint_for(config: BenchConfig) -> Path:
@@ -185,80 +86,6 @@ def checkpoint_for(config: BenchConfig) -> Path:
     return path
 
 
-def _canvas_spec(config: BenchConfig, mode: str) -> RequestSpec:
-    diffusion = mode == "diffusion"
-    return RequestSpec(
-        endpoint="chat",
-        max_tokens=config.max_tokens,
-        ignore_eos=True,
-        mode=mode,
-        max_denoising_steps=config.denoising_steps if diffusion else None,
-        confidence_threshold=0.0 if diffusion else None,
-        request_seed=config.seed,
-        timeout_s=config.request_timeout_s,
-    )
-
-
-# Canvas run kind -> (decoding mode, the BenchConfig field with its levels, the system label)
-RUN_KINDS = {
-    "fast": ("diffusion", "concurrency", "canvas"),
-    "exact": ("diffusion", "exact_concurrency", "canvas-exact"),
-    "ar": ("ar", "ar_concurrency", "canvas-ar"),
-}
-
-
-def configurations(
-    config: BenchConfig,
-    servers: dict[str, ServerHandle],
-    reference: Any,
-    prompts: tuple[Prompt, ...],
-    prompt_ids: list[tuple[str, list[int]]],
-) -> list[Configuration]:
-    """Every measured configuration, ordered so that each Canvas run sits next to the
-    reference run it is compared with: per mode, per width, Canvas fast, exact, then the
-    reference (one at a time at width 1, its static batch at `static_batch`)."""
-    from loadtest.cpu.reference import ReferenceSettings
-
-    settings = ReferenceSettings(config.max_tokens, config.denoising_steps, config.seed)
-    out: list[Configuration] = []
-
-    def add(label: str, system: str, mode: str, width: int, n: int, run: Any) -> None:
-        steps = config.denoising_steps if mode == "diffusion" else 0
-        names = tuple(p.name for p in prompts[: min(width, n)])
-        shape = Shape(width, names, config.max_tokens, steps)
-        out.append(Configuration(label, system, mode, width, n, shape, run))
-
-    for mode, kinds in (("diffusion", ("fast", "exact")), ("ar", ("ar",))):
-        levels = {k: getattr(config, RUN_KINDS[k][1]) for k in kinds}
-        if not any(levels.values()):
-            continue
-        prefix = "reference" if mode == "diffusion" else "reference-ar"
-        for width in sorted({1, config.static_batch, *(c for v in levels.values() for c in v)}):
-            for kind in kinds:
-                if width in levels[kind]:
-                    system = RUN_KINDS[kind][2]
-                    server = servers["exact" if kind == "exact" else "fast"]
-                    base = LoadConfig(
-                        url=server.url,
-                        spec=_canvas_spec(config, mode),
-                        model=server.model_name,
-                        prompts=prompts,
-                        system=system,
-                    )
-                    n = config.requests_at(width)
-                    add(f"{system} c={width}", system, mode, width, n, canvas_runner(base, width))
-            if width == 1:
-                label, system, n = f"{prefix} 1-at-a-time", prefix, config.reference_requests
-            elif width == config.static_batch:
-                label, system = f"{prefix} static batch {width}", f"{prefix}-batch"
-                n = max(config.num_requests, width)
-            else:
-                continue
-            run = reference_runner(reference, prompt_ids, width, settings, label, system, mode)
-            add(label, system, mode, width, n, run)
-    return out
-
-
 def measure(
     config: BenchConfig,
     checkpoint: Path,
@@ -266,8 +93,9 @@ def measure(
     ledger: Ledger,
     each_round: Callable[[int], None] | None = None,
 ) -> list[Series]:
-    """Both Canvas servers (fast, exact) and the reference up at once; every configuration
-    warmed, then timed in rounds (`loadtest.cpu.bench_runs.measure`)."""
+    """The Canvas servers (fast and exact, in each of `config.dtypes`) and the reference in each
+    dtype up at once; every configuration warmed, then timed in rounds
+    (`loadtest.cpu.bench_runs.measure`)."""
     from engine.inputs.tokenizer import Tokenizer
     from loadtest.cpu import reference as ref
     from loadtest.load.inprocess import serve_in_thread
@@ -279,24 +107,26 @@ def measure(
     # Warm-up and every round send the same prompts: a prefix cache would skip their prefill
     # from the second time on while the reference recomputes them, so the comparison runs
     # without one (`make bench-prefix` measures caching).
-    flags = ["--max-num-seqs", str(widest), "--dtype", "float32", "--no-prefix-caching"]
+    flags = ["--max-num-seqs", str(widest), "--no-prefix-caching"]
 
-    flag_sets = {"fast": flags}
-    if config.exact_concurrency:
-        flag_sets["exact"] = [*flags, "--exact"]
+    flag_sets = {}
+    for dtype in config.dtypes:
+        flag_sets["fast", dtype] = [*flags, "--dtype", dtype]
+        if config.exact_concurrency:
+            flag_sets["exact", dtype] = [*flags, "--dtype", dtype, "--exact"]
     with contextlib.ExitStack() as stack:
         if config.server == "thread":
             servers = {
-                kind: stack.enter_context(serve_in_thread(checkpoint, server_flags))
-                for kind, server_flags in flag_sets.items()
+                key: stack.enter_context(serve_in_thread(checkpoint, server_flags))
+                for key, server_flags in flag_sets.items()
             }
-        else:  # both start at once (each imports torch and loads the checkpoint)
+        else:  # all start at once (each imports torch and loads the checkpoint)
             started = serve_in_subprocesses(
                 checkpoint, list(flag_sets.values()), config.server_threads
             )
             servers = dict(zip(flag_sets, stack.enter_context(started), strict=True))
-        reference = ref.load_reference(checkpoint)
-        todo = configurations(config, servers, reference, prompts, prompt_ids)
+        references = {dtype: ref.load_reference(checkpoint, dtype) for dtype in config.dtypes}
+        todo = configurations(config, servers, references, prompts, prompt_ids)
         return run_configurations(todo, config.repeats, config.warmup, ledger, each_round)
 
 
@@ -446,12 +276,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
+        "--dtypes",
+        type=comma_names,
+        default=None,
+        help="the dtypes every configuration runs in, Canvas and reference alike "
+        "(default: float32,bfloat16; the report divides bf16 by fp32)",
+    )
+    p.add_argument(
         "--server",
         choices=("subprocess", "thread"),
         default=None,
         help="each Canvas server in its own process (default, as deployed) or in this one",
     )
     return p
+
+
+def comma_names(text: str) -> tuple[str, ...]:
+    """argparse type: "float32,bfloat16" -> ("float32", "bfloat16")."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def configs_from_args(args: argparse.Namespace) -> list[BenchConfig]:

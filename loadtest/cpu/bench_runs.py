@@ -82,6 +82,7 @@ class Configuration:
     num_requests: int
     shape: Shape
     run: Callable[[int], LevelResult]
+    dtype: str = "float32"  # the weights' and activations' (Canvas and reference alike)
 
     @property
     def warmup_requests(self) -> int:
@@ -97,6 +98,7 @@ class Series:
     mode: str
     width: int
     runs: tuple[LevelResult, ...]
+    dtype: str = "float32"
 
 
 def measure(
@@ -124,7 +126,8 @@ def measure(
             tokens_per_s = result.summary.output_tokens_per_s
             logger.info("round %d %s: %.1f out tok/s", round_, config.label, tokens_per_s)
     return [
-        Series(c.label, c.system, c.mode, c.width, tuple(timed[c.label])) for c in configurations
+        Series(c.label, c.system, c.mode, c.width, tuple(timed[c.label]), c.dtype)
+        for c in configurations
     ]
 
 

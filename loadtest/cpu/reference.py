@@ -88,11 +88,12 @@ class _Clock:
         )
 
 
-def load_reference(model_dir: Path) -> Any:
+def load_reference(model_dir: Path, dtype: str = "float32") -> Any:
+    """The transformers model of `model_dir` in `dtype` (a torch dtype's name), for inference."""
     import torch
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(model_dir, dtype=torch.float32)
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     return model.eval()
 
 

@@ -60,6 +60,7 @@ LABELS = (  # per mode and width, each Canvas run next to the reference run it i
 def toy_bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("bench")
     argv = ["--size", "toy", "--out", str(root / "out"), "--cache-dir", str(root / "cache")]
+    argv += ["--dtypes", "float32"]  # bf16 beside it: tests/unit/test_bench_dtypes.py
     assert main(argv) == 0
     out = root / "out" / "toy"
     return out, json.loads((out / "results.json").read_text())
