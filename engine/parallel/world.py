@@ -10,6 +10,7 @@ import datetime
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -103,7 +104,7 @@ def init_world(
     # A failed `init_process_group` leaves torch's group counter moved on, and a world formed
     # later in this process would then wait under names its freshly started peers never use:
     # put it back on failure (torch keeps it on a private object).
-    counter = getattr(distributed_c10d, "_world", None)
+    counter: Any = getattr(distributed_c10d, "_world", None)
     count = getattr(counter, "group_count", None)
     try:
         dist.init_process_group(
