@@ -135,12 +135,17 @@ def auto_dtype(model_dir: Path, dtype: str, device: str, exact: bool, quantizati
         return dtype
     files = weight_files(model_dir)
     itemsize = 2 if stored in ("bfloat16", "float16") else 4
-    choice = choose_cpu_dtype(
-        stored,
-        cpu_flags(),
-        os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
-        lambda: all_bf16_values(files),
-        lambda: fp32_fits(files, itemsize),
-    )
+    from safetensors import SafetensorError
+
+    try:
+        choice = choose_cpu_dtype(
+            stored,
+            cpu_flags(),
+            os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+            lambda: all_bf16_values(files),
+            lambda: fp32_fits(files, itemsize),
+        )
+    except SafetensorError:  # an unreadable file: the loader names it
+        return dtype
     logger.info("%s", choice.describe())
     return choice.dtype

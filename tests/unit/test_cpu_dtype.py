@@ -117,3 +117,13 @@ def test_a_gpu_fp8_and_forced_dtypes_are_not_decided_here(tmp_path: Path):
     assert auto_dtype(missing, "auto", "cpu", True, "auto") == "auto"
     assert auto_dtype(missing, "auto", "cpu", False, "fp8") == "auto"
     assert auto_dtype(missing, "bfloat16", "cpu", False, "auto") == "bfloat16"
+
+
+def test_an_unreadable_checkpoint_is_left_to_the_loader(bf16_valued, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_dtype, "cpu_flags", lambda: AMX)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    weights = bf16_valued / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:40])  # truncated: the loader's error names it
+    with caplog.at_level(logging.INFO, logger="engine.device.cpu_dtype"):
+        assert auto_dtype(bf16_valued, "auto", "cpu", False, "auto") == "auto"
+    assert not caplog.records
