@@ -1,7 +1,7 @@
 """The process group of one parallel model: `init_world` forms it (gloo on CPU, NCCL on CUDA)
 or raises `WorldError` saying why it cannot (the port is taken, a rank never came, fewer CUDA
-devices than ranks); `World` carries the rank, the size and the two collectives the parallel
-layers use (`all_reduce`, `all_gather`)."""
+devices than ranks); `World` carries the rank, the size and the collectives the parallel
+layers use (`all_reduce`, its started form `start_all_reduce`, `all_gather`)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,16 @@ class World:
                 dist.all_reduce(x)
         return x
 
+    def start_all_reduce(self, x: torch.Tensor) -> Pending:
+        """`all_reduce(x)` started, not waited for: the caller computes meanwhile (on a GPU the
+        collective runs on NCCL's stream beside the compute stream; on gloo in its worker
+        thread) and must neither read nor write `x` until `Pending.wait` returns it summed. The
+        ranks start and wait their collectives in the same order."""
+        if self.size == 1:
+            return Pending(x, None)
+        with collective("an all-reduce"):
+            return Pending(x, dist.all_reduce(x, async_op=True))
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `x` concatenated along `dim`, in rank order."""
         if self.size == 1:
@@ -56,6 +66,23 @@ class World:
         with collective("an all-gather"):
             dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=dim)
+
+
+class Pending:
+    """A started all-reduce (`World.start_all_reduce`) of `tensor`."""
+
+    def __init__(self, tensor: torch.Tensor, work: Any) -> None:
+        self.tensor, self.work = tensor, work
+
+    def wait(self) -> torch.Tensor:
+        """The tensor, summed over the ranks once the collective is done (on a GPU: once the
+        current stream has waited for it); WorldError where a rank has left. Waiting again
+        returns it at once."""
+        if self.work is not None:
+            with collective("an all-reduce"):
+                self.work.wait()
+            self.work = None
+        return self.tensor
 
 
 @contextlib.contextmanager

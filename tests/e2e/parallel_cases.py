@@ -22,7 +22,14 @@ from engine.parallel.loader import load_sharded
 from engine.parallel.plan import ShardPlan
 from engine.parallel.roofline import Collectives, forward_collectives, soft_embed_collectives
 from engine.parallel.step import Leader, follow
-from engine.parallel.world import World, WorldError, close_world, free_port, init_world
+from engine.parallel.world import (
+    Pending,
+    World,
+    WorldError,
+    close_world,
+    free_port,
+    init_world,
+)
 
 PAGE = 16
 # Per forward, |parallel - one device| <= REL_TOL * max |logit|: the tolerance fast numerics
@@ -112,7 +119,8 @@ def scenario_collectives(cfg: TextConfig) -> Collectives:
 
 
 class CountingWorld:
-    """A `World` that adds up the payloads of the collectives it runs (`counted`)."""
+    """A `World` that adds up the payloads of the collectives it runs (`counted`), those it
+    starts (`start_all_reduce`) also as started."""
 
     def __init__(self, world: World) -> None:
         self.world, self.rank, self.size, self.device = world, world.rank, world.size, world.device
@@ -121,6 +129,11 @@ class CountingWorld:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.counted += Collectives(x.numel() * x.element_size(), 1)
         return self.world.all_reduce(x)
+
+    def start_all_reduce(self, x: torch.Tensor) -> Pending:
+        payload = x.numel() * x.element_size()
+        self.counted += Collectives(payload, 1, 0, 0, payload, 1)
+        return self.world.start_all_reduce(x)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         out = self.world.all_gather(x, dim)

@@ -2,7 +2,8 @@
 forwards (prefill, denoise steps, a mixed batch) give the one-device logits within the
 fast-numerics tolerance, move through the collectives what the roofline counts, and each rank
 read and holds only its own shards; with rank 0 leading and the others following, the same
-logits come out. One world per size runs every check."""
+logits come out. One world per size runs every check. In one process, a logging world shows
+each layer's dense-MLP all-reduce started before the experts run and waited for after them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 import torch
 
 from engine.model import load_model
+from engine.parallel.layers import parallelize
 from engine.parallel.plan import ShardPlan
+from engine.parallel.world import Pending
 from tests.e2e.parallel_cases import (
     assert_logits_match,
     assert_ranks_hold_own_shards,
@@ -86,3 +89,51 @@ def test_followers_run_the_leaders_calls_and_give_the_same_logits(
     assert all(torch.equal(led[name], direct[name]) for name in direct)
     # four forwards, their four LM heads and one soft embedding
     assert [torch.load(out_dir / f"followed-{r}.pt") for r in range(1, size)] == [9] * (size - 1)
+
+
+class LoggingWorld:
+    """Rank 0 of 2 in one process: the collectives return their input (the other rank's part
+    taken as zeros; an all-gather repeats it) and log themselves in `events`."""
+
+    rank, size, device = 0, 2, torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.events.append("reduce")
+        return x
+
+    def start_all_reduce(self, x: torch.Tensor) -> Pending:
+        self.events.append("start")
+        return Pending(x, self)
+
+    def wait(self) -> None:  # the started collective's work handle
+        self.events.append("wait")
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        self.events.append("gather")
+        return torch.cat([x, x], dim=dim)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_the_dense_all_reduce_runs_while_the_experts_compute(
+    tiny_checkpoint: Callable[[str], Path], expert_parallel: bool
+) -> None:
+    model = load_model(tiny_checkpoint(PRESET), kernels="twins", adapter=False)
+    world = LoggingWorld()
+    plan = ShardPlan(model.cfg, 0, 2, expert_parallel)
+    parallelize(model, plan, world)  # type: ignore[arg-type]
+    for layer in model.layers:
+        run = layer.run_experts.run
+
+        def logged(*args: object, run: Callable[..., torch.Tensor] = run) -> torch.Tensor:
+            world.events.append("experts")
+            return run(*args)
+
+        layer.run_experts.run = logged
+    run_scenario(model, plan.kv_config())
+    starts = [i for i, event in enumerate(world.events) if event == "start"]
+    assert len(starts) == 4 * model.cfg.num_layers  # four forwards
+    # started after the dense MLP, waited for once the experts ran, before the MoE's reduce
+    assert all(world.events[i + 1 : i + 4] == ["experts", "wait", "reduce"] for i in starts)
