@@ -162,12 +162,19 @@ def experts_seconds(cfg: TextConfig, num_tokens: int, size: int) -> float:
     return max(flops / H100_FLOPS, (weights + rows) / H100_BANDWIDTH) / size
 
 
-def step_ms(cfg: TextConfig, num_canvases: int, size: int, link: Link, overlap: bool) -> float:
-    """The predicted H100 denoise step (ms) over `size` ranks, the sampler sharded: the
-    one-GPU step divided by `size`, plus the communication. With `overlap` (what
+def step_ms(
+    cfg: TextConfig,
+    num_canvases: int,
+    size: int,
+    link: Link,
+    overlap: bool,
+    sharded_sampler: bool = True,
+) -> float:
+    """The predicted H100 denoise step (ms) over `size` ranks (`denoise_step`'s collectives):
+    the one-GPU step divided by `size`, plus the communication. With `overlap` (what
     `engine.parallel.layers` runs) each layer's dense-MLP all-reduce costs only what it
     outlasts the rank's experts by; without, every collective adds its whole time."""
-    work = denoise_step(cfg, num_canvases, size, sharded_sampler=True)
+    work = denoise_step(cfg, num_canvases, size, sharded_sampler)
     compute = H100_DENOISE_MS[num_canvases] / size
     if not overlap:
         return compute + wire_seconds(work, size, link) * 1e3
@@ -190,12 +197,11 @@ def main() -> None:
     from engine.model.config import parse_text_config
 
     cfg = parse_text_config(REAL_26B_A4B_TEXT_CONFIG)
-    nvlink, pcie = LINKS
     print(
         "| ranks | canvases | logits all-gathered: MB, NVLink ms, PCIe ms, step ms (× TP=1) "
         "| sharded sampler, nothing overlapped: MB, NVLink ms, PCIe ms, step ms (× TP=1) "
         "| and the dense MLP's all-reduce overlapped with the experts (built): experts ms, "
-        "exposed NVLink ms, step ms (× TP=1), exposed PCIe ms |"
+        "NVLink exposed ms, step ms (× TP=1), PCIe exposed ms, step ms (× TP=1) |"
     )
     print("|---|---|---|---|---|")
     for size in (2, 4):
@@ -213,10 +219,13 @@ def main() -> None:
             tokens = canvases * CANVAS
             experts = experts_seconds(cfg, tokens, size) * 1e3
             exposed = [exposed_seconds(cfg, work, tokens, size, link) * 1e3 for link in LINKS]
-            step = step_ms(cfg, canvases, size, nvlink, overlap=True)
+            steps = [step_ms(cfg, canvases, size, link, overlap=True) for link in LINKS]
             cells.append(
-                f"{experts:.2f}, {exposed[0]:.1f}, {step:.1f} ({step / one_gpu:.3f}×), "
-                f"{exposed[1]:.1f}"
+                f"{experts:.2f}, "
+                + ", ".join(
+                    f"{e:.1f}, {t:.1f} ({t / one_gpu:.3f}×)"
+                    for e, t in zip(exposed, steps, strict=True)
+                )
             )
             print(f"| {size} | {canvases} | " + " | ".join(cells) + " |")
     print("\nSharded sampler, dense MLP's all-reduce overlapped, step × TP=1 (README):\n")
