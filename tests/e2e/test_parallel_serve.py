@@ -153,8 +153,8 @@ def recording(server: ServerHandle) -> Iterator[list[tuple[Any, ...]]]:
     runner.execute, runner.copy_sliding_pages = record_step, record_copy
     try:
         yield events
-    finally:
-        del runner.execute, runner.copy_sliding_pages
+    finally:  # the leader's own wrapper of `execute` stays
+        runner.execute, runner.copy_sliding_pages = execute, copy
 
 
 def replay(events: list[tuple[Any, ...]], server: ServerHandle, checkpoint: Path) -> int:
@@ -176,8 +176,13 @@ def replay(events: list[tuple[Any, ...]], server: ServerHandle, checkpoint: Path
             ref, got = getattr(ours, name), getattr(recorded, name)
             assert (ref is None) == (got is None), name
             if ref is not None:
+                # rank 0 holds its vocabulary slice of every row (other ranks' columns are
+                # NaN but in the rows a feature gathers whole)
+                held = ~got.isnan()
+                assert bool(held[:, : ref.shape[1] // 2].all()), f"step {steps}: {name}"
                 tol = REL_TOL * float(ref.abs().max())
-                assert float((got - ref).abs().max()) <= tol, f"step {steps}: {name}"
+                err = (got - ref).abs()[held]
+                assert float(err.max()) <= tol, f"step {steps}: {name}"
         steps += 1
     return steps
 
