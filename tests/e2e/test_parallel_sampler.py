@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 import torch
 
+from engine.logits.processors import process_
 from engine.model import load_model
 from engine.parallel.loader import load_sharded
 from engine.parallel.roofline import Collectives, sampler_collectives
-from engine.logits.processors import process_
 from engine.parallel.sampler import ShardedSampler, apply_edits_, pack_mask
 from engine.parallel.sampling import TOKEN, edit_of
-from engine.request import RequestState
 from engine.parallel.world import World
+from engine.request import RequestState
 from kernels import reference
 from tests.e2e.parallel_cases import REL_TOL, CountingWorld, spawn_world
 from tests.e2e.sampler_cases import resolved

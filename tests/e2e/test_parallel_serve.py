@@ -26,19 +26,19 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.model import PagedKVCache, load_model, load_model_config
+from engine.model import PagedKVCache, load_model
 from engine.model.config import LayerType
 from engine.parallel.ranks import Ranks
 from engine.runner import ModelRunner, RunOutput, StepInputs
 from loadtest.load.inprocess import ServerHandle, serve_in_thread
 from server.cli import main
 from tests.e2e.parallel_cases import REL_TOL
+from tests.e2e.serve_cases import GREEDY, TIMEOUT, assert_same_greedy, chat, near_tie_bound
 from tests.media import data_url, encode, noise_image
 from tests.server.process import serve_process
 
 PRESET = "c32-window"  # 4 q heads, 4 and 2 KV heads, 4 experts: TP 2 and 4, EP 2
 COMMON = ("--device", "cpu", "--no-prefix-caching", "--kernels", "twins")
-TIMEOUT = httpx.Timeout(120.0)
 PROMPTS = ("Tell me a story.", "What is 2 + 2?", "hello there")
 
 
@@ -66,42 +66,6 @@ def ranks_of(server: ServerHandle) -> Ranks:
     (stop,) = server.state.engine.on_shutdown
     assert isinstance(stop.__self__, Ranks)
     return stop.__self__
-
-
-def chat(server: ServerHandle, prompt: str, **body: Any) -> dict[str, Any]:
-    request = {"model": server.model_name, "messages": [{"role": "user", "content": prompt}]}
-    response = httpx.post(
-        f"{server.url}/v1/chat/completions", json={**request, **body}, timeout=TIMEOUT
-    )
-    assert response.status_code == 200, response.text
-    return response.json()  # type: ignore[no-any-return]
-
-
-def near_tie_bound(checkpoint: Path) -> float:
-    """How close TP=1's top two logits must be for TP=2 to pick the other: each logit moves by
-    at most REL_TOL x max |logit| (tests/e2e/parallel_cases.py), and the soft cap bounds
-    |logit|; a log-probability gap is the logits' gap."""
-    cap = load_model_config(checkpoint).text.final_logit_softcapping
-    assert cap is not None
-    return 2 * REL_TOL * cap
-
-
-def assert_same_greedy(ours: dict[str, Any], ref: dict[str, Any], bound: float) -> None:
-    """Two greedy AR answers (choices with log-probabilities, the top two) are the same text,
-    or part first where `ref`'s top two log-probabilities lie within `bound`; until then each
-    token's log-probability is within `bound` of `ref`'s (a logit and the normaliser each move
-    by at most half of it)."""
-    ours_steps, ref_steps = ours["logprobs"]["content"], ref["logprobs"]["content"]
-    for i, (got, want) in enumerate(zip(ours_steps, ref_steps, strict=False)):
-        if got["token"] != want["token"]:
-            top = [t["logprob"] for t in want["top_logprobs"]]
-            assert top[0] - top[1] <= bound, f"the answers part at token {i}, not a near tie"
-            return
-        assert abs(got["logprob"] - want["logprob"]) <= bound, f"token {i}'s log-probability"
-    assert ours["message"]["content"] == ref["message"]["content"]
-
-
-GREEDY = {"mode": "ar", "temperature": 0, "max_tokens": 24, "logprobs": True, "top_logprobs": 2}
 
 
 def test_greedy_ar_text_is_tp1s_except_at_near_ties(
