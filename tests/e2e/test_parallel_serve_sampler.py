@@ -102,7 +102,7 @@ FEATURES = {
         "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}},
         "max_tokens": 48,
     },
-    "top_k": {"temperature": 3.0, "top_k": 1, "seed": 1},  # one candidate: the argmax
+    "top_k": {"temperature": 2.0, "top_k": 1, "seed": 1},  # one candidate: the argmax
     "top_logprobs": {"top_logprobs": 5},
 }
 
