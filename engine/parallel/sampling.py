@@ -9,13 +9,14 @@ Most rows never exist whole on any rank. A row is all-gathered at the head (`Lea
 chosen here before each step's head from the step's layout) only when a feature reads the whole
 row on rank 0:
 - log-probabilities (the chosen token's, the top k: `engine.logprobs` over the raw row);
-- a grammar (structured output): an AR row's mask is applied on rank 0's whole row before
-  sampling, a converged canvas is repaired from its rows;
+- a grammar's repair of a converged canvas (position by position, from its rows);
 - top_k / top_p / min_p (a threshold over the whole row);
 - a hybrid verify pass (speculative acceptance over the whole distribution).
-For the rows sampled with a grammar's mask or the filters, rank 0 sends the allowed tokens (a
-bit per token) and every rank masks its columns; logit_bias and the penalties act per token
-and every rank applies them to its own columns (`engine.parallel.sampler.apply_edits_`)."""
+An AR row's grammar needs no whole row: the engine masks rank 0's row (-inf outside the
+grammar, over its columns and the NaN of the others'), and rank 0 sends the allowed tokens it
+reads there (a bit per token, as for the filters' mask) for every rank to mask its columns;
+logit_bias and the penalties act per token and every rank applies them to its own columns
+(`engine.parallel.sampler.apply_edits_`)."""
 
 from __future__ import annotations
 
@@ -68,10 +69,10 @@ def reads_whole_rows(req: RequestState, what: str) -> bool:
     params = req.params
     if what == VERIFY or filters(params):
         return True
-    wanted = params.logprobs is not None or req.constraint is not None
     if what == CANVAS:  # only a committed canvas's final rows are read (hybrid verifies its)
+        wanted = params.logprobs is not None or req.constraint is not None
         return wanted and req.policy.commits_drafts()
-    return wanted
+    return params.logprobs is not None
 
 
 def masks(req: RequestState, what: str) -> bool:
@@ -82,7 +83,8 @@ def masks(req: RequestState, what: str) -> bool:
 
 def edit_of(req: RequestState, first: int, rows: torch.Tensor, what: str) -> RowEdit | None:
     """`req`'s processors over rows [first, first + len(rows)) of a sampling call (None: it
-    has none); `rows`: its logits as the engine passes them (whole where `masks`)."""
+    has none); `rows`: its logits as the engine passes them (whole where the filters are on;
+    a grammar's -inf in them)."""
     params, device = req.params, rows.device
     fields: dict[str, object] = {}
     if params.logit_bias:
@@ -95,7 +97,7 @@ def edit_of(req: RequestState, first: int, rows: torch.Tensor, what: str) -> Row
             value = getattr(params, f"{name}_penalty")
             fields[name] = torch.tensor([value], dtype=torch.float32, device=device)
     if masks(req, what):
-        whole = rows.clone()  # a grammar's -inf are in it already
+        whole = rows.clone()  # a grammar's -inf are in it already (NaN is not -inf)
         if filters(params):
             process_(whole, req)  # the filters' threshold is over the processed row
         fields["allowed"] = pack_mask(~torch.isneginf(whole))

@@ -2,7 +2,8 @@
 (`engine.parallel.sampling`), over CPU processes (gloo), end to end over HTTP: rank 0 holds
 only its vocabulary slice of the embedding (the tied LM head's rows), the logits of requests
 without a feature that reads whole rows are never all-gathered (the collectives' payloads are
-recorded: the sampler's statistics and picked ids, no vocabulary slice), and the features
+recorded: the sampler's statistics and picked ids, no vocabulary slice; an AR grammar's mask
+goes to the ranks as bits), and the features
 that act on the logits give TP=1's greedy answers under TP=2: logit_bias (ids in either
 rank's slice), the penalties, a json_schema, the top_k filter, log-probabilities with
 top_logprobs; a decisive bias on a token of rank 1's slice changes the answer alike in AR and
@@ -82,6 +83,8 @@ def test_rank0_holds_its_slice_and_plain_requests_gather_no_logits(
     chat(tp2, "Tell me a story.", mode="diffusion", seed=5, max_tokens=40)
     chat(tp2, "What is 2 + 2?", mode="ar", seed=5, temperature=0.8, max_tokens=8)
     chat(tp2, "hello there", mode="ar", temperature=0, max_tokens=8, logit_bias={"40": 3})
+    grammar = FEATURES["json_schema"]["response_format"]
+    chat(tp2, "hi", mode="ar", temperature=0.5, max_tokens=8, response_format=grammar)
     slices = [shape for kind, shape in seen if kind == "gather" and shape[-1] == vocab // 2]
     assert not slices, "a plain request's logits were gathered"
     stats = [shape for kind, shape in seen if kind == "gather" and shape[-1] == 3]
