@@ -8,10 +8,13 @@ picked ids, the entropies and the soft embedding that every rank computes alike.
 Most rows never exist whole on any rank. A row is all-gathered at the head (`Leader.full_rows`,
 chosen here before each step's head from the step's layout) only when a feature reads the whole
 row on rank 0:
-- log-probabilities (the chosen token's, the top k: `engine.logprobs` over the raw row);
-- a grammar's repair of a converged canvas (position by position, from its rows);
+- log-probabilities of an AR token (the chosen token's, the top k: `engine.logprobs` over the
+  raw row);
 - top_k / top_p / min_p (a threshold over the whole row);
 - a hybrid verify pass (speculative acceptance over the whole distribution).
+A converged canvas's rows are gathered after its last step is sampled (`Leader.gather`), when
+its log-probabilities are wanted or its grammar repairs it (position by position, from its
+rows): the steps before it gather nothing.
 An AR row's grammar needs no whole row: the engine masks rank 0's row (-inf outside the
 grammar, over its columns and the NaN of the others'), and rank 0 sends the allowed tokens it
 reads there (a bit per token, as for the filters' mask) for every rank to mask its columns;
@@ -69,15 +72,21 @@ def reads_whole_rows(req: RequestState, what: str) -> bool:
     params = req.params
     if what == VERIFY or filters(params):
         return True
-    if what == CANVAS:  # only a committed canvas's final rows are read (hybrid verifies its)
-        wanted = params.logprobs is not None or req.constraint is not None
-        return wanted and req.policy.commits_drafts()
+    if what == CANVAS:  # a converged canvas's rows are gathered once sampled: `read_late`
+        return False
     return params.logprobs is not None
+
+
+def read_late(req: RequestState) -> bool:
+    """Whether `req`'s canvas rows are read whole once it converged (`engine.postprocess`:
+    a committed canvas's log-probabilities and grammar repair), and not gathered already."""
+    wanted = req.params.logprobs is not None or req.constraint is not None
+    return wanted and req.policy.commits_drafts() and not filters(req.params)
 
 
 def masks(req: RequestState, what: str) -> bool:
     """Whether `req`'s sampled rows take an allowed-token mask: the filters', and an AR
-    row's grammar's (applied to rank 0's whole row before sampling)."""
+    row's grammar's (which the engine applies to rank 0's row before sampling)."""
     return filters(req.params) or (what == TOKEN and req.constraint is not None)
 
 
@@ -144,8 +153,22 @@ class ShardedSampling(BatchedSampling):
     def sample_canvases(
         self, canvas: CanvasBatch, logits: torch.Tensor, reqs: list[RequestState]
     ) -> CanvasSample:
-        local = self._local(logits, reqs, self.canvas_length)
-        return super().sample_canvases(canvas, local, reqs)
+        """The converged canvases that are read whole (`read_late`) get their rows of
+        `logits` (what the engine reads after sampling) gathered."""
+        length = self.canvas_length
+        sampled = super().sample_canvases(canvas, self._local(logits, reqs, length), reqs)
+        late = [
+            j
+            for j, req in enumerate(reqs)
+            if sampled.finished[j] and not sampled.failed[j] and read_late(req)
+        ]
+        if late:
+            firsts = [self.rows[id(reqs[j].pages)][0] for j in late]
+            whole = self.leader.gather([f + i for f in firsts for i in range(length)])
+            ours = [j * length + i for j in late for i in range(length)]
+            with torch.inference_mode():  # the step's logits are inference tensors
+                logits[to_device(np.array(ours, dtype=np.int64), logits.device)] = whole
+        return sampled
 
     def sample_tokens(self, logits: torch.Tensor, reqs: list[RequestState]) -> TokenSample:
         local = self._local(logits, reqs, 1)

@@ -17,12 +17,12 @@ temperatures and uniform numbers (so every rank draws alike), and reads the pick
 The messages are pickled, their tensors moved to the host (a follower moves them to its own
 device): a forward's rows, positions and paged rows, token ids, soft and image embeddings; the
 LM head's hidden states (the rows rank 0 picked from the forward's) and the rows to gather; a
-sampling call's rows, edits, temperatures and uniform numbers; the soft embedding's logits; a
-page copy's pages. They travel over the world (`broadcast_object_list`) or, when serving
-(`engine.parallel.ranks`), over a pipe from rank 0 to each follower: an idle follower then
-waits on its pipe, which never times out (a collective would, after the world's timeout) and
-closes when rank 0's process ends. On NCCL they are to become fixed-layout tensors
-(docs/parallelism.md).
+sampling call's rows, edits, temperatures and uniform numbers; the rows to gather after
+sampling; the soft embedding's logits; a page copy's pages. They travel over the world
+(`broadcast_object_list`) or, when serving (`engine.parallel.ranks`), over a pipe from rank 0
+to each follower: an idle follower then waits on its pipe, which never times out (a collective
+would, after the world's timeout) and closes when rank 0's process ends. On NCCL they are to
+become fixed-layout tensors (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from engine.parallel.world import World, WorldError, collective
 from kernels.reference import SampleResult
 
 FORWARD, LOGITS, SOFT_EMBED, COPY, STOP = "forward", "logits", "soft_embed", "copy", "stop"
-SAMPLE = "sample"
+SAMPLE, GATHER = "sample", "gather"
 
 
 def head_slice(model: DiffusionLM, hidden: torch.Tensor) -> torch.Tensor:
@@ -154,6 +154,13 @@ class Leader:
         if whole is not None:
             out[torch.tensor(rows, dtype=torch.long, device=out.device)] = whole
         return out
+
+    def gather(self, rows: list[int]) -> torch.Tensor:
+        """Rows of the last head's output all-gathered whole on every rank: [len(rows), V]
+        (`rows` not empty)."""
+        whole = self._run((GATHER, rows), gather_rows, self.world, self.local, rows)
+        assert whole is not None, "rows to gather"
+        return whole
 
     def sample(
         self,
@@ -288,6 +295,9 @@ def follow(
         elif kind == LOGITS:
             local = head_slice(model, args[0])
             gather_rows(world, local, args[1])
+        elif kind == GATHER:
+            assert local is not None, "a gather before the head"
+            gather_rows(world, local, args[0])
         elif kind == SAMPLE:
             assert local is not None, "a sampling call before the head"
             rows, edits, temperature, uniform, embed, scale = args

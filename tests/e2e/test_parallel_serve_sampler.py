@@ -7,7 +7,8 @@ goes to the ranks as bits), and the features
 that act on the logits give TP=1's greedy answers under TP=2: logit_bias (ids in either
 rank's slice), the penalties, a json_schema, the top_k filter, log-probabilities with
 top_logprobs; a decisive bias on a token of rank 1's slice changes the answer alike in AR and
-diffusion without any row gathered."""
+diffusion without any row gathered; a diffusion canvas whose log-probabilities are wanted is
+gathered once, after its last step; a diffusion json_schema answer parses."""
 
 from __future__ import annotations
 
@@ -135,3 +136,33 @@ def test_a_decisive_bias_in_rank1s_slice_is_applied_without_gathering(
     ours = chat(tp2, "hello there", **body)["choices"][0]["message"]["content"]
     assert ours == chat(one, "hello there", **body)["choices"][0]["message"]["content"]
     assert ours != plain
+
+
+def test_a_canvas_read_whole_is_gathered_once_it_converged(
+    one: ServerHandle,
+    tp2: ServerHandle,
+    checkpoint: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Diffusion with log-probabilities: the canvas's rows are gathered once, after its last
+    step, not at each step; the answer (a decisive bias: no rounding can move a token) and its
+    log-probabilities are TP=1's."""
+    body = {"mode": "diffusion", "seed": 4, "max_tokens": 32, "logprobs": True}
+    body |= {"top_logprobs": 2, "logit_bias": {RANK1_TOKEN: 100.0}}
+    seen = record_collectives(monkeypatch)
+    ours = chat(tp2, "hello there", **body)["choices"][0]
+    vocab = tp2.state.engine.engine.model.cfg.vocab_size
+    slices = [shape for kind, shape in seen if kind == "gather" and shape[-1] == vocab // 2]
+    steps = [shape for kind, shape in seen if kind == "gather" and shape[-1] == 3]
+    assert slices == [(32, vocab // 2)] and len(steps) > 1
+    assert_same_greedy(
+        ours, chat(one, "hello there", **body)["choices"][0], near_tie_bound(checkpoint)
+    )
+
+
+def test_a_diffusion_json_schema_is_repaired_from_its_gathered_rows(tp2: ServerHandle) -> None:
+    grammar = FEATURES["json_schema"]["response_format"]
+    for seed in range(3):
+        body = {"mode": "diffusion", "seed": seed, "max_tokens": 64, "response_format": grammar}
+        answer = chat(tp2, "Describe a person.", **body)["choices"][0]["message"]["content"]
+        assert set(json.loads(answer)) == {"name", "age"}
