@@ -20,18 +20,25 @@ sampler, [positions, hidden] for the soft embedding; nothing of vocabulary size.
 Results equal one device's within fp32 rounding: the sums are taken in another order, so a
 token can differ only where the uniform number falls within rounding of a CDF boundary.
 top_k / top_p / min_p need a threshold over the whole vocabulary (a sharded search, not
-built): `refuse_filters` rejects them.
+built): serving computes their mask on rank 0 from the rows it gathers whole, and every rank
+applies its columns of it (`RowEdit`).
+
+A request's logits processors (`engine.logits.processors`) act per token, so each rank applies
+them to its own columns (`apply_edits_`): logit_bias at the ids in its slice, the penalties at
+the seen tokens in its slice, and a mask of the allowed tokens (a grammar's, or the filters')
+at its columns: the values equal the whole row's processed columns.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.logits.processors import TokenCounts, add_bias_, penalise_
 from engine.parallel.world import World
-from engine.params import ResolvedParams
 from kernels.reference import SampleResult
 
 # Statistics all-gathered per position and rank (fp32): m_r, z_r, a_r.
@@ -45,21 +52,66 @@ NEGLIGIBLE_PROB = 4.3e-31  # just above e^-70
 CHUNK_ELEMENTS = 1 << 24
 
 
-def refuse_filters(params: ResolvedParams) -> None:
-    """ValueError naming the first of top_k, top_p, min_p that `params` turns on: over a
-    vocabulary split across ranks they need a threshold search over every shard, which the
-    sharded sampler does not have."""
-    for name, on in (
-        ("top_k", params.top_k > 0),
-        ("top_p", params.top_p < 1),
-        ("min_p", params.min_p > 0),
-    ):
-        if on:
-            raise ValueError(
-                f"{name} is not supported with --tensor-parallel-size > 1: the sampler is "
-                "sharded over the vocabulary and has no sharded threshold search; leave "
-                f"{name} at its default or serve on one GPU"
+@dataclass(frozen=True, slots=True)
+class RowEdit:
+    """One request's logits processors over rows [first, first + count) of a sampling call,
+    on the whole vocabulary's ids (each rank takes its slice: `apply_edits_`): logit_bias
+    (`bias_ids` [B] long, `biases` [B] fp32), the penalties (`counts`, and their [1] fp32
+    factors), and the allowed tokens (`allowed`: [count, ceil(V / 8)] uint8, bits packed
+    big-endian as `pack_mask`; None: every token)."""
+
+    first: int
+    count: int
+    bias_ids: torch.Tensor | None = None
+    biases: torch.Tensor | None = None
+    counts: TokenCounts | None = None
+    repetition: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    presence: torch.Tensor | None = None
+    allowed: torch.Tensor | None = None
+
+
+def pack_mask(allowed: torch.Tensor) -> torch.Tensor:
+    """Bool [N, V] as bits [N, ceil(V / 8)] uint8 on the host (an eighth of the bytes)."""
+    return torch.from_numpy(np.packbits(allowed.cpu().numpy(), axis=-1))
+
+
+def unpack_mask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`pack_mask`'s inverse: bool [N, vocab] on bits' device."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=bits.device)
+    return ((bits[..., None] >> shifts) & 1).bool().flatten(-2)[..., :vocab]
+
+
+def _in_slice(ids: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    return (ids >= start) & (ids < stop)
+
+
+@torch.inference_mode()  # the step's logits are inference tensors: written in place
+def apply_edits_(logits: torch.Tensor, start: int, vocab: int, edits: list[RowEdit]) -> None:
+    """Apply `edits` to this rank's columns [P, V_r] of vocabulary ids [start, start + V_r)
+    in place (`vocab`: the whole vocabulary's size), in `engine.logits.batched`'s order: the
+    bias, the penalties, then the mask (-inf outside it). Each column gets what the whole
+    row's would."""
+    stop = start + logits.shape[1]
+    for edit in edits:
+        rows = logits[edit.first : edit.first + edit.count]
+        if edit.bias_ids is not None and edit.biases is not None:
+            mine = _in_slice(edit.bias_ids, start, stop)
+            add_bias_(rows, edit.bias_ids[mine] - start, edit.biases[mine])
+        if edit.counts is not None:
+            seen, generated = edit.counts.seen, edit.counts.generated
+            kept = _in_slice(generated, start, stop)
+            local = TokenCounts(
+                seen=seen[_in_slice(seen, start, stop)] - start,
+                generated=generated[kept] - start,
+                counts=edit.counts.counts[kept],
             )
+            assert edit.repetition is not None and edit.frequency is not None
+            assert edit.presence is not None
+            penalise_(rows, local, edit.repetition, edit.frequency, edit.presence)
+        if edit.allowed is not None:
+            allowed = unpack_mask(edit.allowed, vocab)[:, start:stop]
+            rows.masked_fill_(~allowed, float("-inf"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,13 +2,12 @@
 (`check_tensor_parallel`) and how rank 0 starts (`start_ranks`): it spawns the followers
 (`engine.parallel.ranks`), forms the world, loads its own shard and returns it with the
 followers' handle; `Ranks.serve` then sizes their KV caches like the engine's and makes the
-engine's model calls lead them (`engine.parallel.step`). Rank 0 serves as one device does: its
-scheduler, page allocator and sampler see the whole logits (the LM head all-gathers them).
-
-Rank 0's sampler draws the soft embedding from the whole embedding matrix (`LeaderEmbedding`),
-which rank 0 alone holds (V x H: 1.5 GB in bf16 for the 26B-A4B) until the sampler is sharded
-over the vocabulary (docs/parallelism.md). Exact numerics, FP8, decoder adapters and CUDA
-graphs are refused by name with more than one rank."""
+engine's model calls lead them (`engine.parallel.step`). Rank 0 schedules and allocates pages
+as one device does; its sampler (`engine.parallel.sampling.ShardedSampling`) runs on every
+rank over each one's vocabulary slice of the LM head and of the embedding: no rank holds
+another's rows, and the logits are all-gathered only for the rows a feature reads whole
+(docs/parallelism.md). Exact numerics, FP8, decoder adapters and CUDA graphs are refused by
+name with more than one rank."""
 
 from __future__ import annotations
 
@@ -17,17 +16,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-from safetensors import safe_open
-
 from engine.model.adapter import ADAPTER_SUBDIR
-from engine.model.base import DiffusionLM, Embedding
+from engine.model.base import DiffusionLM
 from engine.model.fp8_checkpoint import read_layout
-from engine.model.loader import checkpoint_names, load_model_config, resolve_device, weight_files
-from engine.parallel.layers import VocabParallelEmbedding
+from engine.model.loader import load_model_config, resolve_device
 from engine.parallel.loader import load_sharded
 from engine.parallel.plan import ShardPlan
 from engine.parallel.ranks import Ranks, RankSpec
+from engine.parallel.sampling import ShardedSampling
 from engine.parallel.step import Leader
 from engine.parallel.world import WorldError, check_port_free, free_port
 
@@ -84,40 +80,19 @@ def serve_ranks(ranks: Ranks | None, engine: Engine) -> None:
             f"--cuda-graphs is not run with --tensor-parallel-size {ranks.spec.size} yet"
         )
     assert ranks.world is not None, "start_ranks formed the world"
-    ranks.serve(Leader(engine.model, ranks.world, ranks.pipes), engine.runner.cache)
-
-
-class LeaderEmbedding(Embedding):
-    """Rank 0's embedding: the vocabulary-parallel one's lookup, head and mix over its rows of
-    `weight`, which holds the whole matrix for rank 0's sampler (`weight` is what the sampler
-    reads). The rows are a view: no copy."""
-
-    parallel: VocabParallelEmbedding
-
-    def __init__(self, weight: torch.Tensor, parallel: VocabParallelEmbedding) -> None:
-        super().__init__(0, 0)
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        start = parallel.start
-        rows = self.weight[start : start + parallel.weight.shape[0]]
-        parallel.weight = torch.nn.Parameter(rows, requires_grad=False)
-        object.__setattr__(self, "parallel", parallel)  # not a submodule: its rows are ours
-
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.parallel.lookup(ids)
-
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.parallel.project(hidden)
-
-    def mix(self, probs: torch.Tensor) -> torch.Tensor:
-        return self.parallel.mix(probs)
+    leader = Leader(engine.model, ranks.world, ranks.pipes)
+    ranks.serve(leader, engine.runner.cache)
+    sampling = ShardedSampling(engine, leader)
+    sampling.watch()
+    engine.sampling = sampling
 
 
 def start_ranks(model_dir: Path, config: CheckpointConfig) -> tuple[DiffusionLM, Ranks]:
     """Rank 0's model and its followers for `config` (`config.tensor_parallel_size` > 1): the
-    followers spawned, the world formed, rank 0's shard loaded with the whole embedding, its
-    `cfg` its own heads' (the engine sizes its KV cache by it). WorldError where the world
-    cannot form or a follower cannot load; ValueError where the size does not divide the
-    model or the checkpoint is FP8."""
+    followers spawned, the world formed, rank 0's shard loaded (its vocabulary slice of the
+    embedding, as every rank's), its `cfg` its own heads' (the engine sizes its KV cache by
+    it). WorldError where the world cannot form or a follower cannot load; ValueError where
+    the size does not divide the model or the checkpoint is FP8."""
     size = config.tensor_parallel_size
     if read_layout(model_dir) is not None:
         raise ValueError(f"--tensor-parallel-size {size} does not run an FP8 checkpoint yet")
@@ -151,8 +126,6 @@ def start_ranks(model_dir: Path, config: CheckpointConfig) -> tuple[DiffusionLM,
         ranks.stop()
         raise
     model = sharded.model
-    assert isinstance(model.embed_tokens, VocabParallelEmbedding)
-    model.embed_tokens = LeaderEmbedding(whole_embedding(model_dir, model), model.embed_tokens)
     model.cfg = plan.kv_config()
     logger.info(
         "rank 0 of %d (%s): %.1f MB of its shard read; the others ready to load their KV caches",
@@ -161,14 +134,3 @@ def start_ranks(model_dir: Path, config: CheckpointConfig) -> tuple[DiffusionLM,
         sharded.bytes_read / 1e6,
     )
     return model, ranks
-
-
-def whole_embedding(model_dir: Path, model: DiffusionLM) -> torch.Tensor:
-    """The checkpoint's whole embedding matrix, on the model's device and in its dtype."""
-    local = model.embed_tokens.weight
-    for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as handle:
-            for key in checkpoint_names("embed_tokens.weight"):
-                if key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    return handle.get_tensor(key).to(local.device, local.dtype)
-    raise AssertionError("load_sharded read the embedding")

@@ -141,11 +141,20 @@ class CountingWorld:
         return out
 
 
+class WholeRows(Leader):
+    """A leader whose LM head gathers every row whole (serving gathers only the rows a feature
+    reads: `engine.parallel.sampling`), for comparing its logits with the model's own."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.full_rows = list(range(hidden.shape[0]))
+        return super().logits(hidden)
+
+
 def lead_check(model: DiffusionLM, kv_cfg: TextConfig, world: World, out_dir: Path) -> None:
     """Rank 0 runs the scenario through a `Leader` and saves its logits; the others `follow`
     and save how many calls they ran."""
     if world.rank == 0:
-        leader = Leader(model, world)
+        leader = WholeRows(model, world)
         torch.save(run_scenario(leader, kv_cfg), out_dir / "logits-led.pt")
         leader.stop()
         return

@@ -9,6 +9,7 @@ size runs every check (forked ranks loading the tiny checkpoint's shards: second
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,14 @@ from typing import Any
 import pytest
 import torch
 
+from engine.logits.processors import process_
 from engine.model import load_model
 from engine.parallel.loader import load_sharded
 from engine.parallel.roofline import Collectives, sampler_collectives
-from engine.parallel.sampler import ShardedSampler, refuse_filters
+from engine.parallel.sampler import ShardedSampler, apply_edits_, pack_mask
+from engine.parallel.sampling import TOKEN, edit_of
 from engine.parallel.world import World
+from engine.request import RequestState
 from kernels import reference
 from tests.e2e.parallel_cases import REL_TOL, CountingWorld, spawn_world
 from tests.e2e.sampler_cases import resolved
@@ -263,8 +267,35 @@ def test_collective_payload_is_per_position_not_per_vocabulary(
     )
 
 
-@pytest.mark.parametrize(("field", "value"), [("top_k", 5), ("top_p", 0.9), ("min_p", 0.1)])
-def test_filters_are_refused_naming_the_field(field: str, value: float) -> None:
-    with pytest.raises(ValueError, match=f"{field} is not supported with --tensor-parallel-size"):
-        refuse_filters(resolved(1, **{field: value}))
-    refuse_filters(resolved(1))  # none asked: nothing to refuse
+def test_edits_on_each_slice_are_the_whole_rows_processors() -> None:
+    """logit_bias, the penalties and an allowed-token mask, applied by each rank to its
+    columns (uneven slices of an odd vocabulary, ids on both sides of the cut), give the whole
+    row's processed values bit for bit (`engine.logits.batched`'s order: bias, penalties, mask)."""
+    vocab, positions = 1001, 6
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(positions, vocab, generator=gen) * 5
+    params = resolved(
+        1,
+        logit_bias={"7": 50.0, "600": -30.0, "1000": 2.5},
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.2,
+    )
+    req = RequestState("r", [3, 7, 700, 999], params, context=64, canvas_length=3)
+    req.output_ids = [700, 5, 700, 600]
+    allowed = torch.rand(positions, vocab, generator=gen) > 0.3
+    whole = logits.clone()
+    process_(whole, req)  # bias and penalties on the whole row, as one device does
+    whole.masked_fill_(~allowed, float("-inf"))
+    # rows 1.. of the call are this request's (row 0 another's: left as it is)
+    edit = edit_of(req, 1, logits[1:], TOKEN)
+    assert edit is not None and edit.allowed is None  # no grammar, no filters: no mask
+    edit = dataclasses.replace(edit, allowed=pack_mask(allowed[1:]))
+    parts = []
+    for start, stop in ((0, 500), (500, vocab)):
+        part = logits[:, start:stop].clone()
+        apply_edits_(part, start, vocab, [edit])
+        parts.append(part)
+    got = torch.cat(parts, dim=-1)
+    assert torch.equal(got[0], logits[0])
+    assert torch.equal(got[1:], whole[1:])
