@@ -9,7 +9,10 @@ import engine.engine
 from engine.build import BuildConfig, CheckpointConfig, build
 from engine.device.memory import CPU_KV_CACHE_TOKENS, DeviceMemory, MemoryConfig, MemoryPlanError
 from engine.engine import EngineConfig
+from engine.llm import LLM
 from engine.model.config import LayerType
+from engine.params import DecodeMode, SamplingParams
+from engine.validation import ContextLengthError
 from server.cli import main
 
 
@@ -45,6 +48,28 @@ def test_the_engine_allocates_what_its_plan_says(tiny_checkpoint, monkeypatch):
     ]
     assert built.limits.max_context_positions == 1024 == plan.max_model_len
     assert built.limits.max_num_seqs == plan.max_running_requests
+
+
+def test_the_runners_page_tables_are_as_wide_as_the_served_context(tiny_checkpoint):
+    """--max-model-len, not the model's max_position_embeddings (8,192 here), sizes the device
+    page tables and the all-denoise buckets' (a CUDA graph's capture width): a request at the
+    limit runs in them without widening them; one past it is refused as before."""
+    config = EngineConfig(memory=MemoryConfig(max_model_len=100))
+    llm = LLM.from_config(BuildConfig(checkpoint(tiny_checkpoint("c16")), config))
+    runner, pages = llm.engine.runner, -(-100 // llm.engine.config.page_size)
+    assert llm.engine.plan.max_model_len == 100 and pages == 7
+    tables = runner.tables
+    assert {t.shape[1] for t in (*tables.host.values(), *tables.table.values())} == {pages}
+    params = SamplingParams(
+        mode=DecodeMode.DIFFUSION, max_tokens=96, max_denoising_steps=2, ignore_eos=True
+    )
+    [out] = llm.generate([[5, 6, 7, 8]], params)  # 4 + 96 positions: every column
+    assert len(out.output_ids) == 96
+    assert runner.inputs.buckets, "the canvases ran in a bucket"
+    widths = {t.shape[1] for b in runner.inputs.buckets.values() for t in b.pages.values()}
+    assert tables.max_pages == pages and widths == {pages}
+    with pytest.raises(ContextLengthError, match="context of 100"):
+        llm.generate([[5, 6, 7, 8, 9]], params)
 
 
 def test_a_cpu_engine_keeps_todays_pools_for_a_small_model(tiny_checkpoint):
