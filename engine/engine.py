@@ -148,7 +148,7 @@ class Engine:
             self.device,
         )
         graphs = CudaCapture(self.device) if self.config.cuda_graphs else None
-        self.runner = ModelRunner(model, cache, sched.max_num_seqs, graphs)
+        self.runner = ModelRunner(model, cache, sched.max_num_seqs, graphs, plan.max_model_len)
         cpu = self.device.type == "cpu"
         self.threads = make_tuner(self.config.cpu_threads, model.kernels.exact) if cpu else None
         self.sampling = make_sampling(model, sched.max_num_seqs)

@@ -76,15 +76,17 @@ class ModelRunner:
         cache: PagedKVCache,
         max_rows: int = 1,
         graphs: Capture | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         """`max_rows`: the sequences expected to run at once (the device page tables' rows;
         they grow past it when a step needs more; the largest bucket of all-denoise steps,
-        `engine.device.step_buffers`); `graphs`: replay their forwards (`engine.device.graphs`)."""
+        `engine.device.step_buffers`); `graphs`: replay their forwards (`engine.device.graphs`);
+        `max_model_len`: the longest context served (the tables' width; None: the model's)."""
         self.model = model
         self.cache = cache
         self.device = model.embed_tokens.weight.device
         self.canvas_length = model.config.canvas_length
-        max_pages = -(-model.cfg.max_position_embeddings // cache.page_size)
+        max_pages = -(-(max_model_len or model.cfg.max_position_embeddings) // cache.page_size)
         self.tables = DevicePageTables(cache.layer_types, self.device, max_rows, max_pages)
         self.vision = VisionEncoder(model.vision, self.device) if model.vision is not None else None
         self.inputs = ForwardInputs(self.tables, model, cache.page_size, max_rows)

@@ -4,6 +4,7 @@ After the weights load, the memory left (`device_memory`: CUDA's free memory, or
 available RAM) is shared out by `plan_memory`:
 
     usable = gpu_memory_utilization × total − what is already taken (weights, CUDA context)
+             − the CPU kernels' copies of the weights, made after the plan (`packed_bytes`)
     usable ≥ one step's transient  (its tokens' activations, its sampled positions' logits
                                     and the logits filters' workspace)
            + running × (a sliding-window ring + a sampler slot)
@@ -30,7 +31,9 @@ from engine.kv_pages import PageGeometry
 from engine.logits.filters import FILTER_CHUNK_ELEMENTS
 from engine.model import BACKBONES, DiffusionLM
 from engine.model.config import LayerType, ModelConfig, TextConfig
+from engine.model.layers import Attention, GatedMLP
 from engine.model.quant import FP8, fp8_candidates, make_fp8
+from kernels.native import onednn
 
 if TYPE_CHECKING:
     from engine.engine import EngineConfig
@@ -182,6 +185,7 @@ class ModelShapes:
     filter_bytes: int  # the filters' workspace and one canvas's raw logits kept beside it
     text: TextConfig = field(repr=False)
     dequant_bytes: int = 0  # FP8 weights dequantized for one kernel call (`fp8_workspace`)
+    packed_bytes: int = 0  # what the bound CPU kernels copy of the weights (`packed_bytes`)
 
 
 def model_shapes(
@@ -214,7 +218,24 @@ def model_shapes(
         + 4 * length * vocab,
         text=cfg,
         dequant_bytes=dequant,
+        packed_bytes=packed_bytes(model),
     )
+
+
+def packed_bytes(model: DiffusionLM) -> int:
+    """What `model`'s bound native CPU kernels hold beside its weights once each has run: a
+    copy of each bf16 dense projection (attention's and the gated MLPs'), reordered for oneDNN
+    or packed for the tiles (`kernels.native.onednn.held_bytes`); 0 under other kernels."""
+    if not model.kernels.native:
+        return 0
+    dense = [
+        proj.weight
+        for module in model.modules()
+        if isinstance(module, (Attention, GatedMLP))
+        for name in module.FP8_PARAMS
+        if (proj := getattr(module, name.removesuffix(".weight"))) is not None
+    ]
+    return onednn.held_bytes(dense)
 
 
 def fp8_workspace(model: DiffusionLM, dtype: torch.dtype, fp8: Fp8Paths) -> tuple[int, int]:
@@ -279,6 +300,7 @@ class MemoryPlan:
     total_bytes: int
     usable_bytes: int
     weights_bytes: int
+    packed_bytes: int  # the CPU kernels' copies of the weights, left out of `usable_bytes`
     gpu_memory_utilization: float
     max_model_len: int
     geometry: PageGeometry
@@ -305,6 +327,7 @@ class MemoryPlan:
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "usable_bytes": self.usable_bytes,
             "weights_bytes": self.weights_bytes,
+            "packed_bytes": self.packed_bytes,
             "max_model_len": self.max_model_len,
             "kv_positions": self.kv_positions,
             "kv_bytes": self.kv_bytes,
@@ -318,10 +341,12 @@ class MemoryPlan:
 
     def describe(self) -> str:
         kv = self.kv_positions
+        copies = f", their CPU kernels' copies {self.packed_bytes / GB:.1f} GB"
+        packed = copies if self.packed_bytes else ""
         return (
             f"Memory plan on {self.device}: {self.usable_bytes / GB:.1f} GB for the KV cache and "
             f"the step, of {self.total_bytes / GB:.1f} GB at --gpu-memory-utilization "
-            f"{self.gpu_memory_utilization} (weights {self.weights_bytes / GB:.1f} GB); "
+            f"{self.gpu_memory_utilization} (weights {self.weights_bytes / GB:.1f} GB{packed}); "
             f"{self.max_running_requests} running requests at --max-model-len "
             f"{self.max_model_len} (bounded by {self.limited_by}); KV {self.kv_bytes / GB:.1f} GB: "
             f"{kv['full']:,} full-attention positions, {kv['sliding']:,} sliding-window "
@@ -368,7 +393,7 @@ def plan_memory(shapes: ModelShapes, config: EngineConfig, memory: DeviceMemory)
             lambda n: n * request_bytes + full_pages(n) * full_page_bytes <= free,
         )
 
-    usable = memory.usable_bytes(mem.gpu_memory_utilization)
+    usable = memory.usable_bytes(mem.gpu_memory_utilization) - shapes.packed_bytes
     tokens, length_of_canvas = sched.max_num_batched_tokens, shapes.canvas_length
     most_canvases = max(1, min(tokens // length_of_canvas, sched.max_num_seqs))
     for canvases in range(most_canvases, 0, -1):
@@ -392,6 +417,7 @@ def plan_memory(shapes: ModelShapes, config: EngineConfig, memory: DeviceMemory)
         total_bytes=memory.total_bytes,
         usable_bytes=usable,
         weights_bytes=shapes.weights_bytes,
+        packed_bytes=shapes.packed_bytes,
         gpu_memory_utilization=mem.gpu_memory_utilization,
         max_model_len=length,
         geometry=geometry,

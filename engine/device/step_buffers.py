@@ -120,7 +120,7 @@ class BucketInputs:
         offsets = np.arange(bucket, dtype=np.int64) * length
         ones = np.ones(bucket, dtype=np.int64)
         self.ints.write(np.concatenate([start, offsets, ones * length, ones]).astype(np.int32))
-        for t, pages in self.pages.items():  # the tables' width is the model's context's
+        for t, pages in self.pages.items():  # the tables are as wide as the served context
             assert tables.table[t].shape[1] == pages.shape[1], "page tables wider than the model"
             torch.index_select(tables.table[t], 0, self.index, out=pages)
             if real < bucket:

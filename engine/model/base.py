@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.model.config import LayerSpec, LayerType, ModelConfig, TextConfig
 from engine.model.kv_cache import ForwardBatch, KVCache, Mode
-from engine.model.layers import UNBOUND, Attention, RMSNorm, SelfConditioning, rope_inv_freq
+from engine.model.layers import UNBOUND, RMSNorm, SelfConditioning, rope_inv_freq
 from engine.model.vision import VisionTower
 from kernels import KernelSet
 
@@ -83,9 +83,10 @@ class DiffusionLM(nn.Module):
         share one `kernels.for_model()`, made here: the backend's state for this model (the
         native kernels' store of packed weights, each packed once), gone with the model."""
         kernels = kernels.for_model()
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.bind(kernels)
+        for module in reversed(list(self.modules())):  # parts first: a layer's choices read them
+            bind = getattr(module, "bind", None)  # Attention, GatedMLP, a layer: FP8 choices
+            if bind is not None:
+                bind(kernels)
             elif hasattr(module, "kernels"):
                 object.__setattr__(module, "kernels", kernels)  # a plain attribute
 

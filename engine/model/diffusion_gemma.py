@@ -82,6 +82,20 @@ class Layer(nn.Module):
         # Buffers in the checkpoint (not tied between the modes, not trained).
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
         self.register_buffer("decoder_layer_scalar", torch.ones(1))
+        self.experts_fp8 = False  # both expert weights are FP8 (`bind`)
+        self.pre_feedforward_fp8 = False  # the pre-feedforward norms emit FP8 rows (`bind`)
+
+    def bind(self, kernels: KernelSet) -> None:
+        """Bind a kernel set (its parts bound first: `DiffusionLM.bind_kernels`) and decide
+        whether both expert weights are FP8 (`engine.model.quant`), and whether the
+        pre-feedforward norms emit FP8 rows: where the dense MLP and the experts both take them."""
+        self.kernels = kernels
+        experts = self.experts
+        scales = (scale_of(experts, "gate_up_proj"), scale_of(experts, "down_proj"))
+        self.experts_fp8 = None not in scales
+        fp8_moe = kernels.fp8_moe_rows is not None and self.experts_fp8
+        both = fp8_moe and self.mlp.fp8_rows and kernels.rms_norm_pair_fp8 is not None
+        self.pre_feedforward_fp8 = both
 
     def forward(
         self,
@@ -92,7 +106,7 @@ class Layer(nn.Module):
         cache: KVCache,
     ) -> torch.Tensor:
         ops, eps = self.kernels, self.cfg.rms_norm_eps
-        normed = self.input_layernorm(x, fp8=self.self_attn.takes_fp8_rows())
+        normed = self.input_layernorm(x, fp8=self.self_attn.fp8_rows)
         h = self.self_attn(normed, rope, layer, batch, cache)
         # x + post_attention_layernorm(h)
         x = ops.add_rms_norm(x, h, self.post_attention_layernorm.weight, eps)
@@ -129,19 +143,14 @@ class Layer(nn.Module):
         self, x: torch.Tensor
     ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor | Fp8Rows]:
         """pre_feedforward_layernorm(x) and pre_feedforward_layernorm_2(x), one read of x: as
-        FP8 rows where the dense MLP and the experts both take them (`rms_norm_pair_fp8`)."""
+        FP8 rows where `pre_feedforward_fp8` (`rms_norm_pair_fp8`)."""
         ops, eps = self.kernels, self.cfg.rms_norm_eps
         weights = (self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm_2.weight)
-        experts_fp8 = ops.fp8_moe_rows is not None and self.experts_fp8()
-        if ops.rms_norm_pair_fp8 is None or not (experts_fp8 and self.mlp.takes_fp8_rows()):
+        if not self.pre_feedforward_fp8:
             return ops.rms_norm_pair(x, *weights, eps)
+        assert ops.rms_norm_pair_fp8 is not None, "decided at bind"
         q_dense, s_dense, q_moe, s_moe = ops.rms_norm_pair_fp8(x, *weights, eps)
         return Fp8Rows(q_dense, s_dense, x.dtype), Fp8Rows(q_moe, s_moe, x.dtype)
-
-    def experts_fp8(self) -> bool:
-        """Whether both expert weights are FP8 (`engine.model.quant`)."""
-        experts = self.experts
-        return None not in (scale_of(experts, "gate_up_proj"), scale_of(experts, "down_proj"))
 
     def run_experts(
         self,
@@ -156,7 +165,7 @@ class Layer(nn.Module):
         gate_up_scale = scale_of(experts, "gate_up_proj")
         down_scale = scale_of(experts, "down_proj")
         if isinstance(x, Fp8Rows):
-            assert ops.fp8_moe_rows is not None and self.experts_fp8(), "FP8 rows need both"
+            assert ops.fp8_moe_rows is not None and self.experts_fp8, "FP8 rows need both"
             return ops.fp8_moe_rows(
                 x.values, x.scale, experts.gate_up_proj, gate_up_scale, experts.down_proj,
                 down_scale, weights, ids, x.dtype, segments=segments,

@@ -37,7 +37,8 @@ def project(
 
 def takes_fp8_rows(kernels: KernelSet, *projections: nn.Module | None) -> bool:
     """Whether the kernel before these projections (which share its output) emits FP8 rows for
-    them: the set has the FP8-rows kernels (sm_90) and every projection's weight is FP8."""
+    them: the set has the FP8-rows kernels (sm_90) and every projection's weight is FP8. Asked
+    when kernels are bound (`DiffusionLM.bind_kernels`), never per forward."""
     present = [p for p in projections if p is not None]
     return kernels.fp8_rows and all(scale_of(p, "weight") is not None for p in present)
 
@@ -101,6 +102,7 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(num_heads * spec.head_dim, hidden, bias=False)
         self.lora: nn.ModuleDict | None = None  # a decoder adapter's deltas (DECODE rows only)
+        self.fp8_rows = False  # q, k and v take their input as FP8 rows (`bind`)
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else spec.head_dim**-0.5
         # Gemma: weighted q/k norms and an unweighted v norm (`qkv_norm_rope` applies all three;
         # q_norm and k_norm hold the weights and eps)
@@ -108,13 +110,6 @@ class Attention(nn.Module):
         if self.qkv_norm:
             self.q_norm = RMSNorm(spec.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, cfg.rms_norm_eps)
-
-    def takes_fp8_rows(self) -> bool:
-        """Whether q, k and v take their input as FP8 rows (`layers.takes_fp8_rows`; no
-        adapter: its deltas read the unquantized input)."""
-        return self.lora is None and takes_fp8_rows(
-            self.kernels, self.q_proj, self.k_proj, self.v_proj
-        )
 
     def forward(
         self,
@@ -124,7 +119,7 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         cache: KVCache,
     ) -> torch.Tensor:
-        """x: [1, N, H] packed tokens of all rows (FP8 rows where `takes_fp8_rows`). Returns
+        """x: [1, N, H] packed tokens of all rows (FP8 rows where `fp8_rows`). Returns
         [1, N, H]."""
         ks = self.kernels
         shape = (1, x.shape[1], -1, self.spec.head_dim)
@@ -163,11 +158,14 @@ class Attention(nn.Module):
 
     def bind(self, kernels: KernelSet) -> None:
         """Bind a kernel set; Triton's attention needs a power-of-two head_dim >= 16, so other
-        layers keep the twins' attention."""
+        layers keep the twins' attention. Decides `fp8_rows` (`layers.takes_fp8_rows`; no
+        adapter: its deltas read the unquantized input)."""
         head_dim = self.spec.head_dim
         if head_dim < 16 or head_dim & (head_dim - 1):
             kernels = kernels.with_twin_attention()
         self.kernels = kernels
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.fp8_rows = self.lora is None and takes_fp8_rows(kernels, *projections)
 
 
 class GatedMLP(nn.Module):
@@ -184,17 +182,22 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.lora: nn.ModuleDict | None = None  # a decoder adapter's deltas (DECODE rows only)
+        self.fp8_rows = False  # gate and up take their input as FP8 rows (`bind`)
+        self.act_fp8 = False  # the gated activation emits FP8 rows for down (`bind`)
 
-    def takes_fp8_rows(self) -> bool:
-        """Whether gate and up take their input as FP8 rows (`layers.takes_fp8_rows`; no
-        adapter: its deltas read the unquantized input)."""
-        return self.lora is None and takes_fp8_rows(self.kernels, self.gate_proj, self.up_proj)
+    def bind(self, kernels: KernelSet) -> None:
+        """Bind a kernel set and decide where FP8 rows flow (`layers.takes_fp8_rows`): into
+        gate and up (no adapter: its deltas read the unquantized input), out of the gated
+        activation into down."""
+        self.kernels = kernels
+        self.fp8_rows = self.lora is None and takes_fp8_rows(kernels, self.gate_proj, self.up_proj)
+        self.act_fp8 = kernels.gated_act_fp8 is not None and takes_fp8_rows(kernels, self.down_proj)
 
     def forward(
         self, x: torch.Tensor | Fp8Rows, segments: list[int], batch: ForwardBatch | None = None
     ) -> torch.Tensor:
         """`batch` (the forward's rows) is needed only when an adapter is attached; x is FP8
-        rows only where `takes_fp8_rows`."""
+        rows only where `fp8_rows`."""
         ks = self.kernels
         gated_linear = ks.gated_linear if scale_of(self.gate_proj, "weight") is None else None
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
@@ -206,7 +209,8 @@ class GatedMLP(nn.Module):
             else:
                 gate = project(ks, gate_proj, x, segments)
                 up = project(ks, up_proj, x, segments)
-                if ks.gated_act_fp8 is not None and takes_fp8_rows(ks, down_proj):
+                if self.act_fp8:
+                    assert ks.gated_act_fp8 is not None, "decided at bind"
                     hidden = Fp8Rows(*ks.gated_act_fp8(gate, up, self.activation), gate.dtype)
                 else:
                     hidden = ks.gated_act(gate, up, self.activation)  # act(gate) * up
@@ -236,5 +240,5 @@ class SelfConditioning(GatedMLP):
     def condition(
         self, embeds: torch.Tensor, soft_embeds: torch.Tensor, segments: list[int]
     ) -> torch.Tensor:
-        signal = self(self.pre_norm(soft_embeds, fp8=self.takes_fp8_rows()), segments)
+        signal = self(self.pre_norm(soft_embeds, fp8=self.fp8_rows), segments)
         return self.post_norm(embeds + signal) if self.post_norm is not None else embeds + signal

@@ -31,9 +31,9 @@ class LlamaLayer(nn.Module):
         cache: KVCache,
     ) -> torch.Tensor:
         # each norm as FP8 rows where the projections after it take them (sm_90's FP8 path)
-        normed = self.input_layernorm(x, fp8=self.self_attn.takes_fp8_rows())
+        normed = self.input_layernorm(x, fp8=self.self_attn.fp8_rows)
         x = x + self.self_attn(normed, rope, layer, batch, cache)
-        normed = self.post_attention_layernorm(x, fp8=self.mlp.takes_fp8_rows())
+        normed = self.post_attention_layernorm(x, fp8=self.mlp.fp8_rows)
         return x + self.mlp(normed, batch.segments, batch)
 
 

@@ -10,12 +10,14 @@ twin's, its values within a bf16 ulp (a row's value may differ by one with the b
 the twin's: fast numerics; exact numerics never bind these kernels). Whether a binding
 uses them is decided once, when the binding is made (`decide`, logged at debug): a torch
 without oneDNN or without the two ops, or a CPU whose oneDNN refuses bf16 or does not give
-F.linear's values on a probe, keeps the twin.
+F.linear's values on a probe, keeps the twin. `held_bytes` is what those copies take, for the
+memory plan (`engine.device.memory`): they are made at each weight's first use, after the plan.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -87,3 +89,16 @@ def linear(x: torch.Tensor, reordered: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, k)
     out = torch.ops.mkldnn._linear_pointwise(flat, reordered, None, "none", [], "")
     return out.view(*x.shape[:-1], n)
+
+
+def held_bytes(weights: Iterable[torch.Tensor]) -> int:
+    """The bytes a native bf16 binding holds beside `weights` (a model's dense projections)
+    once each has run: one copy of each bf16 2-D weight, reordered for oneDNN (`reorder`: the
+    same shape and dtype) or, on a CPU without AMX, packed for `bf16.c`'s tiles (K padded to
+    even). At most that: a torch without oneDNN keeps the twin, with no copy, for the weights
+    the tiles do not take."""
+    return sum(
+        w.shape[0] * (w.shape[1] + w.shape[1] % 2) * w.element_size()
+        for w in weights
+        if w.dtype is torch.bfloat16 and w.dim() == 2
+    )

@@ -3,13 +3,23 @@ cannot hold one canvas fails naming the flags."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import engine.engine
 from engine.build import BuildConfig, CheckpointConfig, build
-from engine.device.memory import CPU_KV_CACHE_TOKENS, DeviceMemory, MemoryConfig, MemoryPlanError
+from engine.device.memory import (
+    CPU_KV_CACHE_TOKENS,
+    DeviceMemory,
+    MemoryConfig,
+    MemoryPlanError,
+)
 from engine.engine import EngineConfig
+from engine.llm import LLM
 from engine.model.config import LayerType
+from engine.params import DecodeMode, SamplingParams
+from engine.validation import ContextLengthError
 from server.cli import main
 
 
@@ -45,6 +55,51 @@ def test_the_engine_allocates_what_its_plan_says(tiny_checkpoint, monkeypatch):
     ]
     assert built.limits.max_context_positions == 1024 == plan.max_model_len
     assert built.limits.max_num_seqs == plan.max_running_requests
+
+
+def test_the_runners_page_tables_are_as_wide_as_the_served_context(tiny_checkpoint):
+    """--max-model-len, not the model's max_position_embeddings (8,192 here), sizes the device
+    page tables and the all-denoise buckets' (a CUDA graph's capture width): a request at the
+    limit runs in them without widening them; one past it is refused as before."""
+    config = EngineConfig(memory=MemoryConfig(max_model_len=100))
+    llm = LLM.from_config(BuildConfig(checkpoint(tiny_checkpoint("c16")), config))
+    runner, pages = llm.engine.runner, -(-100 // llm.engine.config.page_size)
+    assert llm.engine.plan.max_model_len == 100 and pages == 7
+    tables = runner.tables
+    assert {t.shape[1] for t in (*tables.host.values(), *tables.table.values())} == {pages}
+    params = SamplingParams(
+        mode=DecodeMode.DIFFUSION, max_tokens=96, max_denoising_steps=2, ignore_eos=True
+    )
+    [out] = llm.generate([[5, 6, 7, 8]], params)  # 4 + 96 positions: every column
+    assert len(out.output_ids) == 96
+    assert runner.inputs.buckets, "the canvases ran in a bucket"
+    widths = {t.shape[1] for b in runner.inputs.buckets.values() for t in b.pages.values()}
+    assert tables.max_pages == pages and widths == {pages}
+    with pytest.raises(ContextLengthError, match="context of 100"):
+        llm.generate([[5, 6, 7, 8, 9]], params)
+
+
+def test_a_bf16_cpu_plan_holds_the_kernels_copies_of_the_dense_weights(tiny_checkpoint):
+    """The native bf16 kernels copy each dense projection weight once (reordered for oneDNN or
+    packed for the tiles) at its first use, after the plan: the plan leaves out what those
+    copies hold, and a generate leaves exactly that much in the binding's store."""
+    config = CheckpointConfig(tiny_checkpoint("c16"), "bfloat16", "cpu", kernels="native")
+    llm = LLM.from_config(BuildConfig(config, EngineConfig()))
+    plan = llm.engine.plan
+    assert plan.packed_bytes > 0 and "CPU kernels' copies" in plan.describe()
+    assert plan.as_json()["packed_bytes"] == plan.packed_bytes
+    usable = int(plan.gpu_memory_utilization * plan.total_bytes) - plan.packed_bytes
+    assert plan.usable_bytes == usable  # a CPU's weights are already out of its available RAM
+    params = SamplingParams(mode=DecodeMode.DIFFUSION, max_tokens=16, max_denoising_steps=2)
+    llm.generate([[5, 6, 7, 8]], params)
+    packs = llm.model.kernels.linear.keywords["packs"]  # the binding's store (`bind_packed`)
+    others = {"bf16_experts", "router"}  # the experts' and router's tiles: not counted
+    dense = [c for key, (_, _, c) in packs.copies.items() if key[0] not in others]
+    held = sum(t.numel() * t.element_size() for copies in dense for t in copies)
+    assert {key[0] for key in packs.copies} - others  # dense copies made
+    assert held == plan.packed_bytes
+    fp32 = replace(config, dtype="float32")
+    assert LLM.from_config(BuildConfig(fp32, EngineConfig())).engine.plan.packed_bytes == 0
 
 
 def test_a_cpu_engine_keeps_todays_pools_for_a_small_model(tiny_checkpoint):

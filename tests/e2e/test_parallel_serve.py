@@ -2,9 +2,9 @@
 TP=2 server gives TP=1's greedy AR answers (text and log-probabilities) except at near ties,
 with an image too; every step it runs (diffusion, hybrid, a reused prefix's page copies) is
 within the forward tolerance of one device on the same inputs; it streams and aborts without
-leaking a page; TP=4 and EP=2 answer and release their followers at shutdown; a dead rank
-takes the server down (/health 503 with the reason, exit 3) and leaves no process behind; a
-taken world port is named before any rank starts.
+leaking a page; TP=4 and EP=2 answer, TP=4 releasing its followers at shutdown; a dead
+follower takes the server down (/health 503 with the reason, exit 3), and no rank is left
+behind when a follower or rank 0 dies; a taken world port is named before any rank starts.
 
 Each server spawns its followers (each imports torch and loads its shard): seconds per server
 on a small CPU, so the module starts few servers and every wait has a timeout."""
@@ -35,7 +35,7 @@ from server.cli import main
 from tests.e2e.parallel_cases import REL_TOL
 from tests.e2e.serve_cases import GREEDY, TIMEOUT, assert_same_greedy, chat, near_tie_bound
 from tests.media import data_url, encode, noise_image
-from tests.server.process import serve_process
+from tests.server.process import ServeProcess, serve_process
 
 PRESET = "c32-window"  # 4 q heads, 4 and 2 KV heads, 4 experts: TP 2 and 4, EP 2
 COMMON = ("--device", "cpu", "--no-prefix-caching", "--kernels", "twins")
@@ -81,9 +81,13 @@ def test_greedy_ar_text_is_tp1s_except_at_near_ties(
         assert chat(tp2, prompt, **plain)["choices"][0]["message"] == ours["message"]
 
 
-@pytest.mark.slow  # a vision checkpoint served at TP=1 and TP=2 (a process): ~25 s on 2 cores
-def test_an_image_chat_at_tp2_is_tp1s_except_at_near_ties(vision_checkpoint: Path) -> None:
-    """Rank 0 runs the (replicated) vision tower; its soft tokens go with the forward."""
+@pytest.mark.slow  # a vision checkpoint served at TP=1 and TP=2 (a process): ~15 s on 2 cores
+def test_an_image_chat_at_tp2_is_tp1s_and_a_killed_rank_0_leaves_no_process(
+    vision_checkpoint: Path,
+) -> None:
+    """Rank 0 runs the (replicated) vision tower; its soft tokens go with the forward. Then
+    rank 0 is killed: its follower sees its pipe close and exits (a follower killed: the EP=2
+    test). One process serves both checks: each costs seconds to start."""
     image = {"type": "image_url", "image_url": {"url": data_url(encode(noise_image(40, 60)))}}
     content = [image, {"type": "text", "text": "What is in the picture?"}]
     body = {"model": "tiny", "messages": [{"role": "user", "content": content}], **GREEDY}
@@ -93,6 +97,11 @@ def test_an_image_chat_at_tp2_is_tp1s_except_at_near_ties(vision_checkpoint: Pat
     assert ref.status_code == 200, ref.text
     with serve_process(vision_checkpoint, [*flags[:4], "-tp", "2"]) as server:
         ours = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
+        started = children(server.process.pid)
+        assert len(followers(started)) == 1
+        server.process.kill()
+        server.wait(60)
+    wait_until(lambda: not any(alive(c) for c in started), 30)
     assert ours.status_code == 200, ours.text
     assert ours.json()["usage"] == ref.json()["usage"]  # the image's tokens counted alike
     bound = near_tie_bound(vision_checkpoint)
@@ -241,26 +250,6 @@ def alive(pid: int) -> bool:
     return status.exists() and "zombie" not in status.read_text()
 
 
-@pytest.mark.slow  # a real `canvas serve` process and its spawned follower: ~15 s on 2 cores
-@pytest.mark.parametrize("dies", ["follower", "leader"])
-def test_a_dead_rank_ends_canvas_serve_and_leaves_no_process(checkpoint: Path, dies: str) -> None:
-    """A follower killed: `canvas serve` exits 3 naming it. Rank 0 killed: its follower sees
-    its pipe close and exits."""
-    with serve_process(checkpoint, [*COMMON, "-tp", "2"]) as server:
-        pid = server.process.pid
-        started = children(pid)
-        (follower,) = followers(started)
-        if dies == "follower":
-            os.kill(follower, signal.SIGKILL)
-            code, _ = server.wait(60)
-            assert code == 3, server.output
-            assert "rank 1 of the parallel model exited" in server.output
-        else:
-            server.process.kill()
-            server.wait(60)
-    wait_until(lambda: not any(alive(c) for c in started), 30)
-
-
 def test_a_taken_distributed_port_is_named_before_any_rank_starts(
     checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -276,36 +265,58 @@ def test_a_taken_distributed_port_is_named_before_any_rank_starts(
     )
 
 
-@pytest.mark.slow  # a `canvas serve` process spawning 3 (or 1) followers: ~15 s on 2 cores
-@pytest.mark.parametrize(
-    "flags", [("-tp", "4"), ("-tp", "2", "--enable-expert-parallel")], ids=["tp4", "ep2"]
-)
-def test_tp4_and_ep2_answer_and_their_followers_exit_at_shutdown(
-    one: ServerHandle, checkpoint: Path, flags: tuple[str, ...]
+def answer_and_followers(
+    server: ServeProcess, one: ServerHandle, checkpoint: Path, ranks: int, split: str
+) -> set[int]:
+    """The processes a parallel `canvas serve` of `ranks` ranks started, after checking its
+    banner (`split`), its followers and its greedy AR answer: TP=1's (but at near ties), and
+    without log-probabilities (no row gathered whole: the sampler over each rank's slice
+    alone) the same text."""
+    started = children(server.process.pid)
+    assert len(followers(started)) == ranks - 1
+    assert f"  {ranks} ranks, {split}\n" in server.output  # the banner
+    answers = []
+    for body in (GREEDY, {**GREEDY, "logprobs": False, "top_logprobs": None}):
+        request = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
+        response = httpx.post(
+            f"{server.url}/v1/chat/completions", json={**request, **body}, timeout=TIMEOUT
+        )
+        assert response.status_code == 200, response.text
+        answers.append(response.json()["choices"][0])
+    assert answers[0]["finish_reason"] == "length" and answers[0]["message"]["content"]
+    ref = chat(one, "hello there", **GREEDY)["choices"][0]
+    assert_same_greedy(answers[0], ref, near_tie_bound(checkpoint))
+    assert answers[1]["message"] == answers[0]["message"]
+    return started
+
+
+@pytest.mark.slow  # a `canvas serve` process spawning 3 followers: ~20 s on 2 cores
+def test_tp4_answers_and_its_followers_exit_at_shutdown(
+    one: ServerHandle, checkpoint: Path
 ) -> None:
-    """Their greedy AR answer is TP=1's (but at near ties); without log-probabilities (no row
-    gathered whole: the sampler over each rank's slice alone) it is the same text."""
-    with serve_process(checkpoint, [*COMMON, *flags]) as server:
-        started = children(server.process.pid)
-        assert len(followers(started)) == int(flags[1]) - 1
-        split = "experts split whole" if "--enable-expert-parallel" in flags else "tensor parallel"
-        assert f"  {flags[1]} ranks, {split}\n" in server.output  # the banner
-        answers = []
-        for body in (GREEDY, {**GREEDY, "logprobs": False, "top_logprobs": None}):
-            request = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
-            response = httpx.post(
-                f"{server.url}/v1/chat/completions", json={**request, **body}, timeout=TIMEOUT
-            )
-            assert response.status_code == 200, response.text
-            answers.append(response.json()["choices"][0])
-        assert answers[0]["finish_reason"] == "length" and answers[0]["message"]["content"]
-        ref = chat(one, "hello there", **GREEDY)["choices"][0]
-        assert_same_greedy(answers[0], ref, near_tie_bound(checkpoint))
-        assert answers[1]["message"] == answers[0]["message"]
+    with serve_process(checkpoint, [*COMMON, "-tp", "4"]) as server:
+        started = answer_and_followers(server, one, checkpoint, 4, "tensor parallel")
         server.signal(signal.SIGTERM)
         code, _ = server.wait(60)
         assert code == 0, server.output
     assert "exited (code" not in server.output  # released, not killed
+    wait_until(lambda: not any(alive(c) for c in started), 30)
+
+
+@pytest.mark.slow  # a `canvas serve` process and its spawned follower: ~15 s on 2 cores
+def test_ep2_answers_and_a_dead_follower_ends_canvas_serve_leaving_no_process(
+    one: ServerHandle, checkpoint: Path
+) -> None:
+    """A follower killed: `canvas serve` exits 3 naming it (rank 0 killed: the image test).
+    One process serves both checks: each costs seconds to start."""
+    flags = [*COMMON, "-tp", "2", "--enable-expert-parallel"]
+    with serve_process(checkpoint, flags) as server:
+        started = answer_and_followers(server, one, checkpoint, 2, "experts split whole")
+        (follower,) = followers(started)
+        os.kill(follower, signal.SIGKILL)
+        code, _ = server.wait(60)
+        assert code == 3, server.output
+        assert "rank 1 of the parallel model exited" in server.output
     wait_until(lambda: not any(alive(c) for c in started), 30)
 
 

@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.model import Mode, load_model
+from engine.model import Mode, layers, load_model
+from engine.model.adapter import AdapterConfig, attach_adapter
 from kernels import reference, resolve_kernels, triton_available, triton_ops
 from kernels.kernel_set import FP8_ROWS
 from kernels.reference_fp8 import quantize_fp8_groups
@@ -326,6 +327,36 @@ def test_a_model_on_fp8_rows_quantizes_once_per_input_and_gives_the_same_logits(
     assert rows_calls["fp8_linear_rows"] == plain_calls["fp8_linear"] - layers
     assert rows_calls["fp8_moe"] == rows_calls["rms_norm_pair"] == rows_calls["gated_act"] == 0
     assert torch.equal(rows, plain)
+
+
+def test_the_fp8_rows_path_is_decided_when_kernels_are_bound(tiny_checkpoint, monkeypatch):
+    """Which norms emit FP8 rows and which projections take them is chosen by `bind_kernels`
+    (each binding chooses again; an adapter's LoRA deltas, attached with a binding, turn the
+    layers' off), never in a forward: with the choice unaskable after binding, the forward takes
+    the rows path and gives the logits of each projection quantizing its own input."""
+    model = load_model(tiny_checkpoint("c16"), dtype="float32", kernels="twins", quantization="fp8")
+    model.bind_kernels(quantizing(resolve_kernels("cpu", "twins")))
+    plain = first_step_logits(model)
+    asked = Counter()
+    choose = layers.takes_fp8_rows
+    monkeypatch.setattr(layers, "takes_fp8_rows", lambda *a: asked.update(["x"]) or choose(*a))
+    calls: Counter = Counter()
+    model.bind_kernels(counted(quantizing(resolve_kernels("cpu", "twins").with_fp8_rows()), calls))
+    # per layer: q/k/v, gate/up, down; and the self-conditioning block's gate/up and down
+    assert asked["x"] == 3 * model.cfg.num_layers + 2
+    assert all(layer.pre_feedforward_fp8 and layer.self_attn.fp8_rows for layer in model.layers)
+
+    def refused(*args):
+        raise AssertionError("the FP8 rows path was chosen during a forward")
+
+    monkeypatch.setattr(layers, "takes_fp8_rows", refused)
+    rows = first_step_logits(model)
+    assert calls["rms_norm_pair_fp8"] == calls["fp8_moe_rows"] == 2 * model.cfg.num_layers
+    assert calls["rms_norm_pair"] == 0 and torch.equal(rows, plain)
+    monkeypatch.setattr(layers, "takes_fp8_rows", choose)
+    attach_adapter(model, AdapterConfig(model.config.canvas_length, rank=4))
+    assert not any(layer.self_attn.fp8_rows or layer.mlp.fp8_rows for layer in model.layers)
+    assert not any(layer.pre_feedforward_fp8 for layer in model.layers)
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from engine.device.memory import (
 from engine.engine import EngineConfig
 from engine.model.config import LayerType, ModelConfig, parse_text_config
 from engine.scheduler import SchedulerConfig
+from kernels import resolve_kernels
 from server.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,6 +119,34 @@ def test_a_plan_that_cannot_hold_one_canvas_names_the_flags():
         plan_memory(shapes, at(300_000), assumed_gpu("h200", shapes.weights_bytes))
     with pytest.raises(ValueError, match="--gpu-memory-utilization must be in"):
         MemoryConfig(gpu_memory_utilization=1.5)
+
+
+def test_a_cpu_plan_leaves_out_the_bf16_kernels_copies_of_the_dense_weights():
+    """The real model bound to the native CPU kernels in bf16 holds one copy of each dense
+    projection (reordered for oneDNN: ~3.3 GB beside 50.5 GB) once it has run: the plan shares
+    out that much less, and says so; under other kernels (a GPU's) there are none."""
+    assert real_shapes().packed_bytes == 0
+    text = parse_text_config(dict(REAL_26B_A4B_TEXT_CONFIG))
+    config = ModelConfig("diffusion_gemma", text, REAL_26B_A4B_CANVAS_LENGTH, "bfloat16")
+    model = meta_model(config, torch.bfloat16)
+    model.bind_kernels(resolve_kernels("cpu", "native"))
+    shapes = model_shapes(model)
+    hidden, heads, inter = text.hidden_size, text.num_heads, text.intermediate_size
+    attention = sum(
+        (2 * heads + (1 + spec.has_v_proj) * spec.num_kv_heads) * spec.head_dim * hidden
+        for spec in text.layers
+    )
+    mlps = (text.num_layers + 1) * 3 * inter * hidden  # and the self-conditioning block's
+    assert shapes.packed_bytes == 2 * (attention + mlps)
+    assert round(shapes.packed_bytes / GB, 1) == 3.3
+    host = DeviceMemory("cpu", 200 * GB, 0, host=True)
+    plan = plan_memory(shapes, at(8192), host)
+    assert plan_memory(replace(shapes, packed_bytes=0), at(8192), host).usable_bytes == (
+        plan.usable_bytes + shapes.packed_bytes
+    )
+    assert "their CPU kernels' copies 3.3 GB" in plan.describe()
+    gpu = plan_memory(real_shapes(), at(8192), assumed_gpu("h100", shapes.weights_bytes))
+    assert gpu.packed_bytes == 0 and "copies" not in gpu.describe()
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
