@@ -34,7 +34,7 @@ from loadtest.load.inprocess import ServerHandle, serve_in_thread
 from server.cli import main
 from tests.e2e.parallel_cases import REL_TOL
 from tests.media import data_url, encode, noise_image
-from tests.server.process import serve_process
+from tests.server.process import alive, children, followers, serve_process
 
 PRESET = "c32-window"  # 4 q heads, 4 and 2 KV heads, 4 experts: TP 2 and 4, EP 2
 COMMON = ("--device", "cpu", "--no-prefix-caching", "--kernels", "twins")
@@ -243,29 +243,6 @@ def test_an_aborted_stream_gives_its_pages_back(tp2: ServerHandle) -> None:
     wait_until(lambda: engine.stats.num_inflight == 0 and engine.stats.num_running == 0)
     wait_until(lambda: engine.engine.pages.usage() == 0)
     assert chat(tp2, "again", max_tokens=8)["choices"][0]["finish_reason"] == "length"
-
-
-def children(pid: int) -> set[int]:
-    """The processes `pid` started that are still alive (Linux /proc)."""
-    found = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            found |= {int(c) for c in (task / "children").read_text().split()}
-    return found
-
-
-def followers(pids: set[int]) -> list[int]:
-    """Those of `pids` that are spawned followers (not the resource tracker)."""
-    return [p for p in pids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = Path(f"/proc/{pid}/status")
-    return status.exists() and "zombie" not in status.read_text()
 
 
 @pytest.mark.slow  # a real `canvas serve` process and its spawned follower: ~15 s on 2 cores

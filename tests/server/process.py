@@ -77,6 +77,30 @@ def serve_process(
         process.wait(10)
 
 
+def children(pid: int) -> set[int]:
+    """The processes `pid` started that are still alive (Linux /proc)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+def followers(pids: set[int]) -> list[int]:
+    """Those of `pids` that are spawned (a parallel model's followers, an engine process; not
+    the resource tracker)."""
+    return [p for p in pids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()
+
+
 class StreamReader:
     """A long streaming completion read on a thread: its `data:` lines as they come."""
 
