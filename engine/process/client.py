@@ -134,10 +134,15 @@ class RemoteEngine:
         self._queues[request_id] = out_queue
         self._inflight += 1
         finished = False
+        add = ("add", AddRequest(request_id, prompt_ids, params, want_drafts, None, images))
+        # Megabytes of pixels are pickled and written off the event loop (milliseconds an
+        # image), and not cancelled halfway: an abort must follow its request down the pipe.
+        sending = asyncio.ensure_future(asyncio.to_thread(self._send, add)) if images else None
         try:
-            self._send(
-                ("add", AddRequest(request_id, prompt_ids, params, want_drafts, None, images))
-            )
+            if sending is None:
+                self._send(add)
+            else:
+                await asyncio.shield(sending)
             while True:
                 item = await out_queue.get()
                 if isinstance(item, EngineFailure):
@@ -150,7 +155,9 @@ class RemoteEngine:
         finally:
             self._queues.pop(request_id, None)
             self._inflight -= 1
-            if not finished:
+            if not finished and sending is not None and not sending.done():
+                sending.add_done_callback(lambda _: self.abort(request_id))
+            elif not finished:
                 self.abort(request_id)
 
     async def prepare(self, params: ResolvedParams) -> None:
