@@ -75,7 +75,6 @@ class BuildConfig:
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    engine_process: bool = False  # served from a process of its own (`engine.process`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -155,7 +155,7 @@ def build_engine_client(
     from engine.process.client import RemoteEngine
     from engine.process.core import EngineSpec, engine_info
 
-    if config.engine_process:
+    if config.engine.process:
         if config.checkpoint.tensor_parallel_size > 1:
             raise StartupError("--engine-process is not run with --tensor-parallel-size > 1 yet")
         setup = functools.partial(engine_process_setup, log_format, own_threads is not None)

@@ -206,9 +206,10 @@ ENGINE_FLAGS = (
     ),
     Flag(
         "--engine-process",
-        "engine_process",
+        "engine.process",
         "run the engine's step loop in a process of its own beside the HTTP front end, so the "
-        "two never wait on one interpreter lock (default off: on CPU it measured no faster)",
+        "two never wait on one interpreter lock (default off: on a busy CPU it was no faster "
+        "at 16 canvases)",
         switch=True,
     ),
 )
