@@ -102,6 +102,8 @@ class AsyncEngine:
     # -- lifecycle --
 
     def start(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Start the step loop; `loop` holds generate()'s queues (None: the outputs go only to
+        a replaced `publish`, as in the engine process, `engine.process.core`)."""
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="canvas-step-loop", daemon=True)
         self._thread.start()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,14 @@ from engine.process.client import RemoteEngine
 from loadtest.load.inprocess import ServerHandle, serve_in_thread
 from server.cli import main
 from tests.media import data_url, encode, noise_image
-from tests.server.process import alive, children, followers, serve_process
+from tests.server.process import (
+    children,
+    followers,
+    kill_and_check,
+    serve_process,
+    unhealthy_reason,
+    wait_until,
+)
 
 COMMON = ("--device", "cpu", "--no-prefix-caching", "--kernels", "twins")
 TIMEOUT = httpx.Timeout(120.0)
@@ -70,13 +76,6 @@ def post(server: ServerHandle, route: str, body: dict[str, Any]) -> httpx.Respon
     return httpx.post(
         f"{server.url}/v1/{route}", json={"model": server.model_name, **body}, timeout=TIMEOUT
     )
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def answer(response: httpx.Response) -> tuple[Any, Any]:
@@ -197,15 +196,7 @@ def test_a_dead_engine_process_turns_health_503_and_fails_requests(there: Server
     engine = there.state.engine
     assert isinstance(engine, RemoteEngine) and engine.proc.pid is not None
     os.kill(engine.proc.pid, signal.SIGKILL)
-    health: dict[str, Any] = {}
-
-    def unhealthy() -> bool:
-        response = httpx.get(f"{there.url}/health", timeout=TIMEOUT)
-        health.update(response.json())
-        return response.status_code == 503
-
-    wait_until(unhealthy, 30)
-    assert "the engine process exited (code -9)" in health["reason"]
+    assert "the engine process exited (code -9)" in unhealthy_reason(there.url)
     response = post(there, "completions", {"prompt": "hi", "max_tokens": 4})
     assert response.status_code >= 500
 
@@ -216,18 +207,10 @@ def test_a_dead_process_ends_the_other(checkpoint: Path, dies: str) -> None:
     """The engine process killed: `canvas serve` exits 3 naming it. The serving process
     killed: the engine process sees its pipe close and exits."""
     with serve_process(checkpoint, [*COMMON, "--engine-process"]) as server:
-        started = children(server.process.pid)
-        (engine,) = followers(started)
+        (engine,) = followers(children(server.process.pid))
         assert answer(post_to(server.url, {"prompt": "hi", "max_tokens": 4}))
-        if dies == "engine":
-            os.kill(engine, signal.SIGKILL)
-            code, _ = server.wait(60)
-            assert code == 3, server.output
-            assert "the engine process exited (code -9)" in server.output
-        else:
-            server.process.kill()
-            server.wait(60)
-    wait_until(lambda: not any(alive(c) for c in started), 30)
+        reason = "the engine process exited (code -9)"
+        kill_and_check(server, engine if dies == "engine" else None, reason)
 
 
 def post_to(url: str, body: dict[str, Any]) -> httpx.Response:

@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import socket
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +33,15 @@ from loadtest.load.inprocess import ServerHandle, serve_in_thread
 from server.cli import main
 from tests.e2e.parallel_cases import REL_TOL
 from tests.media import data_url, encode, noise_image
-from tests.server.process import alive, children, followers, serve_process
+from tests.server.process import (
+    alive,
+    children,
+    followers,
+    kill_and_check,
+    serve_process,
+    unhealthy_reason,
+    wait_until,
+)
 
 PRESET = "c32-window"  # 4 q heads, 4 and 2 KV heads, 4 experts: TP 2 and 4, EP 2
 COMMON = ("--device", "cpu", "--no-prefix-caching", "--kernels", "twins")
@@ -221,13 +228,6 @@ def test_a_stream_gives_the_answer_of_a_plain_request(tp2: ServerHandle) -> None
     assert text == plain
 
 
-def wait_until(check: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_an_aborted_stream_gives_its_pages_back(tp2: ServerHandle) -> None:
     body = {"model": tp2.model_name, "messages": [{"role": "user", "content": "go on"}]}
     body |= {"max_tokens": 2000, "stream": True, "mode": "ar"}
@@ -251,18 +251,9 @@ def test_a_dead_rank_ends_canvas_serve_and_leaves_no_process(checkpoint: Path, d
     """A follower killed: `canvas serve` exits 3 naming it. Rank 0 killed: its follower sees
     its pipe close and exits."""
     with serve_process(checkpoint, [*COMMON, "-tp", "2"]) as server:
-        pid = server.process.pid
-        started = children(pid)
-        (follower,) = followers(started)
-        if dies == "follower":
-            os.kill(follower, signal.SIGKILL)
-            code, _ = server.wait(60)
-            assert code == 3, server.output
-            assert "rank 1 of the parallel model exited" in server.output
-        else:
-            server.process.kill()
-            server.wait(60)
-    wait_until(lambda: not any(alive(c) for c in started), 30)
+        (follower,) = followers(children(server.process.pid))
+        reason = "rank 1 of the parallel model exited"
+        kill_and_check(server, follower if dies == "follower" else None, reason)
 
 
 def test_a_taken_distributed_port_is_named_before_any_rank_starts(
@@ -312,15 +303,7 @@ def test_a_follower_that_dies_turns_health_503_with_the_reason(tp2: ServerHandle
     (follower,) = ranks_of(tp2).procs
     assert follower.pid is not None
     os.kill(follower.pid, signal.SIGKILL)
-    health: dict[str, Any] = {}
-
-    def unhealthy() -> bool:
-        response = httpx.get(f"{tp2.url}/health", timeout=TIMEOUT)
-        health.update(response.json())
-        return response.status_code == 503
-
-    wait_until(unhealthy, 30)
-    assert "rank 1 of the parallel model exited" in health["reason"]
+    assert "rank 1 of the parallel model exited" in unhealthy_reason(tp2.url)
     response = httpx.post(
         f"{tp2.url}/v1/completions",
         json={"model": tp2.model_name, "prompt": "hi", "max_tokens": 4},
