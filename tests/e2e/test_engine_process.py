@@ -89,12 +89,12 @@ def answer(response: httpx.Response) -> tuple[Any, Any]:
 def test_the_engine_process_gives_the_in_process_engines_tokens(
     here: ServerHandle, there: ServerHandle, route: str, body: dict[str, Any]
 ) -> None:
-    body = {"max_tokens": 16, **body}
+    body = {"max_tokens": 16, "max_denoising_steps": 4, **body}
     assert answer(post(there, route, body)) == answer(post(here, route, body))
 
 
 def test_a_stream_gives_the_answer_of_a_plain_request(there: ServerHandle) -> None:
-    body = {"prompt": "Once upon a time", "seed": 5, "max_tokens": 16}
+    body = {"prompt": "Once upon a time", "seed": 5, "max_tokens": 16, "max_denoising_steps": 4}
     (plain,), _ = answer(post(there, "completions", body))
     text = ""
     with httpx.stream(
@@ -112,8 +112,8 @@ def test_a_stream_gives_the_answer_of_a_plain_request(there: ServerHandle) -> No
 def test_a_client_that_goes_away_aborts_its_request_in_the_engine_process(
     there: ServerHandle,
 ) -> None:
-    body = {"model": there.model_name, "prompt": "go on", "max_tokens": 400, "stream": True}
-    body |= {"ignore_eos": True}
+    body = {"model": there.model_name, "prompt": "go on", "max_tokens": 2000, "stream": True}
+    body |= {"ignore_eos": True, "mode": "ar"}  # a chunk per step
     with httpx.stream("POST", f"{there.url}/v1/completions", json=body, timeout=TIMEOUT) as r:
         chunks = 0
         for line in r.iter_lines():
@@ -127,7 +127,7 @@ def test_a_client_that_goes_away_aborts_its_request_in_the_engine_process(
         return stats.num_inflight == 0 and stats.num_running == 0 and stats.kv_usage == 0
 
     wait_until(released)
-    assert answer(post(there, "completions", {"prompt": "again", "max_tokens": 8}))
+    assert answer(post(there, "completions", {"prompt": "again", "max_tokens": 8, "mode": "ar"}))
 
 
 def test_a_bad_schema_is_a_400_naming_the_field(there: ServerHandle) -> None:
@@ -144,7 +144,7 @@ def test_a_bad_schema_is_a_400_naming_the_field(there: ServerHandle) -> None:
 def test_the_step_listeners_see_every_step_and_the_cache_resets(there: ServerHandle) -> None:
     """The metrics' step histogram (fed by `on_step` in the serving process) counts the steps
     the engine process reports."""
-    answer(post(there, "completions", {"prompt": "count", "max_tokens": 16}))
+    answer(post(there, "completions", {"prompt": "count", "max_tokens": 8, "mode": "ar"}))
 
     def counted() -> tuple[float, float]:
         text = httpx.get(f"{there.url}/metrics", timeout=TIMEOUT).text
@@ -161,11 +161,13 @@ def test_the_step_listeners_see_every_step_and_the_cache_resets(there: ServerHan
     assert reset.status_code == 200 and reset.json()["pages_forgotten"] == 0
 
 
+# Two servers over the vision checkpoint, one spawning its engine: ~7 s on 2 busy cores.
 def test_an_image_chat_gives_the_in_process_answer(vision_checkpoint: Path) -> None:
     """The image is prepared here and pickled to the engine process, whose tower encodes it."""
     image = {"type": "image_url", "image_url": {"url": data_url(encode(noise_image(40, 60)))}}
     content = [image, {"type": "text", "text": "What is in the picture?"}]
     body = {"messages": [{"role": "user", "content": content}], "seed": 1, "max_tokens": 16}
+    body |= {"max_denoising_steps": 4}
     answers = []
     for extra in ((), ("--engine-process",)):
         with serve_in_thread(vision_checkpoint, [*COMMON, *extra]) as server:
