@@ -1,15 +1,16 @@
 """`canvas serve --engine-process` end to end over HTTP: the engine in a spawned process gives
 the in-process engine's tokens (chat, completion, AR with logprobs, a JSON schema, an image),
 streams them, aborts a request whose client went away, keeps the metrics the step listeners
-feed, refuses a bad schema with a 400 before it is queued, and when the engine process dies
-fails the server (/health 503 with the reason, 500s, exit 3); the engine process exits when
-the serving process dies.
+feed, refuses a bad schema with a 400 before it is queued, and when the engine process dies or
+loses its GPU context fails the server (/health 503 with the reason, 500s, exit 3); the engine
+process exits when the serving process dies.
 
 Each engine process is spawned (it imports torch and builds the engine): seconds per server on
 a small CPU, so the module starts few servers and every wait has a timeout."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -20,7 +21,11 @@ from typing import Any
 import httpx
 import pytest
 
+from engine.build import BuildConfig, CheckpointConfig
+from engine.params import SamplingParams
 from engine.process.client import RemoteEngine
+from engine.process.core import EngineSpec
+from engine.validation import RequestValidator
 from loadtest.load.inprocess import ServerHandle, serve_in_thread
 from server.cli import main
 from tests.media import data_url, encode, noise_image
@@ -201,6 +206,49 @@ def test_a_dead_engine_process_turns_health_503_and_fails_requests(there: Server
     assert "the engine process exited (code -9)" in unhealthy_reason(there.url)
     response = post(there, "completions", {"prompt": "hi", "max_tokens": 4})
     assert response.status_code >= 500
+
+
+def poison_forwards() -> None:
+    """An engine process's setup (run there): every forward raises a CUDA error the context
+    does not survive."""
+    import torch
+
+    from engine.runner import ModelRunner
+
+    def execute(self: ModelRunner, step: Any) -> Any:
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    ModelRunner.execute = execute  # type: ignore[method-assign]
+
+
+def test_a_cuda_error_in_the_engine_process_fails_its_requests_and_the_engine(
+    checkpoint: Path,
+) -> None:
+    """As in process (tests/server/test_device_failure.py): the request fails with the error,
+    and the engine for good (`stats.failure`: /health 503, `canvas serve` exits 3)."""
+    config = BuildConfig(CheckpointConfig(checkpoint, device="cpu", kernels="twins"))
+    engine = RemoteEngine(EngineSpec(config, warmup=False, setup=poison_forwards))
+    params = RequestValidator(engine.info.defaults, engine.limits).validate(
+        [1, 2, 3], SamplingParams(max_tokens=4)
+    )
+
+    async def run() -> None:
+        engine.start(asyncio.get_running_loop())
+        with pytest.raises(RuntimeError, match="GPU context is lost.*illegal memory access"):
+            async for _ in engine.generate("r1", [1, 2, 3], params):
+                pass
+        for _ in range(100):  # the next report says why
+            if engine.stats.failure:
+                break
+            await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(run())
+        stats = engine.stats
+        assert "illegal memory access" in stats.failure and not stats.healthy
+    finally:
+        engine.shutdown()
+    assert engine.proc.exitcode == 0  # released by its closed pipe, not killed
 
 
 @pytest.mark.slow  # a real `canvas serve` process and its engine process: ~10 s on 2 cores
