@@ -27,7 +27,7 @@ from engine.device.warmup import wants_warmup, warm_up
 from engine.engine import Engine
 from engine.inputs.images import PreparedImage
 from engine.params import ResolvedParams
-from engine.structured import Constraint
+from engine.process.messages import AddRequest, EngineFailure, Publish
 from engine.types import EngineStats, QueueFull, StepListener, StepOutput, StepResult
 
 logger = logging.getLogger(__name__)
@@ -40,16 +40,6 @@ GATHER_MAX_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
-class _Add:
-    request_id: str
-    prompt_ids: list[int]
-    params: ResolvedParams
-    want_drafts: bool
-    constraint: Constraint | None = None
-    images: tuple[PreparedImage, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
 class _Abort:
     request_id: str
 
@@ -57,13 +47,6 @@ class _Abort:
 @dataclass(frozen=True, slots=True)
 class _ResetPrefixCache:
     done: concurrent.futures.Future[int]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineFailure:
-    """Put on a request's queue when the engine could not run it; `error` is re-raised."""
-
-    error: Exception
 
 
 @dataclass(slots=True)
@@ -99,7 +82,7 @@ class AsyncEngine:
         self.gather = gather
         self.limits = engine.limits
         self._counters = _LoopCounters(last_step_time=time.monotonic())
-        self._commands: queue.SimpleQueue[_Add | _Abort | _ResetPrefixCache | None] = (
+        self._commands: queue.SimpleQueue[AddRequest | _Abort | _ResetPrefixCache | None] = (
             queue.SimpleQueue()
         )
         self._queues: dict[str, asyncio.Queue[StepOutput | EngineFailure]] = {}
@@ -114,10 +97,13 @@ class AsyncEngine:
         self._failure = ""  # why it ended: a fatal CUDA error (set once, by that thread)
         self._warming = wants_warmup(engine) if warmup is None else warmup  # cleared by the loop
         self._steps = StepPipeline(engine, self._hand_over, engine.config.overlap)
+        self.publish: Publish = self._publish_all  # the engine process sends them (engine.process)
 
     # -- lifecycle --
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Start the step loop; `loop` holds generate()'s queues (None: the outputs go only to
+        a replaced `publish`, as in the engine process, `engine.process.core`)."""
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="canvas-step-loop", daemon=True)
         self._thread.start()
@@ -195,7 +181,7 @@ class AsyncEngine:
         out_queue: asyncio.Queue[StepOutput | EngineFailure] = asyncio.Queue()
         self._queues[request_id] = out_queue
         self._inflight += 1
-        self._commands.put(_Add(request_id, prompt_ids, params, want_drafts, constraint, images))
+        self.submit(AddRequest(request_id, prompt_ids, params, want_drafts, constraint, images))
         finished = False
         try:
             while True:
@@ -230,6 +216,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    def submit(self, request: AddRequest) -> None:
+        """Queue a validated request; its outputs go to `publish` (generate's queues)."""
+        self._commands.put(request)
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix page, on the loop thread between two steps (running
@@ -291,7 +281,7 @@ class AsyncEngine:
                 logger.exception("a step listener failed")
         # A request that failed alone ends with an engine error; the others go on. One
         # hand-off per step: one wake-up of the event loop, not one per request.
-        self._publish_all(
+        self.publish(
             [
                 (out.request_id, EngineFailure(RuntimeError(out.error)) if out.error else out)
                 for out in result.outputs
@@ -377,7 +367,7 @@ class AsyncEngine:
             self._publish(request_id, EngineFailure(error))
 
     def _publish(self, request_id: str, item: StepOutput | EngineFailure) -> None:
-        self._publish_all([(request_id, item)])
+        self.publish([(request_id, item)])
 
     def _publish_all(self, items: list[tuple[str, StepOutput | EngineFailure]]) -> None:
         """Hand `items` to their requests' queues on the event loop, in order, in one call."""

@@ -90,6 +90,7 @@ class EngineConfig:
     # `AsyncEngine` hands each step's outputs over on a thread of its own while the next step
     # executes (`engine.device.overlap`, `canvas serve --overlap`; off: it hid nothing on CPU).
     overlap: bool = False
+    process: bool = False  # served from a process of its own (`engine.process`, `canvas serve`)
 
     def __post_init__(self) -> None:
         tokens = self.page_size if self.kv_cache_tokens is None else self.kv_cache_tokens

@@ -13,6 +13,7 @@ import logging
 from datetime import UTC, datetime
 
 LOG_FORMATS = ("text", "json")
+TEXT_LINE = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # `logging.basicConfig`'s format
 # The id of the HTTP request being served in this context (tasks inherit it); None outside one.
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "canvas_request_id", default=None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import logging
 import re
@@ -18,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import uvicorn
 
-    from engine.engine import Engine
+    from engine.build import BuildConfig
     from engine.inputs.images import ImageLimits
     from engine.inputs.tokenizer import Tokenizer
+    from engine.process.messages import EngineInfo
     from engine.types import EngineClient
     from server.state import CorsPolicy, HttpLimits, ServerState
 
@@ -114,8 +116,6 @@ def build_state(
     one build path (`engine.build`) from the configuration the flags describe. `own_threads`:
     torch's thread count when the caller confined parallel regions to the step loop (`serve`;
     `engine.cpu_threads.choose_threads`)."""
-    from engine.async_engine import AsyncEngine
-    from engine.build import build
     from server.cli.config import CHECKPOINT_FLAGS, ENGINE_FLAGS, build_config, with_threads
     from server.lenient import UnknownParams
     from server.media import build_media
@@ -124,28 +124,62 @@ def build_state(
     api_keys = check_api_keys(args.api_key)
     config = build_config(args, args.model or None, (*CHECKPOINT_FLAGS, *ENGINE_FLAGS))
     config = with_threads(config, args.threads, own_threads)  # before the weights load
-    checkpoint, engine = build(config)
-    model_dir = checkpoint.model_dir
-    assert model_dir is not None, "opened from a directory"
-    name, *other_names = args.served_model_name or [checkpoint.name or model_dir.name]
-    client = AsyncEngine(engine)
-    if checkpoint.ranks is not None:  # a rank that exits ends the engine (/health 503, exit)
-        checkpoint.ranks.watch(client.fail)
-        client.on_shutdown.append(checkpoint.ranks.stop)
-    state = ServerState(client, checkpoint.tokenizer, checkpoint.defaults, name, tuple(other_names))
+    client, info, tokenizer = build_engine_client(config, args.log_format, own_threads)
+    name, *other_names = args.served_model_name or [info.name]
+    state = ServerState(client, tokenizer, info.defaults, name, tuple(other_names))
     state.api_keys = api_keys
     state.reasoning_field = args.reasoning_field
-    if checkpoint.tokenizer is not None:
-        chat_template(checkpoint.tokenizer, args.chat_template, args.default_chat_template_kwargs)
+    if tokenizer is not None:
+        chat_template(tokenizer, args.chat_template, args.default_chat_template_kwargs)
     elif args.chat_template or args.default_chat_template_kwargs:
         flag = "--chat-template" if args.chat_template else "--default-chat-template-kwargs"
         raise StartupError(f"{flag}: this checkpoint has no tokenizer, so it serves no chat")
     state.unknown_params = UnknownParams() if args.ignore_unknown_params else None
-    state.media = build_media(args, model_dir, checkpoint.model.vision is not None)
+    state.media = build_media(args, info.model_dir, info.vision)
     images = state.media.policy.limits if state.media is not None else None
     state.http = http_limits(args.max_request_bytes, images)
     state.cors = cors_policy(args)
-    return state, banner(args, state, model_dir, engine)
+    return state, banner(args, state, info)
+
+
+def build_engine_client(
+    config: BuildConfig, log_format: str, own_threads: int | None
+) -> tuple[EngineClient, EngineInfo, Tokenizer | None]:
+    """The engine of `config` as the server sees it, what the server needs to know of it and
+    the checkpoint's tokenizer: built here (`engine.async_engine.AsyncEngine`), or in a
+    process of its own (`--engine-process`: `engine.process.client.RemoteEngine`), which then
+    logs as this one does and, when this one confined torch to the step loop (`own_threads`
+    set), confines its own main thread too before its weights load."""
+    from engine.async_engine import AsyncEngine
+    from engine.build import build
+    from engine.process.client import RemoteEngine
+    from engine.process.core import EngineSpec, engine_info
+
+    if config.engine.process:
+        if config.checkpoint.tensor_parallel_size > 1:
+            raise StartupError("--engine-process is not run with --tensor-parallel-size > 1 yet")
+        setup = functools.partial(engine_process_setup, log_format, own_threads is not None)
+        remote = RemoteEngine(EngineSpec(config, setup=setup))
+        return remote, remote.info, remote.tokenizer
+    checkpoint, engine = build(config)
+    client = AsyncEngine(engine)
+    if checkpoint.ranks is not None:  # a rank that exits ends the engine (/health 503, exit)
+        checkpoint.ranks.watch(client.fail)
+        client.on_shutdown.append(checkpoint.ranks.stop)
+    return client, engine_info(checkpoint, engine), checkpoint.tokenizer
+
+
+def engine_process_setup(log_format: str, confined: bool) -> None:
+    """The engine process's first step (`engine.process.core.EngineSpec.setup`): log lines as
+    the serving process's; `confined`: torch on one thread in its main thread (the step loop
+    sets its own count: `engine.cpu_threads.confine_to_steps`)."""
+    from engine.cpu_threads import one_thread
+    from server.logs import TEXT_LINE, use_log_format
+
+    logging.basicConfig(level=logging.INFO, format=TEXT_LINE)
+    use_log_format(log_format)
+    if confined:
+        one_thread()
 
 
 def http_limits(max_request_bytes: int | None, images: ImageLimits | None) -> HttpLimits:
@@ -186,33 +220,27 @@ def uvicorn_logging(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def banner(
-    args: argparse.Namespace, state: ServerState, model_dir: Path, engine: Engine
-) -> list[str]:
+def banner(args: argparse.Namespace, state: ServerState, info: EngineInfo) -> list[str]:
     """What the server logs once it is ready to listen: the model, the engine's settings and
     where to reach it."""
-    from engine.cpu_threads import describe_threads
-
-    model = engine.model
-    threads = describe_threads(engine.config.cpu_threads, model.kernels.exact)
     split = "experts split whole" if args.enable_expert_parallel else "tensor parallel"
     ranks = (
         [f"  {args.tensor_parallel_size} ranks, {split}"] if args.tensor_parallel_size > 1 else []
     )
     return [
-        f"Canvas serving {', '.join(map(repr, state.served_names))} from {model_dir}",
-        f"  canvas length {model.config.canvas_length}, {model.cfg.num_layers} layers, "
-        f"dtype {next(model.parameters()).dtype}, device {args.device}, "
-        f"{model.kernels.describe()}",
+        f"Canvas serving {', '.join(map(repr, state.served_names))} from {info.model_dir}",
+        f"  canvas length {info.canvas_length}, {info.num_layers} layers, "
+        f"dtype {info.dtype}, device {args.device}, {info.kernels}",
         *ranks,
-        f"  decoder adapter: {'attached' if model.adapter is not None else 'none'}, "
+        *(["  engine in a process of its own"] if args.engine_process else []),
+        f"  decoder adapter: {'attached' if info.adapter else 'none'}, "
         f"prefix caching {'on' if state.engine.limits.prefix_caching else 'off'}, "
         f"image input {'on' if state.media is not None else 'off'}",
-        f"  max-num-seqs {engine.limits.max_num_seqs}, max-queue {args.max_queue}, "
+        f"  max-num-seqs {info.limits.max_num_seqs}, max-queue {args.max_queue}, "
         f"auth {'on' if state.api_keys else 'off'}, "
         f"CORS {', '.join(state.cors.origins) if state.cors else 'off'}, "
         f"request bodies up to {state.http.max_body_bytes} bytes",
-        f"  cpu threads {threads}",
+        f"  cpu threads {info.threads}",
         f"  http://{args.host}:{args.port}/v1  (docs: /docs, metrics: /metrics)",
     ]
 

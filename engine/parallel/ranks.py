@@ -1,5 +1,5 @@
 """The processes of a served parallel model: rank 0 (the serving process) spawns one follower
-per other rank (`Ranks.spawn`; spawned, not forked: a CUDA context does not survive a fork),
+per other rank (`engine.process.pipes.spawn`: not forked, a CUDA context does not survive a fork),
 and each follower (`follower_main`) joins the world, loads its shard, builds its KV cache with
 rank 0's page counts and follows rank 0's calls (`engine.parallel.step`) until it is stopped or
 the world breaks. A pipe from rank 0 to each follower carries the start-up hand-shake (what was
@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import multiprocessing
 import os
 import queue
 import sys
@@ -38,6 +37,7 @@ from engine.model.kv_cache import PagedKVCache
 from engine.parallel.loader import load_sharded
 from engine.parallel.step import Leader, follow
 from engine.parallel.world import World, WorldError, close_world, init_world
+from engine.process.pipes import ChildGone, receive, spawn, stop_child
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,6 @@ class Ranks:
     """Rank 0's handle of its followers (ranks 1..size-1, in order)."""
 
     def __init__(self, spec: RankSpec) -> None:
-        context = multiprocessing.get_context("spawn")
         self.spec = spec
         self.pipes: list[Connection] = []
         self.procs: list[BaseProcess] = []
@@ -109,14 +108,8 @@ class Ranks:
         self.leader: Leader | None = None
         self.stopping = False
         for rank in range(1, spec.size):
-            ours, theirs = context.Pipe()
-            proc = context.Process(
-                target=follower_main, args=(rank, spec, theirs), name=f"canvas-rank-{rank}"
-            )
-            proc.daemon = True  # never outlives rank 0
-            proc.start()
-            theirs.close()
-            self.pipes.append(ours)
+            pipe, proc = spawn(follower_main, (rank, spec), f"canvas-rank-{rank}")
+            self.pipes.append(pipe)
             self.procs.append(proc)
         atexit.register(self.stop)
 
@@ -162,18 +155,14 @@ class Ranks:
         out: list[Any] = []
         deadline = time.monotonic() + timeout_s
         for rank, (pipe, proc) in enumerate(zip(self.pipes, self.procs, strict=True), start=1):
-            gone = f"rank {rank} exited before it could {what}"
-            while not pipe.poll():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise WorldError(f"rank {rank} did not {what} within {timeout_s:g} s")
-                wait([pipe, proc.sentinel], min(left, 1.0))
-                if proc.exitcode is not None and not pipe.poll():
-                    raise WorldError(f"{gone} (exit code {proc.exitcode})")
             try:
-                kind, value = pipe.recv()
-            except (EOFError, OSError):
-                raise WorldError(f"{gone} (exit code {proc.exitcode})") from None
+                kind, value = receive(pipe, proc, deadline)
+            except ChildGone as gone:
+                if gone.exitcode is None:
+                    raise WorldError(f"rank {rank} did not {what} within {timeout_s:g} s") from None
+                raise WorldError(
+                    f"rank {rank} exited before it could {what} (exit code {gone.exitcode})"
+                ) from None
             if kind == "error":
                 raise WorldError(value)
             out.append(value)
@@ -216,10 +205,7 @@ class Ranks:
             pipe.close()  # a follower not yet serving sees its pipe close and exits
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join()
+            stop_child(proc, deadline)
         close_world()
 
 

@@ -1,37 +1,45 @@
-"""Overlapped steps against serial ones (`engine.device.overlap`, `canvas serve --overlap`):
-how much of the engine's overhead hides behind the forward, and what that gives end to end.
+"""Overlapped steps (`engine.device.overlap`, `canvas serve --overlap`) and the engine in a
+process of its own (`engine.process`, `canvas serve --engine-process`) against serial steps in
+this process: how much of the engine's overhead hides behind the forward, and what that gives
+end to end.
 
     python -m loadtest.cpu.overlap_bench [--preset bench-tiny] [--repeats 5] [--out FILE]
+        [--modes serial,overlap,process] [--concurrency 1,16]
 
-Two `AsyncEngine`s over one checkpoint in this process, one overlapped and one serial (the
-default), each request streamed to a client coroutine on this event loop that detokenizes its
-text so far at every output, as the HTTP front end does (so the step loop shares the
-interpreter lock with a front end, without sockets). `make bench`'s `bench-tiny` workload:
-diffusion mode, a fixed number of denoising steps (random weights never converge), EOS
-ignored, fast numerics, the model's operators on one torch thread (`canvas serve --threads
-auto` on this 2-core VM: every core but one).
+One engine per mode over one checkpoint: `AsyncEngine`s in this process, serial (the
+default) and overlapped, and a `RemoteEngine` whose step loop runs in a spawned process.
+Each request is streamed to a client coroutine on this event loop that detokenizes its text
+so far at every output, as the HTTP front end does (so an in-process step loop shares the
+interpreter lock with a front end, without sockets; the engine process's does not). `make
+bench`'s `bench-tiny` workload: diffusion mode, a fixed number of denoising steps (random
+weights never converge), EOS ignored, fast numerics, the model's operators on one torch
+thread (`canvas serve --threads auto` on this 2-core VM: every core but one).
 
-Per round, at each concurrency, both engines run the same requests back to back (which first
-alternates by round); ratios are taken within a round. At the highest concurrency, per step:
+Per round, at each concurrency, the engines run the same requests back to back (their order
+reversed every other round); ratios are taken within a round, each mode's against serial. Per
+step:
 
-- cycle: the wall time between two consecutive steps' hand-overs (`AsyncEngine.on_step`), over
-  steps that ran the same rows as the step before (all canvases mid-denoising), median;
+- cycle: the wall time between two consecutive steps' hand-overs (`on_step`; the engine
+  process's arrive here one message per step), over steps that ran the same rows as the step
+  before (all canvases mid-denoising), median;
 - overhead: the serial cycle minus its forward and sampler (`StepStats`), i.e. everything the
   step loop does besides them: scheduling, inputs, the update, outputs, metrics, publishing,
   and waiting for the interpreter lock;
-- hidden: (serial cycle - overlapped cycle) / serial overhead, the share of the overhead that
-  the overlapped loop no longer spends between two forwards; and 1 - overlapped overhead /
-  serial overhead, the same share measured within each step (the machine's speed drifts
-  between runs by more than the overhead: the first compares two runs' cycles, the second
-  each step's cycle with its own forward and sampler).
+- hidden: (serial cycle - the mode's cycle) / serial overhead, the share of the overhead that
+  the mode's loop no longer spends between two forwards; and 1 - the mode's overhead / serial
+  overhead, the same share measured within each step (the machine's speed drifts between runs
+  by more than the overhead: the first compares two runs' cycles, the second each step's
+  cycle with its own forward and sampler).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -44,7 +52,7 @@ from loadtest.cpu.bench import SIZES, BenchConfig, checkpoint_for, configure_log
 from loadtest.load.prompts import make_prompts
 
 logger = logging.getLogger(__name__)
-MODES = ("serial", "overlap")
+MODES = ("serial", "overlap", "process")
 
 
 @dataclass(slots=True)
@@ -117,25 +125,48 @@ async def wave(
     return run
 
 
-async def measure(preset: str, repeats: int, widths: Sequence[int]) -> dict[str, Any]:
-    import torch
-
+def start_engines(checkpoint: Path, modes: Sequence[str]) -> tuple[dict[str, Any], Any]:
+    """One started engine per mode ("serial" first: its engine validates the requests) and
+    the tokenizer; torch on one thread everywhere."""
     from engine.async_engine import AsyncEngine
+    from engine.build import BuildConfig, CheckpointConfig
+    from engine.cpu_threads import one_thread
     from engine.engine import EngineConfig
     from engine.llm import LLM
+    from engine.process.client import RemoteEngine
+    from engine.process.core import EngineSpec
+
+    loop = asyncio.get_running_loop()
+    engines: dict[str, Any] = {}
+    tokenizer = None
+    for mode in ("serial", *(m for m in modes if m != "serial")):
+        engine_config = EngineConfig(prefix_caching=False, overlap=mode == "overlap")
+        if mode == "process":
+            remote = BuildConfig(
+                CheckpointConfig(checkpoint, "float32", "cpu"),
+                dataclasses.replace(engine_config, cpu_threads=(1,)),
+            )
+            engines[mode] = RemoteEngine(EngineSpec(remote, warmup=False, setup=one_thread))
+        else:
+            llm = LLM.from_pretrained(checkpoint, dtype="float32", config=engine_config)
+            engines[mode] = AsyncEngine(llm.engine, warmup=False)
+            tokenizer = tokenizer or llm.tokenizer
+        engines[mode].start(loop)
+    return engines, tokenizer
+
+
+async def measure(
+    preset: str, repeats: int, widths: Sequence[int], modes: Sequence[str] = MODES
+) -> dict[str, Any]:
+    import torch
+
     from engine.params import SamplingParams
 
     config = BenchConfig(**{**SIZES["tiny"], "preset": preset})  # `make bench`'s workload
     torch.set_num_threads(1)
     checkpoint = checkpoint_for(config)
-    loop = asyncio.get_running_loop()
-    engines, tokenizer = {}, None
-    for mode in MODES:
-        engine_config = EngineConfig(prefix_caching=False, overlap=mode == "overlap")
-        llm = LLM.from_pretrained(checkpoint, dtype="float32", config=engine_config)
-        engines[mode] = AsyncEngine(llm.engine, warmup=False)
-        engines[mode].start(loop)
-        tokenizer = llm.tokenizer
+    engines, tokenizer = start_engines(checkpoint, modes)
+    modes = tuple(engines)
     assert tokenizer is not None
     prompts = make_prompts(config.prompt_set, max(widths), config.seed)
     params = SamplingParams(
@@ -148,36 +179,47 @@ async def measure(preset: str, repeats: int, widths: Sequence[int]) -> dict[str,
     validator = engines["serial"].engine.validator
     ids = [tokenizer.apply_chat_template(p.chat_messages()) for p in prompts]
     requests = [(i, validator.validate(i, params)) for i in ids]
-    for mode in MODES:  # warm-up: each engine at each width
+    for mode in modes:  # warm-up: each engine at each width
         for width in widths:
             await wave(engines[mode], tokenizer, requests[:width], width)
     rounds = []
     for round_ in range(repeats):
-        order = MODES if round_ % 2 == 0 else MODES[::-1]
+        order = modes if round_ % 2 == 0 else modes[::-1]
         result: dict[str, Any] = {}
         for width in widths:
             runs = {
                 mode: await wave(engines[mode], tokenizer, requests[:width], width)
                 for mode in order
             }
-            splits = {mode: split(run) for mode, run in runs.items()}
-            entry = {
-                mode: {"tok_s": runs[mode].tokens_per_s, "split": splits[mode]} for mode in MODES
-            }
-            entry["speedup"] = runs["overlap"].tokens_per_s / runs["serial"].tokens_per_s
-            if splits["serial"] and splits["overlap"]:
-                entry["hidden"] = hidden_shares(splits["serial"], splits["overlap"])
-            result[f"c={width}"] = entry
+            result[f"c={width}"] = entry = compare(runs)
             logger.info("round %d c=%d: %s", round_ + 1, width, json.dumps(entry, default=_r))
         rounds.append(result)
     for engine in engines.values():
         engine.shutdown()
-    return {"preset": preset, "rounds": rounds, "summary": summarize(rounds, widths)}
+    summary = summarize(rounds, widths, modes)
+    return {"preset": preset, "load": os.getloadavg(), "rounds": rounds, "summary": summary}
 
 
-def summarize(rounds: list[dict[str, Any]], widths: Sequence[int]) -> dict[str, Any]:
-    """Per width: median [min, max] over rounds of each mode's tok/s, the speedup, the hidden
-    share and the serial overhead."""
+def compare(runs: dict[str, Run]) -> dict[str, Any]:
+    """One round at one width: each mode's tok/s and step split; each other mode's speedup
+    and hidden shares against serial."""
+    splits = {mode: split(run) for mode, run in runs.items()}
+    entry: dict[str, Any] = {
+        mode: {"tok_s": run.tokens_per_s, "split": splits[mode]} for mode, run in runs.items()
+    }
+    serial = splits["serial"]
+    for mode in runs.keys() - {"serial"}:
+        entry[mode]["speedup"] = runs[mode].tokens_per_s / runs["serial"].tokens_per_s
+        if serial and (ours := splits[mode]):
+            entry[mode]["hidden"] = hidden_shares(serial, ours)
+    return entry
+
+
+def summarize(
+    rounds: list[dict[str, Any]], widths: Sequence[int], modes: Sequence[str]
+) -> dict[str, Any]:
+    """Per width: median [min, max] over rounds of each mode's tok/s and step split, and of
+    each other mode's speedup and hidden shares against serial."""
 
     def spread(values: list[float]) -> list[float]:
         return [statistics.median(values), min(values), max(values)] if values else []
@@ -186,16 +228,20 @@ def summarize(rounds: list[dict[str, Any]], widths: Sequence[int]) -> dict[str, 
     for width in widths:
         key = f"c={width}"
         entries = [r[key] for r in rounds]
+        others = [m for m in modes if m != "serial"]
         out[key] = {
-            **{f"{m}_tok_s": spread([e[m]["tok_s"] for e in entries]) for m in MODES},
-            "speedup": spread([e["speedup"] for e in entries]),
+            **{f"{m}_tok_s": spread([e[m]["tok_s"] for e in entries]) for m in modes},
+            **{f"{m}_speedup": spread([e[m]["speedup"] for e in entries]) for m in others},
             **{
-                f"hidden_by_{k}": spread([e["hidden"][k] for e in entries if "hidden" in e])
+                f"{m}_hidden_by_{k}": spread(
+                    [e[m]["hidden"][k] for e in entries if "hidden" in e[m]]
+                )
+                for m in others
                 for k in ("cycles", "overheads")
             },
             **{
                 f"{m}_{k}": spread([e[m]["split"][k] for e in entries if e[m]["split"]])
-                for m in MODES
+                for m in modes
                 for k in ("cycle_ms", "busy_ms", "overhead_ms")
             },
         }
@@ -211,13 +257,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--preset", default="bench-tiny")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--concurrency", default="1,16", help="comma-separated widths")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = parser.parse_args(argv)
     widths = [int(w) for w in args.concurrency.split(",")]
+    modes = args.modes.split(",")
     if args.repeats < 2 or min(widths) < 1:
         parser.error("--repeats must be >= 2 and every --concurrency level >= 1")
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"--modes: unknown {', '.join(sorted(unknown))} (choose from {MODES})")
     configure_logging()
-    result = asyncio.run(measure(args.preset, args.repeats, widths))
+    result = asyncio.run(measure(args.preset, args.repeats, widths, modes))
     text = json.dumps(result, indent=1, default=_r)
     if args.out is not None:
         args.out.write_text(text)

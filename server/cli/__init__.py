@@ -11,6 +11,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from server.logs import TEXT_LINE
+
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -56,9 +58,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=TEXT_LINE)
     parser, commands = build_parser()
     args = parser.parse_args(argv)
     return commands[args.command](args)

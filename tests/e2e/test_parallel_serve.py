@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import socket
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,7 +34,16 @@ from server.cli import main
 from tests.e2e.parallel_cases import REL_TOL
 from tests.e2e.serve_cases import GREEDY, TIMEOUT, assert_same_greedy, chat, near_tie_bound
 from tests.media import data_url, encode, noise_image
-from tests.server.process import ServeProcess, serve_process
+from tests.server.process import (
+    ServeProcess,
+    alive,
+    children,
+    followers,
+    kill_and_check,
+    serve_process,
+    unhealthy_reason,
+    wait_until,
+)
 
 PRESET = "c32-window"  # 4 q heads, 4 and 2 KV heads, 4 experts: TP 2 and 4, EP 2
 COMMON = ("--device", "cpu", "--no-prefix-caching", "--kernels", "twins")
@@ -97,11 +105,8 @@ def test_an_image_chat_at_tp2_is_tp1s_and_a_killed_rank_0_leaves_no_process(
     assert ref.status_code == 200, ref.text
     with serve_process(vision_checkpoint, [*flags[:4], "-tp", "2"]) as server:
         ours = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
-        started = children(server.process.pid)
-        assert len(followers(started)) == 1
-        server.process.kill()
-        server.wait(60)
-    wait_until(lambda: not any(alive(c) for c in started), 30)
+        assert len(followers(children(server.process.pid))) == 1
+        kill_and_check(server, None, "")
     assert ours.status_code == 200, ours.text
     assert ours.json()["usage"] == ref.json()["usage"]  # the image's tokens counted alike
     bound = near_tie_bound(vision_checkpoint)
@@ -203,13 +208,6 @@ def test_a_stream_gives_the_answer_of_a_plain_request(tp2: ServerHandle) -> None
     assert text == plain
 
 
-def wait_until(check: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_an_aborted_stream_gives_its_pages_back(tp2: ServerHandle) -> None:
     body = {"model": tp2.model_name, "messages": [{"role": "user", "content": "go on"}]}
     body |= {"max_tokens": 2000, "stream": True, "mode": "ar"}
@@ -225,29 +223,6 @@ def test_an_aborted_stream_gives_its_pages_back(tp2: ServerHandle) -> None:
     wait_until(lambda: engine.stats.num_inflight == 0 and engine.stats.num_running == 0)
     wait_until(lambda: engine.engine.pages.usage() == 0)
     assert chat(tp2, "again", max_tokens=8)["choices"][0]["finish_reason"] == "length"
-
-
-def children(pid: int) -> set[int]:
-    """The processes `pid` started that are still alive (Linux /proc)."""
-    found = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            found |= {int(c) for c in (task / "children").read_text().split()}
-    return found
-
-
-def followers(pids: set[int]) -> list[int]:
-    """Those of `pids` that are spawned followers (not the resource tracker)."""
-    return [p for p in pids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = Path(f"/proc/{pid}/status")
-    return status.exists() and "zombie" not in status.read_text()
 
 
 def test_a_taken_distributed_port_is_named_before_any_rank_starts(
@@ -313,11 +288,7 @@ def test_ep2_answers_and_a_dead_follower_ends_canvas_serve_leaving_no_process(
     with serve_process(checkpoint, flags) as server:
         started = answer_and_followers(server, one, checkpoint, 2, "experts split whole")
         (follower,) = followers(started)
-        os.kill(follower, signal.SIGKILL)
-        code, _ = server.wait(60)
-        assert code == 3, server.output
-        assert "rank 1 of the parallel model exited" in server.output
-    wait_until(lambda: not any(alive(c) for c in started), 30)
+        kill_and_check(server, follower, "rank 1 of the parallel model exited")
 
 
 def test_a_follower_that_dies_turns_health_503_with_the_reason(tp2: ServerHandle) -> None:
@@ -325,15 +296,7 @@ def test_a_follower_that_dies_turns_health_503_with_the_reason(tp2: ServerHandle
     (follower,) = ranks_of(tp2).procs
     assert follower.pid is not None
     os.kill(follower.pid, signal.SIGKILL)
-    health: dict[str, Any] = {}
-
-    def unhealthy() -> bool:
-        response = httpx.get(f"{tp2.url}/health", timeout=TIMEOUT)
-        health.update(response.json())
-        return response.status_code == 503
-
-    wait_until(unhealthy, 30)
-    assert "rank 1 of the parallel model exited" in health["reason"]
+    assert "rank 1 of the parallel model exited" in unhealthy_reason(tp2.url)
     response = httpx.post(
         f"{tp2.url}/v1/completions",
         json={"model": tp2.model_name, "prompt": "hi", "max_tokens": 4},

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +75,66 @@ def serve_process(
         if process.poll() is None:
             process.kill()
         process.wait(10)
+
+
+def children(pid: int) -> set[int]:
+    """The processes `pid` started that are still alive (Linux /proc)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+def followers(pids: set[int]) -> list[int]:
+    """Those of `pids` that are spawned (a parallel model's followers, an engine process; not
+    the resource tracker)."""
+    return [p for p in pids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def unhealthy_reason(url: str, timeout_s: float = 30.0) -> str:
+    """The reason `url`/health gives once it turns 503 (within `timeout_s`)."""
+    health: dict[str, str] = {}
+
+    def unhealthy() -> bool:
+        response = httpx.get(f"{url}/health", timeout=timeout_s)
+        health.update(response.json())
+        return response.status_code == 503
+
+    wait_until(unhealthy, timeout_s)
+    return health["reason"]
+
+
+def kill_and_check(server: ServeProcess, child: int | None, reason: str) -> None:
+    """Kill `child`, a process `server` spawned (`canvas serve` must then exit 3 with `reason`
+    in its output), or with `child` None the server itself; then every process the server had
+    started must exit (a child sees its pipe close)."""
+    started = children(server.process.pid)
+    if child is not None:
+        os.kill(child, signal.SIGKILL)
+        code, _ = server.wait(60)
+        assert code == 3, server.output
+        assert reason in server.output
+    else:
+        server.process.kill()
+        server.wait(60)
+    wait_until(lambda: not any(alive(c) for c in started), 30)
 
 
 class StreamReader:
