@@ -147,6 +147,10 @@ static void linear_rows(int path, const bf16 *x, const bf16 *wp, bf16 *const out
                         const int64_t n_of[3], int64_t k_dim, int64_t n, int64_t row_begin,
                         int64_t row_end) {
     const int64_t block = ((k_dim + 1) / 2) * 4 * BV;
+    if (path == BF_AMX && k_dim % 32 == 0) {
+        amx_dense_rows(0, x, wp, out, n_of, k_dim, n, row_begin, row_end);
+        return;
+    }
     for (int64_t c = 0; c < n / (2 * BV); ++c) {
         int64_t col = c * 2 * BV, part = 0;
         while (part < 2 && col >= n_of[part]) col -= n_of[part++];
@@ -184,6 +188,12 @@ void canvas_bf16_linear(const Bf16LinearArgs *a) {
 static void gated_rows(int path, const bf16 *x, const bf16 *gup, bf16 *out, int64_t k_dim,
                        int64_t inter, int64_t row_begin, int64_t row_end) {
     const int64_t block = ((k_dim + 1) / 2) * 4 * BV;
+    if (path == BF_AMX && k_dim % 32 == 0) {
+        bf16 *const outs[3] = {out, NULL, NULL};
+        const int64_t n_of[3] = {inter, 0, 0};
+        amx_dense_rows(1, x, gup, outs, n_of, k_dim, inter, row_begin, row_end);
+        return;
+    }
     for (int64_t j = 0; j < inter / BV; ++j) {
         for (int64_t row = row_begin; row < row_end; row += BMR) {
             const bf16 *a[BMR];

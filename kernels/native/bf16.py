@@ -125,11 +125,25 @@ def onednn_amx() -> bool:
     return "amx_bf16" in cpu_flags() and (isa in ("ALL", "DEFAULT") or "AMX" in isa)
 
 
+def amx_dense(k: int) -> bool:
+    """Whether the dense tiles run on AMX here: the amx path (`path`) and K a multiple of 32
+    (bf16.c's `amx_dense_rows`; the vdpbf16ps tiles otherwise)."""
+    return k % 32 == 0 and path() == PATHS["amx"]
+
+
+def tiles_first(k: int) -> bool:
+    """Whether a dense projection over K inputs that fits the tiles takes them before oneDNN:
+    where the tiles run on AMX (one native call, no oneDNN primitive per projection: the
+    projections of a small model's rows are a few microseconds of work) or oneDNN has no AMX
+    (`onednn_amx`)."""
+    return amx_dense(k) or not onednn_amx()
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, segments: list[int] | None, packs: PackedWeights | None
 ) -> torch.Tensor:
     """`reference.linear` for bf16 operands: `linear_tiles` where N is whole blocks of 32, the
-    weight within MAX_PACKED_BYTES and oneDNN has no AMX (`onednn_amx`); `dense` otherwise."""
+    weight within MAX_PACKED_BYTES and the tiles go first (`tiles_first`); `dense` otherwise."""
     return linear_many(x, [weight], segments, packs)[0]
 
 
@@ -154,10 +168,10 @@ def linear_many(
     packs: PackedWeights | None,
 ) -> list[torch.Tensor]:
     """[linear(x, w) for w in weights]: `linear_tiles` of all in one pass where every weight
-    fits the tiles (and oneDNN has no AMX), `dense` one by one otherwise."""
+    fits the tiles and they go first (`tiles_first`), `dense` one by one otherwise."""
     k = weights[0].shape[-1]
     if (
-        onednn_amx()
+        not tiles_first(k)
         or len(weights) > 3
         or not all(w.dim() == 2 and w.shape[1] == k and _fits(w.shape[0], k) for w in weights)
     ):
@@ -205,10 +219,11 @@ def gated_linear(
     packs: PackedWeights | None,
 ) -> torch.Tensor:
     """`gated_act(linear(x, gate), linear(x, up), activation)` for bf16 operands: `gated_tiles`
-    for GeGLU where gate and up fit (and oneDNN has no AMX); the three calls otherwise."""
+    for GeGLU where gate and up fit and the tiles go first (`tiles_first`); the three calls
+    otherwise."""
     inter, k = gate.shape
     if (
-        onednn_amx()
+        not tiles_first(k)
         or activation != "gelu_pytorch_tanh"
         or inter % LANES
         or up.shape != gate.shape

@@ -38,14 +38,18 @@ typedef struct {
     uint8_t rows[16];
 } AmxConfig;
 
-/* Tiles 0-3: accumulators; 4: rows; 5, 6: weights. Every tile 16 rows of 64 bytes. */
-static void amx_configure(void) {
+/* Tiles 0-3: accumulators; 4: rows; 5, 6: weights. Every tile 64 bytes wide; the weights' 16
+ * rows (input pairs), the accumulators' and rows' `rows` (a partial tile of rows: the dense
+ * projections' last rows, read and written in place). */
+static void amx_configure_rows(int rows) {
     AmxConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = t == 5 || t == 6 ? 16 : rows;
     _tile_loadconfig(&cfg);
 }
+
+static void amx_configure(void) { amx_configure_rows(AMX_ROWS); }
 
 /* Tiles 0 and 1 = a [16, k_dim] (rows of lda) times the packed blocks b0, b1 (their pairs 128
  * bytes apart), over the input pairs in order. */
@@ -103,6 +107,45 @@ static void amx_moe_rows(const bf16 *x, const bf16 *gup, const bf16 *dnp, const 
     }
     _tile_release();
 }
+
+/* The dense products on AMX tiles (K a multiple of 32), rows [row_begin,
+ * row_end) of x read in place, up to 16 at a time (the last tile of a range as many as are
+ * left: every row's sums are the same whatever its tile holds). `linear`: bf16.c's
+ * `linear_rows` (blocks of 32 columns of the packed weights to out0/out1/out2); `gated`: its
+ * `gated_rows` (gate and up's blocks of 16 columns, their GeGLU rounded once). */
+static void amx_dense_rows(int gated, const bf16 *x, const bf16 *wp, bf16 *const out[3],
+                           const int64_t n_of[3], int64_t k_dim, int64_t n, int64_t row_begin,
+                           int64_t row_end) {
+    const int64_t block = (k_dim / 2) * 4 * BV, cols = gated ? BV : 2 * BV;
+    float c0[AMX_ROWS * BV] __attribute__((aligned(64)));
+    float c1[AMX_ROWS * BV] __attribute__((aligned(64)));
+    int configured = 0;
+    for (int64_t row = row_begin; row < row_end; row += AMX_ROWS) {
+        const int m = row_end - row < AMX_ROWS ? (int)(row_end - row) : AMX_ROWS;
+        if (m != configured) amx_configure_rows(m), configured = m;
+        for (int64_t c = 0; c < n / cols; ++c) {
+            const bf16 *b = wp + c * block;
+            AMX_PRODUCT(x + row * k_dim, k_dim, b, b + 2 * BV, k_dim);
+            _tile_stored(0, c0, BV * 4);
+            _tile_stored(1, c1, BV * 4);
+            if (gated) {
+                for (int r = 0; r < m; ++r)
+                    store_bf16(out[0] + (row + r) * n_of[0] + c * BV,
+                               geglu16(bload(c0 + r * BV), bload(c1 + r * BV)));
+                continue;
+            }
+            int64_t col = c * cols, part = 0;
+            while (part < 2 && col >= n_of[part]) col -= n_of[part++];
+            bf16 *dst = out[part];
+            const int64_t ld = n_of[part];
+            for (int r = 0; r < m; ++r) {
+                store_bf16(dst + (row + r) * ld + col, bload(c0 + r * BV));
+                store_bf16(dst + (row + r) * ld + col + BV, bload(c1 + r * BV));
+            }
+        }
+    }
+    if (configured) _tile_release();
+}
 #else
 static int amx_ready(void) { return 0; }
 static int amx_takes(int64_t h, int64_t inter) { return (void)h, (void)inter, 0; }
@@ -113,6 +156,12 @@ static void amx_moe_rows(const bf16 *x, const bf16 *gup, const bf16 *dnp, const 
     (void)x, (void)gup, (void)dnp, (void)weights, (void)pairs, (void)ends, (void)ybuf;
     (void)scratch, (void)num_experts, (void)top_k, (void)h, (void)inter, (void)row_begin;
     (void)row_end;
+}
+static void amx_dense_rows(int gated, const bf16 *x, const bf16 *wp, bf16 *const out[3],
+                           const int64_t n_of[3], int64_t k_dim, int64_t n, int64_t row_begin,
+                           int64_t row_end) {
+    (void)gated, (void)x, (void)wp, (void)out, (void)n_of, (void)k_dim, (void)n;
+    (void)row_begin, (void)row_end;
 }
 #endif
 #endif

@@ -191,7 +191,12 @@ void canvas_philox_uniform(const PhiloxArgs *a) {
 /* ---- bf16 q/k/v ------------------------------------------------------------------------- */
 
 static inline void row_to_f32(float *out, const bf16 *x, int64_t d) {
-    for (int64_t i = 0; i < d; ++i) out[i] = bf_to_f(x[i]);
+    int64_t i = 0;
+    for (; i + BV <= d; i += BV) {
+        const bvf v = load_bf16(x + i);
+        memcpy(out + i, &v, sizeof v);
+    }
+    for (; i < d; ++i) out[i] = bf_to_f(x[i]);
 }
 
 static inline float rnd(float x) { return bf_to_f(f_to_bf(x)); }
@@ -202,12 +207,20 @@ static void norm_rope_bf16(bf16 *out, const bf16 *x, const float *w, const float
                            const float *s, float *tmp, int64_t d, float eps) {
     row_to_f32(tmp, x, d);
     scale_row(tmp, tmp, inv_rms(tmp, d, eps), w, 0, d);
+    int64_t i = 0;
     if (!c) {
-        for (int64_t i = 0; i < d; ++i) out[i] = f_to_bf(tmp[i]);
+        for (; i + BV <= d; i += BV) store_bf16(out + i, bload(tmp + i));
+        for (; i < d; ++i) out[i] = f_to_bf(tmp[i]);
         return;
     }
     const int64_t half = d / 2;
-    for (int64_t i = 0; i < half; ++i) {
+    for (; i + BV <= half; i += BV) { /* the scalar loop's roundings, 16 lanes at a time */
+        const bvf x1 = bround(bload(tmp + i)), x2 = bround(bload(tmp + half + i));
+        const bvf cv = bload(c + i), sv = bload(s + i);
+        store_bf16(out + i, bround(x1 * cv) - bround(x2 * sv));
+        store_bf16(out + half + i, bround(x2 * cv) + bround(x1 * sv));
+    }
+    for (; i < half; ++i) {
         const float x1 = rnd(tmp[i]), x2 = rnd(tmp[half + i]);
         out[i] = f_to_bf(rnd(x1 * c[i]) - rnd(x2 * s[i]));
         out[half + i] = f_to_bf(rnd(x2 * c[i]) + rnd(x1 * s[i]));

@@ -4,6 +4,7 @@ routing of bf16 operands from `kernels.native.moe`."""
 
 from __future__ import annotations
 
+import json
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,9 @@ def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=g) * scale).bfloat16()
 
 
-@pytest.mark.parametrize("rows,k,n", [(1, 64, 32), (3, 33, 64), (17, 511, 96), (40, 130, 32)])
+@pytest.mark.parametrize(
+    "rows,k,n", [(1, 64, 32), (3, 33, 64), (17, 511, 96), (40, 130, 32), (15, 96, 64), (33, 256, 96)]
+)
 @torch.no_grad()
 def test_dense_tiles_match_the_twin_and_never_depend_on_the_batch(path, rows, k, n):
     x, weight = _randn(rows, k, seed=rows), _randn(n, k, seed=k, scale=k**-0.5)
@@ -61,7 +64,9 @@ def test_split_projections_give_each_its_own_bits(path, rows):
         assert torch.equal(out, bf16.linear_tiles(x, [weight], None)[0])
 
 
-@pytest.mark.parametrize("rows,k,inter", [(1, 32, 16), (3, 33, 48), (17, 130, 32)])
+@pytest.mark.parametrize(
+    "rows,k,inter", [(1, 32, 16), (3, 33, 48), (17, 130, 32), (16, 64, 48), (35, 256, 80)]
+)
 @torch.no_grad()
 def test_gated_tiles_match_the_twin_and_never_depend_on_the_batch(path, rows, k, inter):
     x = _randn(rows, k, seed=rows)
@@ -139,7 +144,8 @@ def test_the_path_variable_is_checked(monkeypatch):
 @torch.no_grad()
 def test_moe_hands_bf16_operands_to_the_bf16_kernels(monkeypatch):
     """`native_moe`'s kernels take bf16 operands to `bf16` (dense ones to oneDNN where it has
-    AMX), fp32 ones as before; odd shapes take the twins."""
+    AMX and the tiles do not run on AMX: `tiles_first`), fp32 ones as before; odd shapes take
+    the twins."""
     calls = []
     monkeypatch.setattr(bf16, "linear_tiles", lambda *a: calls.append("linear") or [None])
     monkeypatch.setattr(bf16, "gated_tiles", lambda *a: calls.append("gated"))
@@ -147,12 +153,13 @@ def test_moe_hands_bf16_operands_to_the_bf16_kernels(monkeypatch):
     native_moe.linear(x, w, [200])
     native_moe.gated_linear(x, w, w, "gelu_pytorch_tanh", [200])
     native_moe.linear(x.float(), w.float(), [200])
-    assert calls == ([] if bf16.onednn_amx() else ["linear", "gated"])
+    first = ["linear", "gated"] if bf16.tiles_first(64) else []
+    assert calls == first and bf16.tiles_first(64) == (bf16.amx_dense(64) or not bf16.onednn_amx())
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-    assert not bf16.onednn_amx()
+    assert not bf16.onednn_amx() and bf16.tiles_first(64)
     native_moe.linear(x, w, [200])
     assert torch.equal(native_moe.linear(x, w[:20], [200]), F.linear(x, w[:20]))
-    assert calls[-1] == "linear" and len(calls) == (1 if "amx_bf16" in build.cpu_flags() else 3)
+    assert calls == [*first, "linear"]
     args = _experts(9, 48, 16, 3, 2, seed=3)  # hidden off the blocks of 32: the twin
     assert not bf16.tiles(args[1], args[2])
     assert torch.equal(native_moe.fused_moe(*args), reference.fused_moe_scattered(*args))
@@ -268,14 +275,16 @@ def test_a_bf16_forward_on_native_kernels_is_as_near_fp32_as_the_twins(
     tiny_checkpoint, monkeypatch
 ):
     """A bf16 model on the native backend (`--dtype bfloat16 --device cpu`) runs the bf16
-    kernels (its projections too where oneDNN has no AMX: ONEDNN_MAX_CPU_ISA caps it), and its
-    forward (hidden states, logits, KV pools) is as near the fp32 forward as the bf16 twins'
-    (a random tiny model amplifies bf16's rounding: the twins' own differ by up to ~2). Four
-    tiny models' forwards: the engine's whole bf16 path, slower than the unit cases."""
+    kernels (its projections too where the tiles go first: on AMX, or where
+    ONEDNN_MAX_CPU_ISA caps oneDNN), and its forward (hidden states, logits, KV pools) is as
+    near the fp32 forward as the bf16 twins' (a random tiny model amplifies bf16's rounding:
+    the twins' own differ by up to ~2). Four tiny models' forwards: the engine's whole bf16
+    path, slower than the unit cases."""
     from engine.model import load_model
     from tests.kernels.native_cases import forwards
 
     path = tiny_checkpoint("c16")
+    hidden = json.loads((path / "config.json").read_text())["text_config"]["hidden_size"]
     twins = forwards(load_model(path, dtype="bfloat16", kernels="twins"))
     exact = forwards(load_model(path, dtype="float32", kernels="twins"))
     calls: list[str] = []
@@ -287,7 +296,7 @@ def test_a_bf16_forward_on_native_kernels_is_as_near_fp32_as_the_twins(
         calls.clear()
         got = forwards(load_model(path, dtype="bfloat16", kernels="native"))
         dense = {"linear_tiles", "gated_tiles"} & set(calls)
-        assert "fused_moe" in calls and bool(dense) == (not bf16.onednn_amx())
+        assert "fused_moe" in calls and bool(dense) == bf16.tiles_first(hidden)
         for g, t, w in zip(got, twins, exact, strict=True):
             assert g.dtype == t.dtype
             ours, theirs = ((x.float() - w).abs().mean().item() for x in (g, t))
