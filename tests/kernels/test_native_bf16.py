@@ -234,6 +234,30 @@ def test_bf16_geglu_matches_its_twin(shape):
     )
 
 
+@torch.inference_mode()
+def test_bf16_rounding_is_torchs_on_ties_denormals_and_specials():
+    """The kernels' fp32 -> bf16 rounding (vcvtneps2bf16 where the CPU has it, which flushes
+    denormals: vectors holding one take the software rounding) gives torch's bits: GeGLU with
+    gates past GELU's saturation (gelu(g) = g) leaves bf16(g * up), exact products with ties
+    and denormal results in some vectors and not others; NaN stays NaN."""
+    g = torch.Generator().manual_seed(0)
+    n = 4096
+    gate = (torch.rand(n, generator=g) * 90 + 10).bfloat16()
+    up = torch.randn(n, generator=g).bfloat16()
+    tiny = (torch.randn(n, generator=g) * 1e-39).bfloat16()  # bf16 denormals
+    up[: n // 2 : 3] = tiny[: n // 2 : 3]
+    up[-16:] = tiny[-16:]
+    up[5], up[700] = float("nan"), float("inf")
+    product = gate.float() * up.float()
+    assert ((product.view(torch.int32) & 0xFFFF) == 0x8000).sum() > 50  # ties
+    got = step.gated_act(gate[None], up[None], "gelu_pytorch_tanh")[0]
+    want = reference_layer.gated_act(gate[None], up[None], "gelu_pytorch_tanh")[0]
+    assert ((want.float().abs() < torch.finfo(torch.float32).tiny) & (want != 0)).sum() > 50
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and nan.sum() == 1
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (3, 1), (17, 2)])
 @torch.inference_mode()
 def test_the_bf16_router_runs_the_native_one_in_fp32(tokens, top_k):
