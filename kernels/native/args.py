@@ -122,7 +122,7 @@ class QkvArgs(ctypes.Structure):
 
 class RouteArgs(ctypes.Structure):
     _fields_ = [
-        *pointers("x", "scale", "projt", "pes", "weights", "ids"),
+        *pointers("x", "scale", "projt", "pes", "weights", "ids", "xb"),
         *integers("hidden", "experts", "ep", "top_k"),
         ("eps", F32),
         *RANGE,

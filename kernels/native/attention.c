@@ -47,7 +47,12 @@ typedef struct {
 static inline const float *row_f32(const Attn *a, const void *t, int64_t index, float *buf) {
     if (!a->bf) return (const float *)t + index * a->d;
     const bf16 *src = (const bf16 *)t + index * a->d;
-    for (int64_t x = 0; x < a->d; ++x) buf[x] = bf_to_f(src[x]);
+    int64_t x = 0;
+    for (; x + BV <= a->d; x += BV) {
+        const bvf v = load_bf16(src + x);
+        memcpy(buf + x, &v, sizeof v);
+    }
+    for (; x < a->d; ++x) buf[x] = bf_to_f(src[x]);
     return buf;
 }
 
@@ -66,7 +71,9 @@ static inline const float *key_row(const Attn *a, const void *pool, const void *
 static inline void put_row(const Attn *a, int64_t index, const float *o) {
     if (!a->bf) return;
     bf16 *dst = (bf16 *)a->out + index * a->d;
-    for (int64_t x = 0; x < a->d; ++x) dst[x] = f_to_bf(o[x]);
+    int64_t x = 0;
+    for (; x + BV <= a->d; x += BV) store_bf16(dst + x, bload(o + x));
+    for (; x < a->d; ++x) dst[x] = f_to_bf(o[x]);
 }
 
 /* Where output row `index` is computed: in place for fp32, buf for bf16. */

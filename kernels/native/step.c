@@ -60,19 +60,31 @@ static void qkv_rows(const float *q, const float *k, const float *v, const float
     }
 }
 
+/* x's d bf16 values as fp32 (exact). */
+static inline void row_to_f32(float *out, const bf16 *x, int64_t d) {
+    int64_t i = 0;
+    for (; i + BV <= d; i += BV) {
+        const bvf v = load_bf16(x + i);
+        memcpy(out + i, &v, sizeof v);
+    }
+    for (; i < d; ++i) out[i] = bf_to_f(x[i]);
+}
+
 /* Tokens [b, e) of the router: h = rms_norm(x, scale) / sqrt(H); scores = proj @ h; the top_k
  * scores (largest first, the lower expert on a tie); weights = softmax over them times each
  * chosen expert's per_expert_scale. The projection comes transposed and padded (`projt`
  * [H, ep], ep a multiple of V, zeros past the experts), so a token's scores are V experts per
  * vector (four partial sums over the hidden units, in a fixed order): one FMA per unit and
  * block of experts, where the [E, H] rows took a dot product and a horizontal sum each. */
-static void route_rows(const float *x, const float *scale, const float *projt, const float *pes,
-                       float *weights, int64_t *ids, int64_t hidden, int64_t experts,
-                       int64_t ep, int64_t top_k, float eps, int64_t b, int64_t e) {
-    float h[hidden], scores[ep];
+static void route_rows(const float *x, const bf16 *xb, const float *scale, const float *projt,
+                       const float *pes, float *weights, int64_t *ids, int64_t hidden,
+                       int64_t experts, int64_t ep, int64_t top_k, float eps, int64_t b,
+                       int64_t e) {
+    float h[hidden], scores[ep], xf[xb ? hidden : 1];
     const float root = 1.0f / sqrtf((float)hidden);
     for (int64_t r = b; r < e; ++r) {
         const float *xr = x + r * hidden;
+        if (xb) row_to_f32(xf, xb + r * hidden, hidden), xr = xf;
         scale_row(h, xr, inv_rms(xr, hidden, eps), scale, 0, hidden);
         for (int64_t i = 0; i < hidden; ++i) h[i] *= root;
         for (int64_t j = 0; j < ep; j += MOE_V) { /* four chains: FMA latency, not a chain */
@@ -124,10 +136,13 @@ typedef struct {
     int64_t begin, end, threads;
 } QkvArgs;
 
+/* xb: bf16 rows in place of x (NULL: x), each read into fp32 (exact): the fp32 kernel's values
+ * on an fp32 copy of the rows. */
 typedef struct {
     const float *x, *scale, *projt, *pes;
     float *weights;
     int64_t *ids;
+    const bf16 *xb;
     int64_t hidden, experts, ep, top_k;
     float eps;
     int64_t begin, end, threads;
@@ -152,7 +167,7 @@ void canvas_qkv_norm_rope(const QkvArgs *a) {
 }
 void canvas_route(const RouteArgs *a) {
     PARALLEL_ROWS(a->threads, a->begin, a->end,
-                  route_rows(a->x, a->scale, a->projt, a->pes, a->weights, a->ids, a->hidden,
+                  route_rows(a->x, a->xb, a->scale, a->projt, a->pes, a->weights, a->ids, a->hidden,
                              a->experts, a->ep, a->top_k, a->eps, b, e));
 }
 /* Elements [begin, end), split in whole vectors (the values do not depend on the split). */
@@ -189,15 +204,6 @@ void canvas_philox_uniform(const PhiloxArgs *a) {
 }
 
 /* ---- bf16 q/k/v ------------------------------------------------------------------------- */
-
-static inline void row_to_f32(float *out, const bf16 *x, int64_t d) {
-    int64_t i = 0;
-    for (; i + BV <= d; i += BV) {
-        const bvf v = load_bf16(x + i);
-        memcpy(out + i, &v, sizeof v);
-    }
-    for (; i < d; ++i) out[i] = bf_to_f(x[i]);
-}
 
 static inline float rnd(float x) { return bf_to_f(f_to_bf(x)); }
 

@@ -92,15 +92,22 @@ def route_experts(
     top-k scores only: softmax, top-k and renormalising to one give exp(s_i - m) / sum over the
     chosen of exp(s_j - m) (the full softmax's denominator cancels), the same function up to
     rounding; the experts chosen are the same (softmax is monotonic). Fast numerics
-    (`segments` ignored). bf16 operands: the same kernel on an fp32 copy of the rows, the
-    projection packed in fp32 once (sharper than the bf16 twin's scores, whose near-ties may
+    (`segments` ignored). bf16 operands: the same kernel reading each bf16 row into fp32 (the
+    values of an fp32 copy of the rows, without the copy's pass), the projection and the
+    scales in fp32 once per binding (sharper than the bf16 twin's scores, whose near-ties may
     choose another expert)."""
     del segments
     size, experts = hidden.shape[-1], proj.shape[0]
-    if bf16.takes(hidden, scale, proj, per_expert_scale):  # fp32 rows; the weights in fp32 once
-        hidden, scale, per_expert_scale = (t.float() for t in (hidden, scale, per_expert_scale))
+    rows_bf16 = bf16.takes(hidden, scale, proj, per_expert_scale)
+    if rows_bf16:
+        scale, per_expert_scale = packed(
+            packs,
+            "router_scales",
+            (scale, per_expert_scale),
+            lambda: (scale.float(), per_expert_scale.float()),
+        )
     if (
-        not takes(hidden, scale, per_expert_scale)
+        not (takes(scale, per_expert_scale) and (rows_bf16 or takes(hidden)))
         or proj.dtype not in (torch.float32, torch.bfloat16)
         or not proj.is_cpu
         or size > MAX_ROW
@@ -110,7 +117,8 @@ def route_experts(
         or per_expert_scale.numel() != experts
         or not 0 < top_k <= experts
     ):
-        return reference.route_experts(hidden, scale, proj, per_expert_scale, top_k, eps)
+        rows = hidden.float() if rows_bf16 else hidden  # the twin on the fp32 copy, as before
+        return reference.route_experts(rows, scale, proj, per_expert_scale, top_k, eps)
     lib = loaded("step")
     x = hidden.reshape(-1, size).contiguous()
     rows = x.shape[0]
@@ -119,7 +127,8 @@ def route_experts(
     (projt,) = packed(packs, "router", (proj,), lambda: (_transposed(proj),))
     pes = per_expert_scale.contiguous()
     args = RouteArgs(
-        **addresses(x=x, scale=scale.contiguous(), projt=projt, pes=pes, weights=weights, ids=ids),
+        **addresses(scale=scale.contiguous(), projt=projt, pes=pes, weights=weights, ids=ids),
+        **({"xb": x.data_ptr()} if rows_bf16 else {"x": x.data_ptr()}),
         hidden=size,
         experts=experts,
         ep=projt.shape[1],
