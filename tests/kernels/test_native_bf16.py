@@ -260,12 +260,16 @@ def test_bf16_rounding_is_torchs_on_ties_denormals_and_specials():
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (3, 1), (17, 2)])
 @torch.inference_mode()
-def test_the_bf16_router_runs_the_native_one_in_fp32(tokens, top_k):
-    """bf16 router operands: `step.route_experts` on fp32 copies, the same weights and experts
-    as on fp32 operands holding the same values."""
-    hidden, scale = _randn(tokens, 64, seed=1), _randn(64, seed=2) + 1
-    proj, pes = _randn(8, 64, seed=3), _randn(8, seed=4).abs() + 0.5
+@pytest.mark.parametrize("size", [64, 67])
+def test_the_bf16_router_runs_the_native_one_in_fp32(tokens, top_k, size):
+    """bf16 router operands: `step.route_experts` reading the bf16 rows into fp32 (a size off
+    the vector width too), the same weights and experts as on fp32 operands holding the same
+    values, with or without a binding's packed copies."""
+    hidden, scale = _randn(tokens, size, seed=1), _randn(size, seed=2) + 1
+    proj, pes = _randn(8, size, seed=3), _randn(8, seed=4).abs() + 0.5
     got = step.route_experts(hidden, scale, proj, pes, top_k, 1e-6)
+    bound = step.route_experts(hidden, scale, proj, pes, top_k, 1e-6, packs=PackedWeights())
+    assert torch.equal(got[0], bound[0]) and torch.equal(got[1], bound[1])
     want = step.route_experts(hidden.float(), scale.float(), proj.float(), pes.float(), top_k, 1e-6)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
     twin = reference.route_experts(hidden, scale, proj, pes, top_k, 1e-6)
