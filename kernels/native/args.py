@@ -114,7 +114,7 @@ class AttentionArgs(ctypes.Structure):
 class QkvArgs(ctypes.Structure):
     _fields_ = [
         *pointers("q", "k", "v", "qw", "kw", "cos", "sin", "qo", "ko", "vo"),
-        *integers("hq", "hkv", "d"),
+        *integers("hq", "hkv", "d", "ldq", "ldk", "ldv"),
         ("eps", F32),
         *RANGE,
     ]
@@ -158,7 +158,7 @@ class Bf16MoeArgs(ctypes.Structure):
 
 
 class Bf16GegluArgs(ctypes.Structure):
-    _fields_ = [*pointers("gate", "up", "out"), *RANGE]
+    _fields_ = [*pointers("gate", "up", "out"), *integers("width", "ld"), *RANGE]
 
 
 class Bf16SumArgs(ctypes.Structure):

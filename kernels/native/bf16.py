@@ -175,8 +175,41 @@ def linear_many(
         or len(weights) > 3
         or not all(w.dim() == 2 and w.shape[1] == k and _fits(w.shape[0], k) for w in weights)
     ):
-        return [dense(x, w, segments, packs) for w in weights]
+        return dense_many(x, weights, segments, packs)
     return linear_tiles(x, weights, packs)
+
+
+def _joined(packs: PackedWeights | None, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether `dense_many` runs these weights as one oneDNN product: the binding chose oneDNN
+    and every weight fits it (`onednn.fits`) with the same K."""
+    return (
+        packs is not None
+        and packs.onednn
+        and len(weights) > 1
+        and all(onednn.fits(x, w) for w in weights)
+    )
+
+
+def dense_many(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    segments: list[int] | None,
+    packs: PackedWeights | None,
+) -> list[torch.Tensor]:
+    """[dense(x, w) for w in weights]: one oneDNN product over the weights stacked and
+    reordered once together (a binding that chose oneDNN, `_joined`), each output a view of its
+    columns of the one result (rows `sum(N_i)` apart: `step.qkv_norm_rope` reads q, k and v in
+    place); `dense` one by one otherwise. The same sums as one by one."""
+    if not _joined(packs, x, weights):
+        return [dense(x, w, segments, packs) for w in weights]
+    assert packs is not None
+    (reordered,) = packs.get(
+        "bf16_onednn_many",
+        tuple(weights),
+        lambda: (onednn.reorder(torch.cat([w.detach() for w in weights])),),
+    )
+    out = onednn.linear(x, reordered)
+    return list(out.split([w.shape[0] for w in weights], dim=-1))
 
 
 def linear_tiles(
@@ -219,8 +252,9 @@ def gated_linear(
     packs: PackedWeights | None,
 ) -> torch.Tensor:
     """`gated_act(linear(x, gate), linear(x, up), activation)` for bf16 operands: `gated_tiles`
-    for GeGLU where gate and up fit and the tiles go first (`tiles_first`); the three calls
-    otherwise."""
+    for GeGLU where gate and up fit and the tiles go first (`tiles_first`); else for GeGLU one
+    oneDNN product over gate and up reordered once together where the binding chose oneDNN
+    (`dense_many`) and bf16.c's GeGLU over its halves; the three calls otherwise."""
     inter, k = gate.shape
     if (
         not tiles_first(k)
@@ -229,8 +263,14 @@ def gated_linear(
         or up.shape != gate.shape
         or inter * k * 2 > MAX_PACKED_BYTES
     ):
-        gate_out, up_out = linear(x, gate, segments, packs), linear(x, up, segments, packs)
-        return gated_act(gate_out, up_out, activation)
+        geglu = activation == "gelu_pytorch_tanh" and up.shape == gate.shape
+        if not (geglu and _joined(packs, x, [gate, up])):
+            gate_out, up_out = linear(x, gate, segments, packs), linear(x, up, segments, packs)
+            return gated_act(gate_out, up_out, activation)
+        # one oneDNN product over [gate; up], the GeGLU straight from its rows' halves
+        gate_out, up_out = dense_many(x, [gate, up], segments, packs)
+        out = _geglu(gate_out, up_out, x.numel() // max(1, k), inter, 2 * inter)
+        return out.view(*x.shape[:-1], inter)
     return gated_tiles(x, gate, up, packs)
 
 
@@ -241,9 +281,18 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Te
     if activation != "gelu_pytorch_tanh" or gate.shape != up.shape or gate.numel() == 0:
         return reference_layer.gated_act(gate, up, activation)
     g, u = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(g)
-    args = Bf16GegluArgs(gate=g.data_ptr(), up=u.data_ptr(), out=out.data_ptr())
-    split_rows("bf16", loaded("bf16").canvas_bf16_geglu, args, g.numel(), norm_min_rows(1))
+    width = g.shape[-1]
+    return _geglu(g, u, g.numel() // max(1, width), width, width).view(g.shape)
+
+
+def _geglu(gate: torch.Tensor, up: torch.Tensor, rows: int, width: int, ld: int) -> torch.Tensor:
+    """bf16.c's GeGLU over `rows` rows of `width` from gate's and up's first elements, their
+    rows `ld` apart: a new [rows, width]."""
+    out = torch.empty(rows, width, dtype=torch.bfloat16)
+    args = Bf16GegluArgs(
+        gate=gate.data_ptr(), up=up.data_ptr(), out=out.data_ptr(), width=width, ld=ld
+    )
+    split_rows("bf16", loaded("bf16").canvas_bf16_geglu, args, rows, norm_min_rows(width))
     return out
 
 

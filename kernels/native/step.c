@@ -38,21 +38,23 @@ static void rope_row(float *out, const float *x, const float *c, const float *s,
     }
 }
 
-/* Tokens [b, e): q's and k's heads normed with their weights and rotated, v's heads normed. */
+/* Tokens [b, e): q's and k's heads normed with their weights and rotated, v's heads normed.
+ * ld: q's, k's and v's elements from one token to the next (their heads contiguous: columns of
+ * one projection's output over q, k and v); the outputs contiguous. */
 static void qkv_rows(const float *q, const float *k, const float *v, const float *qw,
                      const float *kw, const float *cos, const float *sin, float *qo, float *ko,
-                     float *vo, int64_t hq, int64_t hkv, int64_t d, float eps, int64_t b,
-                     int64_t e) {
+                     float *vo, int64_t hq, int64_t hkv, int64_t d, const int64_t *ld, float eps,
+                     int64_t b, int64_t e) {
     float tmp[d];
     for (int64_t r = b; r < e; ++r) {
         const float *c = cos + r * d, *s = sin + r * d;
         for (int64_t j = 0; j < hq; ++j) {
-            const float *x = q + (r * hq + j) * d;
+            const float *x = q + r * ld[0] + j * d;
             scale_row(tmp, x, inv_rms(x, d, eps), qw, 0, d);
             rope_row(qo + (r * hq + j) * d, tmp, c, s, d);
         }
         for (int64_t j = 0; j < hkv; ++j) {
-            const float *x = k + (r * hkv + j) * d, *y = v + (r * hkv + j) * d;
+            const float *x = k + r * ld[1] + j * d, *y = v + r * ld[2] + j * d;
             scale_row(tmp, x, inv_rms(x, d, eps), kw, 0, d);
             rope_row(ko + (r * hkv + j) * d, tmp, c, s, d);
             scale_row(vo + (r * hkv + j) * d, y, inv_rms(y, d, eps), 0, 0, d);
@@ -131,7 +133,7 @@ int64_t canvas_step_lanes(void) { return MOE_V; }
 typedef struct {
     const float *q, *k, *v, *qw, *kw, *cos, *sin;
     float *qo, *ko, *vo;
-    int64_t hq, hkv, d;
+    int64_t hq, hkv, d, ldq, ldk, ldv;
     float eps;
     int64_t begin, end, threads;
 } QkvArgs;
@@ -163,7 +165,8 @@ typedef struct {
 void canvas_qkv_norm_rope(const QkvArgs *a) {
     PARALLEL_ROWS(a->threads, a->begin, a->end,
                   qkv_rows(a->q, a->k, a->v, a->qw, a->kw, a->cos, a->sin, a->qo, a->ko, a->vo,
-                           a->hq, a->hkv, a->d, a->eps, b, e));
+                           a->hq, a->hkv, a->d, (const int64_t[3]){a->ldq, a->ldk, a->ldv},
+                           a->eps, b, e));
 }
 void canvas_route(const RouteArgs *a) {
     PARALLEL_ROWS(a->threads, a->begin, a->end,
@@ -235,8 +238,8 @@ static void norm_rope_bf16(bf16 *out, const bf16 *x, const float *w, const float
 
 static void qkv_rows_bf16(const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *qw,
                           const bf16 *kw, const bf16 *cos, const bf16 *sin, bf16 *qo, bf16 *ko,
-                          bf16 *vo, int64_t hq, int64_t hkv, int64_t d, float eps, int64_t b,
-                          int64_t e) {
+                          bf16 *vo, int64_t hq, int64_t hkv, int64_t d, const int64_t *ld,
+                          float eps, int64_t b, int64_t e) {
     float tmp[d], qwf[d], kwf[d], c[d], s[d];
     row_to_f32(qwf, qw, d);
     row_to_f32(kwf, kw, d);
@@ -244,11 +247,11 @@ static void qkv_rows_bf16(const bf16 *q, const bf16 *k, const bf16 *v, const bf1
         row_to_f32(c, cos + r * d, d);
         row_to_f32(s, sin + r * d, d);
         for (int64_t j = 0; j < hq; ++j)
-            norm_rope_bf16(qo + (r * hq + j) * d, q + (r * hq + j) * d, qwf, c, s, tmp, d, eps);
+            norm_rope_bf16(qo + (r * hq + j) * d, q + r * ld[0] + j * d, qwf, c, s, tmp, d, eps);
         for (int64_t j = 0; j < hkv; ++j) {
             const int64_t at = (r * hkv + j) * d;
-            norm_rope_bf16(ko + at, k + at, kwf, c, s, tmp, d, eps);
-            norm_rope_bf16(vo + at, v + at, 0, 0, 0, tmp, d, eps);
+            norm_rope_bf16(ko + at, k + r * ld[1] + j * d, kwf, c, s, tmp, d, eps);
+            norm_rope_bf16(vo + at, v + r * ld[2] + j * d, 0, 0, 0, tmp, d, eps);
         }
     }
 }
@@ -257,7 +260,7 @@ static void qkv_rows_bf16(const bf16 *q, const bf16 *k, const bf16 *v, const bf1
 typedef struct {
     const bf16 *q, *k, *v, *qw, *kw, *cos, *sin;
     bf16 *qo, *ko, *vo;
-    int64_t hq, hkv, d;
+    int64_t hq, hkv, d, ldq, ldk, ldv;
     float eps;
     int64_t begin, end, threads;
 } QkvBf16Args;
@@ -265,5 +268,5 @@ typedef struct {
 void canvas_qkv_norm_rope_bf16(const QkvBf16Args *a) {
     PARALLEL_ROWS(a->threads, a->begin, a->end,
                   qkv_rows_bf16(a->q, a->k, a->v, a->qw, a->kw, a->cos, a->sin, a->qo, a->ko,
-                                a->vo, a->hq, a->hkv, a->d, a->eps, b, e));
+                                a->vo, a->hq, a->hkv, a->d, (const int64_t[3]){a->ldq, a->ldk, a->ldv}, a->eps, b, e));
 }

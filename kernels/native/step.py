@@ -62,13 +62,17 @@ def qkv_norm_rope(
     ):
         return reference.qkv_norm_rope(q, k, v, q_weight, k_weight, cos, sin, eps)
     lib = loaded("step")
-    q, k, v, qw, kw, cos, sin = (t.contiguous() for t in (q, k, v, q_weight, k_weight, cos, sin))
-    qo, ko, vo = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    q, k, v = (heads_contiguous(t) for t in (q, k, v))
+    qw, kw, cos, sin = (t.contiguous() for t in (q_weight, k_weight, cos, sin))
+    qo, ko, vo = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
     args = QkvArgs(
         **addresses(q=q, k=k, v=v, qw=qw, kw=kw, cos=cos, sin=sin, qo=qo, ko=ko, vo=vo),
         hq=q.shape[1],
         hkv=k.shape[1],
         d=dim,
+        ldq=q.stride(0),
+        ldk=k.stride(0),
+        ldv=v.stride(0),
         eps=eps,
     )
     per_token = dim * (q.shape[1] + 2 * k.shape[1])
@@ -76,6 +80,12 @@ def qkv_norm_rope(
     kernel = lib.canvas_qkv_norm_rope_bf16 if bf else lib.canvas_qkv_norm_rope
     split_rows("step", kernel, args, q.shape[0], norm_min_rows(per_token))
     return qo, ko, vo
+
+
+def heads_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t [N, H, D] as is where each token's heads are contiguous (a column block of one
+    projection's output over q, k and v: `qkv_norm_rope` reads it in place), else a copy."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
 
 def route_experts(

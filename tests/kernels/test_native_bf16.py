@@ -5,13 +5,14 @@ routing of bf16 operands from `kernels.native.moe`."""
 from __future__ import annotations
 
 import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import reference, reference_layer, reference_norm
 from kernels.native import attention as native_attention
-from kernels.native import bf16, build, norms, step
+from kernels.native import bf16, norms, step
 from kernels.native import moe as native_moe
 from kernels.native.packing import PackedWeights
 from tests.kernels.attention_cases import SCENARIOS, make_inputs, run
@@ -41,7 +42,8 @@ def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "rows,k,n", [(1, 64, 32), (3, 33, 64), (17, 511, 96), (40, 130, 32), (15, 96, 64), (33, 256, 96)]
+    "rows,k,n",
+    [(1, 64, 32), (3, 33, 64), (17, 511, 96), (40, 130, 32), (15, 96, 64), (33, 256, 96)],
 )
 @torch.no_grad()
 def test_dense_tiles_match_the_twin_and_never_depend_on_the_batch(path, rows, k, n):
@@ -217,6 +219,25 @@ def test_bf16_qkv_norms_and_rope_are_native_and_match_the_twin(monkeypatch, toke
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype
         torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_qkv_norms_read_q_k_v_in_place_from_one_products_columns(dtype):
+    """q, k and v as column blocks of one [tokens, (Hq + 2 Hkv) D] product (`bf16.dense_many`'s
+    views) go to the kernel as they are, no copy, the bits of contiguous copies."""
+    tokens, d = 17, 32
+    joined = torch.randn(tokens, (4 + 2 + 2) * d, generator=torch.Generator().manual_seed(0))
+    q, k, v = (t.view(tokens, -1, d) for t in joined.to(dtype).split([4 * d, 2 * d, 2 * d], -1))
+    assert not q.is_contiguous() and step.heads_contiguous(q) is q
+    qw, kw = (torch.rand(d) + 0.5).to(dtype), (torch.rand(d) + 0.5).to(dtype)
+    angles = torch.rand(tokens, d // 2) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    got = step.qkv_norm_rope(q, k, v, qw, kw, cos, sin, 1e-6)
+    copies = (t.contiguous() for t in (q, k, v))
+    want = step.qkv_norm_rope(*copies, qw, kw, cos, sin, 1e-6)
+    for g, w in zip(got, want, strict=True):
+        assert g.is_contiguous() and torch.equal(g, w)
 
 
 @pytest.mark.parametrize("shape", [(1, 7), (3, 16), (17, 45)])
