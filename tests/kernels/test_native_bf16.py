@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.model import Mode
 from kernels import reference, reference_layer, reference_norm
 from kernels.native import attention as native_attention
 from kernels.native import bf16, norms, step
@@ -350,3 +351,31 @@ def test_a_bf16_forward_on_native_kernels_is_as_near_fp32_as_the_twins(
             assert g.dtype == t.dtype
             ours, theirs = ((x.float() - w).abs().mean().item() for x in (g, t))
             assert ours <= 1.5 * theirs + 1e-3
+
+
+@torch.inference_mode()
+def test_a_bf16_canvas_gets_the_same_bits_alone_and_among_others(tiny_checkpoint):
+    """A bf16 model on the native kernels at bench-tiny's shapes (every dense projection on
+    the tiles where they go first, the experts, attention, norms and router native): a
+    canvas's hidden states are the same bits in a forward of three canvases as alone."""
+    from engine.model import load_model
+    from tests.kernels.native_cases import Sequences
+
+    path = tiny_checkpoint("bench-tiny")
+    model = load_model(path, dtype="bfloat16", kernels="native")
+    cfg, length = model.cfg, model.config.canvas_length
+    if not bf16.tiles_first(cfg.hidden_size):
+        pytest.skip("dense projections on oneDNN here: a row may round one ulp apart")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (9, 20, 3)]
+    canvas = torch.randint(0, cfg.vocab_size, (3, length), generator=gen)
+    seqs = Sequences(model, 3, 20 + length)
+    seqs.run(
+        [seqs.row(i, Mode.ENCODE, 0, len(p)) for i, p in enumerate(prompts)], torch.cat(prompts)
+    )
+    rows = [seqs.row(i, Mode.DECODE, len(p), length) for i, p in enumerate(prompts)]
+    together = seqs.run(rows, canvas.flatten()).view(3, length, -1)
+    assert together.dtype == torch.bfloat16
+    for i in range(3):
+        alone = seqs.run([rows[i]], canvas[i]).view(length, -1)
+        assert torch.equal(alone, together[i]), i
