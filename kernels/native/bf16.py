@@ -4,13 +4,15 @@ with `--dtype bfloat16`), the bf16 twins of its fp32 tiles.
 
 bf16 weights are packed once per binding (`kernels.native.packing`) as pairs of inputs per
 output column (`bf16.c`'s layout); activations stay bf16, read in place; sums run in fp32 and
-outputs are rounded to bf16, as the twins' (oneDNN's bf16 GEMMs) are. The products run
-AVX512-BF16's `vdpbf16ps` where the CPU has it (the library is built for this machine:
-`canvas_bf16_paths`), the generic vector code (the same bits, any CPU) elsewhere or with
-`CANVAS_NATIVE_BF16=generic`. Shapes the tiles do not take (output widths not whole blocks of
-32 columns, weights beyond the L2 budget) and autograd run the twins; a dense projection the
-tiles do not take (every one where oneDNN has AMX) runs oneDNN on the weight reordered once per
-binding (`kernels.native.onednn`) where the binding decided so, the twin otherwise.
+outputs are rounded to bf16, as the twins' (oneDNN's bf16 GEMMs) are. The products run on AMX
+tiles where the CPU has them (the experts; the dense projections with K a multiple of 32:
+`bf16_amx.h`), else AVX512-BF16's `vdpbf16ps` where the CPU has it (the library is built for
+this machine: `canvas_bf16_paths`), the generic vector code (the same bits, any CPU) elsewhere
+or with `CANVAS_NATIVE_BF16=generic`. Shapes the tiles do not take (output widths not whole
+blocks of 32 columns, weights beyond the L2 budget) and autograd run the twins; a dense
+projection the tiles do not take (or that oneDNN runs faster: `tiles_first`) runs oneDNN on the
+weight reordered once per binding (`kernels.native.onednn`; q/k/v, and gate with up, as one
+product) where the binding decided so, the twin otherwise.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ MAX_EXPERT_BYTES = 1 << 20
 # Rows per thread below which one thread runs all (a hand-off costs ~50 µs).
 MIN_ROWS_PER_THREAD = 32
 MIN_EXPERT_ROWS_PER_THREAD = 64
+# Rows from which a dense projection that fits the AMX tiles runs oneDNN instead (`tiles_first`).
+AMX_MAX_ROWS = 1024
 
 
 def takes(*tensors: torch.Tensor | None) -> bool:
@@ -131,12 +135,13 @@ def amx_dense(k: int) -> bool:
     return k % 32 == 0 and path() == PATHS["amx"]
 
 
-def tiles_first(k: int) -> bool:
-    """Whether a dense projection over K inputs that fits the tiles takes them before oneDNN:
-    where the tiles run on AMX (one native call, no oneDNN primitive per projection: the
-    projections of a small model's rows are a few microseconds of work) or oneDNN has no AMX
-    (`onednn_amx`)."""
-    return amx_dense(k) or not onednn_amx()
+def tiles_first(k: int, rows: int) -> bool:
+    """Whether a dense projection of `rows` rows over K inputs that fits the tiles takes them
+    before oneDNN: where oneDNN has no AMX (`onednn_amx`), or the tiles run on AMX and the rows
+    are fewer than AMX_MAX_ROWS (one native call and no oneDNN primitive per projection: a
+    small model's projections are a few microseconds of work; from there on oneDNN's blocking
+    beats the tiles', and a row may round one ulp apart across that batch size)."""
+    return not onednn_amx() or (amx_dense(k) and rows < AMX_MAX_ROWS)
 
 
 def linear(
@@ -171,7 +176,7 @@ def linear_many(
     fits the tiles and they go first (`tiles_first`), `dense` one by one otherwise."""
     k = weights[0].shape[-1]
     if (
-        not tiles_first(k)
+        not tiles_first(k, x.numel() // max(1, k))
         or len(weights) > 3
         or not all(w.dim() == 2 and w.shape[1] == k and _fits(w.shape[0], k) for w in weights)
     ):
@@ -257,7 +262,7 @@ def gated_linear(
     (`dense_many`) and bf16.c's GeGLU over its halves; the three calls otherwise."""
     inter, k = gate.shape
     if (
-        not tiles_first(k)
+        not tiles_first(k, x.numel() // max(1, k))
         or activation != "gelu_pytorch_tanh"
         or inter % LANES
         or up.shape != gate.shape

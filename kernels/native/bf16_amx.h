@@ -38,18 +38,14 @@ typedef struct {
     uint8_t rows[16];
 } AmxConfig;
 
-/* Tiles 0-3: accumulators; 4: rows; 5, 6: weights. Every tile 64 bytes wide; the weights' 16
- * rows (input pairs), the accumulators' and rows' `rows` (a partial tile of rows: the dense
- * projections' last rows, read and written in place). */
-static void amx_configure_rows(int rows) {
+/* Tiles 0-3: accumulators; 4: rows; 5, 6: weights. Every tile 16 rows of 64 bytes. */
+static void amx_configure(void) {
     AmxConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = t == 5 || t == 6 ? 16 : rows;
+    for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
     _tile_loadconfig(&cfg);
 }
-
-static void amx_configure(void) { amx_configure_rows(AMX_ROWS); }
 
 /* Tiles 0 and 1 = a [16, k_dim] (rows of lda) times the packed blocks b0, b1 (their pairs 128
  * bytes apart), over the input pairs in order. */
@@ -108,40 +104,96 @@ static void amx_moe_rows(const bf16 *x, const bf16 *gup, const bf16 *dnp, const 
     _tile_release();
 }
 
-/* The dense products on AMX tiles (K a multiple of 32), rows [row_begin,
- * row_end) of x read in place, up to 16 at a time (the last tile of a range as many as are
- * left: every row's sums are the same whatever its tile holds). `linear`: bf16.c's
- * `linear_rows` (blocks of 32 columns of the packed weights to out0/out1/out2); `gated`: its
- * `gated_rows` (gate and up's blocks of 16 columns, their GeGLU rounded once). */
+/* The dense products' tiles: 0-3 accumulators and 4, 5 rows (`rows` each: a partial tile of
+ * rows is read and written in place), 6, 7 weights (16 input pairs). */
+static void amx_configure_dense(int rows) {
+    AmxConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = t >= 6 ? 16 : rows;
+    _tile_loadconfig(&cfg);
+}
+
+/* Rows [row, row + m) of one block of columns from the accumulators c0, c1 (16 x 16 fp32
+ * each): `gated`, GeGLU of gate (c0) and up (c1) rounded into out[0]'s columns [16c, 16c + 16);
+ * else the block's 32 columns rounded into the output (out0/out1/out2 by n_of) they fall in. */
+static void amx_store(int gated, bf16 *const out[3], const int64_t n_of[3], int64_t c,
+                      int64_t row, int m, const float *c0, const float *c1) {
+    if (gated) {
+        for (int r = 0; r < m; ++r)
+            store_bf16(out[0] + (row + r) * n_of[0] + c * BV,
+                       geglu16(bload(c0 + r * BV), bload(c1 + r * BV)));
+        return;
+    }
+    int64_t col = c * 2 * BV, part = 0;
+    while (part < 2 && col >= n_of[part]) col -= n_of[part++];
+    bf16 *dst = out[part];
+    const int64_t ld = n_of[part];
+    for (int r = 0; r < m; ++r) {
+        store_bf16(dst + (row + r) * ld + col, bload(c0 + r * BV));
+        store_bf16(dst + (row + r) * ld + col + BV, bload(c1 + r * BV));
+    }
+}
+
+/* The dense products on AMX tiles (K a multiple of 32), rows [row_begin, row_end) of x read in
+ * place: 32 rows at a time (two tiles of rows against each block's two tiles of weights: each
+ * weight tile loaded once per 32 rows), the last rows of a range 16 or fewer at a time. A
+ * row's sums are the same whichever tile holds it: each runs over the input pairs in order,
+ * 32 inputs per TDPBF16PS. `gated`: bf16.c's `gated_rows` (gate and up's blocks of 16
+ * columns, their GeGLU rounded once); else its `linear_rows` (blocks of 32 columns to
+ * out0/out1/out2). */
 static void amx_dense_rows(int gated, const bf16 *x, const bf16 *wp, bf16 *const out[3],
                            const int64_t n_of[3], int64_t k_dim, int64_t n, int64_t row_begin,
                            int64_t row_end) {
-    const int64_t block = (k_dim / 2) * 4 * BV, cols = gated ? BV : 2 * BV;
-    float c0[AMX_ROWS * BV] __attribute__((aligned(64)));
-    float c1[AMX_ROWS * BV] __attribute__((aligned(64)));
+    const int64_t block = (k_dim / 2) * 4 * BV, blocks = n / (gated ? BV : 2 * BV);
+    const int64_t lda = k_dim * 2, ldb = 4 * BV * 2;
+    float acc[4][AMX_ROWS * BV] __attribute__((aligned(64)));
     int configured = 0;
-    for (int64_t row = row_begin; row < row_end; row += AMX_ROWS) {
-        const int m = row_end - row < AMX_ROWS ? (int)(row_end - row) : AMX_ROWS;
-        if (m != configured) amx_configure_rows(m), configured = m;
-        for (int64_t c = 0; c < n / cols; ++c) {
+    int64_t row = row_begin;
+    for (; row + 2 * AMX_ROWS <= row_end; row += 2 * AMX_ROWS) {
+        if (configured != AMX_ROWS) amx_configure_dense(AMX_ROWS), configured = AMX_ROWS;
+        const bf16 *a0 = x + row * k_dim, *a1 = a0 + AMX_ROWS * k_dim;
+        for (int64_t c = 0; c < blocks; ++c) {
             const bf16 *b = wp + c * block;
-            AMX_PRODUCT(x + row * k_dim, k_dim, b, b + 2 * BV, k_dim);
-            _tile_stored(0, c0, BV * 4);
-            _tile_stored(1, c1, BV * 4);
-            if (gated) {
-                for (int r = 0; r < m; ++r)
-                    store_bf16(out[0] + (row + r) * n_of[0] + c * BV,
-                               geglu16(bload(c0 + r * BV), bload(c1 + r * BV)));
-                continue;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k = 0; k < k_dim; k += 32) {
+                _tile_loadd(4, a0 + k, lda);
+                _tile_loadd(5, a1 + k, lda);
+                _tile_loadd(6, b + k * 2 * BV, ldb);
+                _tile_loadd(7, b + k * 2 * BV + 2 * BV, ldb);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
             }
-            int64_t col = c * cols, part = 0;
-            while (part < 2 && col >= n_of[part]) col -= n_of[part++];
-            bf16 *dst = out[part];
-            const int64_t ld = n_of[part];
-            for (int r = 0; r < m; ++r) {
-                store_bf16(dst + (row + r) * ld + col, bload(c0 + r * BV));
-                store_bf16(dst + (row + r) * ld + col + BV, bload(c1 + r * BV));
+            _tile_stored(0, acc[0], BV * 4); /* tile numbers are immediates */
+            _tile_stored(1, acc[1], BV * 4);
+            _tile_stored(2, acc[2], BV * 4);
+            _tile_stored(3, acc[3], BV * 4);
+            amx_store(gated, out, n_of, c, row, AMX_ROWS, acc[0], acc[1]);
+            amx_store(gated, out, n_of, c, row + AMX_ROWS, AMX_ROWS, acc[2], acc[3]);
+        }
+    }
+    for (; row < row_end; row += AMX_ROWS) {
+        const int m = row_end - row < AMX_ROWS ? (int)(row_end - row) : AMX_ROWS;
+        if (m != configured) amx_configure_dense(m), configured = m;
+        for (int64_t c = 0; c < blocks; ++c) {
+            const bf16 *b = wp + c * block;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t k = 0; k < k_dim; k += 32) {
+                _tile_loadd(4, x + row * k_dim + k, lda);
+                _tile_loadd(6, b + k * 2 * BV, ldb);
+                _tile_loadd(7, b + k * 2 * BV + 2 * BV, ldb);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
             }
+            _tile_stored(0, acc[0], BV * 4);
+            _tile_stored(1, acc[1], BV * 4);
+            amx_store(gated, out, n_of, c, row, m, acc[0], acc[1]);
         }
     }
     if (configured) _tile_release();

@@ -156,10 +156,12 @@ def test_moe_hands_bf16_operands_to_the_bf16_kernels(monkeypatch):
     native_moe.linear(x, w, [200])
     native_moe.gated_linear(x, w, w, "gelu_pytorch_tanh", [200])
     native_moe.linear(x.float(), w.float(), [200])
-    first = ["linear", "gated"] if bf16.tiles_first(64) else []
-    assert calls == first and bf16.tiles_first(64) == (bf16.amx_dense(64) or not bf16.onednn_amx())
+    first = ["linear", "gated"] if bf16.tiles_first(64, 200) else []
+    amx = bf16.amx_dense(64)
+    assert calls == first and bf16.tiles_first(64, 200) == (amx or not bf16.onednn_amx())
+    assert not bf16.tiles_first(64, bf16.AMX_MAX_ROWS) or not bf16.onednn_amx()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-    assert not bf16.onednn_amx() and bf16.tiles_first(64)
+    assert not bf16.onednn_amx() and bf16.tiles_first(64, bf16.AMX_MAX_ROWS)
     native_moe.linear(x, w, [200])
     assert torch.equal(native_moe.linear(x, w[:20], [200]), F.linear(x, w[:20]))
     assert calls == [*first, "linear"]
@@ -346,7 +348,7 @@ def test_a_bf16_forward_on_native_kernels_is_as_near_fp32_as_the_twins(
         calls.clear()
         got = forwards(load_model(path, dtype="bfloat16", kernels="native"))
         dense = {"linear_tiles", "gated_tiles"} & set(calls)
-        assert "fused_moe" in calls and bool(dense) == bf16.tiles_first(hidden)
+        assert "fused_moe" in calls and bool(dense) == bf16.tiles_first(hidden, 1)
         for g, t, w in zip(got, twins, exact, strict=True):
             assert g.dtype == t.dtype
             ours, theirs = ((x.float() - w).abs().mean().item() for x in (g, t))
@@ -364,7 +366,7 @@ def test_a_bf16_canvas_gets_the_same_bits_alone_and_among_others(tiny_checkpoint
     path = tiny_checkpoint("bench-tiny")
     model = load_model(path, dtype="bfloat16", kernels="native")
     cfg, length = model.cfg, model.config.canvas_length
-    if not bf16.tiles_first(cfg.hidden_size):
+    if not bf16.tiles_first(cfg.hidden_size, 3 * length):
         pytest.skip("dense projections on oneDNN here: a row may round one ulp apart")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (9, 20, 3)]
