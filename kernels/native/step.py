@@ -127,8 +127,8 @@ def route_experts(
         or per_expert_scale.numel() != experts
         or not 0 < top_k <= experts
     ):
-        rows = hidden.float() if rows_bf16 else hidden  # the twin on the fp32 copy, as before
-        return reference.route_experts(rows, scale, proj, per_expert_scale, top_k, eps)
+        fp32 = hidden.float() if rows_bf16 else hidden  # the twin on the fp32 copy, as before
+        return reference.route_experts(fp32, scale, proj, per_expert_scale, top_k, eps)
     lib = loaded("step")
     x = hidden.reshape(-1, size).contiguous()
     rows = x.shape[0]
