@@ -204,7 +204,8 @@ def dense_many(
     """[dense(x, w) for w in weights]: one oneDNN product over the weights stacked and
     reordered once together (a binding that chose oneDNN, `_joined`), each output a view of its
     columns of the one result (rows `sum(N_i)` apart: `step.qkv_norm_rope` reads q, k and v in
-    place); `dense` one by one otherwise. The same sums as one by one."""
+    place); `dense` one by one otherwise. The same sums as one by one (their values within a
+    bf16 ulp of those, as oneDNN's are of each other across batches)."""
     if not _joined(packs, x, weights):
         return [dense(x, w, segments, packs) for w in weights]
     assert packs is not None

@@ -359,7 +359,8 @@ def test_a_bf16_forward_on_native_kernels_is_as_near_fp32_as_the_twins(
 def test_a_bf16_canvas_gets_the_same_bits_alone_and_among_others(tiny_checkpoint):
     """A bf16 model on the native kernels at bench-tiny's shapes (every dense projection on
     the tiles where they go first, the experts, attention, norms and router native): a
-    canvas's hidden states are the same bits in a forward of three canvases as alone."""
+    canvas's hidden states are the same bits in a forward of three canvases as alone (one
+    bench-tiny model and four forwards: the shapes where the tiles go first)."""
     from engine.model import load_model
     from tests.kernels.native_cases import Sequences
 
