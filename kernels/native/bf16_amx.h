@@ -18,25 +18,10 @@
 /* Each thread's scratch (bf16 elements): the gathered rows, act, and two 16 x 16 fp32 tiles. */
 #define BF_SCRATCH(h, inter) (AMX_ROWS * ((h) + (inter)) + 4 * AMX_ROWS * BV)
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
-static int amx_ready(void) {
-    static int state = -1; /* the request is the process's: asked once */
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                   18 /* XFEATURE_XTILEDATA */) == 0;
-    return state;
-}
-
+#if CANVAS_AMX
 static int amx_takes(int64_t h, int64_t inter) { return h % 32 == 0 && inter % 32 == 0; }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} AmxConfig;
 
 /* Tiles 0-3: accumulators; 4: rows; 5, 6: weights. Every tile 16 rows of 64 bytes. */
 static void amx_configure(void) {
@@ -102,16 +87,6 @@ static void amx_moe_rows(const bf16 *x, const bf16 *gup, const bf16 *dnp, const 
         row += m;
     }
     _tile_release();
-}
-
-/* The dense products' tiles: 0-3 accumulators and 4, 5 rows (`rows` each: a partial tile of
- * rows is read and written in place), 6, 7 weights (16 input pairs). */
-static void amx_configure_dense(int rows) {
-    AmxConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = t >= 6 ? 16 : rows;
-    _tile_loadconfig(&cfg);
 }
 
 /* Rows [row, row + m) of one block of columns from the accumulators c0, c1 (16 x 16 fp32
@@ -199,7 +174,6 @@ static void amx_dense_rows(int gated, const bf16 *x, const bf16 *wp, bf16 *const
     if (configured) _tile_release();
 }
 #else
-static int amx_ready(void) { return 0; }
 static int amx_takes(int64_t h, int64_t inter) { return (void)h, (void)inter, 0; }
 static void amx_moe_rows(const bf16 *x, const bf16 *gup, const bf16 *dnp, const float *weights,
                          const int64_t *pairs, const int64_t *ends, float *ybuf, bf16 *scratch,

@@ -308,9 +308,10 @@ class NativeAttention:
 @pytest.mark.parametrize("name", [n for n, sc in SCENARIOS.items() if not sc.images])
 @pytest.mark.parametrize("head_dim", [32, 64])
 @torch.inference_mode()
-def test_bf16_attention_over_a_bf16_cache_matches_the_twin(monkeypatch, name, head_dim):
-    """attention.c on bf16 q/k/v and pools (the twin raises here): within bf16's rounding of
-    the bf16 twin, every text scenario (decode and encode rows, windows, a query alone)."""
+def test_bf16_attention_over_a_bf16_cache_matches_the_twin(monkeypatch, path, name, head_dim):
+    """attention.c on bf16 q/k/v and pools (the twin raises here) on each path (amx: AMX
+    tiles; the others: rows read into fp32): within bf16's rounding of the bf16 twin, every
+    text scenario (decode and encode rows, windows, a query alone)."""
     from dataclasses import replace
 
     sc = replace(SCENARIOS[name], head_dim=head_dim)
@@ -320,6 +321,24 @@ def test_bf16_attention_over_a_bf16_cache_matches_the_twin(monkeypatch, name, he
     got = run(NativeAttention, x, sc)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+@torch.inference_mode()
+def test_bf16_attention_on_amx_tiles_is_its_own_path_within_rounding(monkeypatch):
+    """On AMX the scores and values run on tiles (each softmax weight rounded to bf16): other
+    bits than the rows read into fp32, within bf16's rounding of them."""
+    from dataclasses import replace
+
+    if "amx" not in bf16.paths():
+        pytest.skip("this CPU has no AMX path")
+    sc = replace(SCENARIOS["mixed-sliding-window-edge"], head_dim=64)
+    x = make_inputs(sc, torch.device("cpu"), torch.bfloat16)
+    got = {}
+    for name in ("amx", "avx512_bf16"):
+        monkeypatch.setenv("CANVAS_NATIVE_BF16", name)
+        got[name] = run(NativeAttention, x, sc)
+    assert not torch.equal(got["amx"], got["avx512_bf16"])
+    torch.testing.assert_close(got["amx"], got["avx512_bf16"], rtol=RTOL, atol=ATOL)
 
 
 @torch.inference_mode()
