@@ -21,8 +21,10 @@
  * below 2e-35 of the maximum's term); the values' sums run over the keys in order. Nothing
  * depends on other rows or on the thread that runs an item, so a row's values never depend on
  * its batch; they differ from SDPA's (blocked online softmax) in the last bits. fp32 or bf16
- * (`bf`: q, k, v, the pools and out all bf16: each row read into fp32 as it is used, the
- * arithmetic in fp32, the output rounded to bf16), contiguous; D a multiple of 2V.
+ * (`bf` 1: q, k, v, the pools and out all bf16: each row read into fp32 as it is used, the
+ * arithmetic in fp32, the output rounded to bf16; `bf` 2: the same tensors, the scores and the
+ * values' product on AMX tiles where the library has them: `attend_amx`), contiguous; D a
+ * multiple of 2V.
  */
 #include <math.h>
 #include <stdint.h>
