@@ -114,7 +114,7 @@ class AttentionArgs(ctypes.Structure):
 class QkvArgs(ctypes.Structure):
     _fields_ = [
         *pointers("q", "k", "v", "qw", "kw", "cos", "sin", "qo", "ko", "vo"),
-        *integers("hq", "hkv", "d"),
+        *integers("hq", "hkv", "d", "ldq", "ldk", "ldv"),
         ("eps", F32),
         *RANGE,
     ]
@@ -122,7 +122,7 @@ class QkvArgs(ctypes.Structure):
 
 class RouteArgs(ctypes.Structure):
     _fields_ = [
-        *pointers("x", "scale", "projt", "pes", "weights", "ids"),
+        *pointers("x", "scale", "projt", "pes", "weights", "ids", "xb"),
         *integers("hidden", "experts", "ep", "top_k"),
         ("eps", F32),
         *RANGE,
@@ -158,7 +158,7 @@ class Bf16MoeArgs(ctypes.Structure):
 
 
 class Bf16GegluArgs(ctypes.Structure):
-    _fields_ = [*pointers("gate", "up", "out"), *RANGE]
+    _fields_ = [*pointers("gate", "up", "out"), *integers("width", "ld"), *RANGE]
 
 
 class Bf16SumArgs(ctypes.Structure):

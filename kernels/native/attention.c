@@ -21,13 +21,16 @@
  * below 2e-35 of the maximum's term); the values' sums run over the keys in order. Nothing
  * depends on other rows or on the thread that runs an item, so a row's values never depend on
  * its batch; they differ from SDPA's (blocked online softmax) in the last bits. fp32 or bf16
- * (`bf`: q, k, v, the pools and out all bf16: each row read into fp32 as it is used, the
- * arithmetic in fp32, the output rounded to bf16), contiguous; D a multiple of 2V.
+ * (`bf` 1: q, k, v, the pools and out all bf16: each row read into fp32 as it is used, the
+ * arithmetic in fp32, the output rounded to bf16; `bf` 2: the same tensors, the scores and the
+ * values' product on AMX tiles where the library has them: `attend_amx`), contiguous; D a
+ * multiple of 2V.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "parallel.h"
 #include "tile.h"
@@ -40,14 +43,19 @@ typedef struct {
     void *out;
     int64_t max_pages, hq, hkv, d, size, window, qblock;
     float scale;
-    int64_t bf; /* 1: every tensor bf16 */
+    int64_t bf; /* 1: every tensor bf16; 2: and the scores and values on AMX */
 } Attn;
 
 /* Row `index` (in rows of d) of tensor t as fp32: in place, or for bf16 converted into buf. */
 static inline const float *row_f32(const Attn *a, const void *t, int64_t index, float *buf) {
     if (!a->bf) return (const float *)t + index * a->d;
     const bf16 *src = (const bf16 *)t + index * a->d;
-    for (int64_t x = 0; x < a->d; ++x) buf[x] = bf_to_f(src[x]);
+    int64_t x = 0;
+    for (; x + BV <= a->d; x += BV) {
+        const bvf v = load_bf16(src + x);
+        memcpy(buf + x, &v, sizeof v);
+    }
+    for (; x < a->d; ++x) buf[x] = bf_to_f(src[x]);
     return buf;
 }
 
@@ -66,7 +74,9 @@ static inline const float *key_row(const Attn *a, const void *pool, const void *
 static inline void put_row(const Attn *a, int64_t index, const float *o) {
     if (!a->bf) return;
     bf16 *dst = (bf16 *)a->out + index * a->d;
-    for (int64_t x = 0; x < a->d; ++x) dst[x] = f_to_bf(o[x]);
+    int64_t x = 0;
+    for (; x + BV <= a->d; x += BV) store_bf16(dst + x, bload(o + x));
+    for (; x < a->d; ++x) dst[x] = f_to_bf(o[x]);
 }
 
 /* Where output row `index` is computed: in place for fp32, buf for bf16. */
@@ -173,6 +183,96 @@ static void attend_few(const Attn *a, int64_t r, int64_t h, int64_t t0, int64_t 
     }
 }
 
+#if CANVAS_AMX
+/* Key `pos` of row r, head h, bf16 as it is stored: from its page below `start`, else the row's
+ * new keys (`key_row` without the conversion). */
+static inline const bf16 *key_bf16(const Attn *a, const void *pool, const void *fresh,
+                                   int64_t r, int64_t h, int64_t pos) {
+    const int64_t st = a->start[r], d = a->d;
+    if (pos >= st) return (const bf16 *)fresh + ((a->offset[r] + pos - st) * a->hkv + h) * d;
+    const int64_t page = a->page_table[r * a->max_pages + pos / a->size];
+    return (const bf16 *)pool + ((page * a->hkv + h) * a->size + pos % a->size) * d;
+}
+
+/* An item's scores and values on AMX tiles (`bf` 2: bf16 tensors, D a multiple of 32): q's
+ * rows bf16 as they are, the keys packed as TDPBF16PS' right-hand side (kb [Lp / 16, D / 2, 16,
+ * 2]: 16 keys' pairs of dimensions), the values too (vb [D / 16, Lp / 2, 16, 2]: 16 dimensions'
+ * pairs of keys); the scores in fp32 (q.k over D in TDPBF16PS' order, times `scale` in the
+ * softmax), each softmax row's exp rounded to bf16 in place of its scores (the values' product
+ * takes bf16: the rounding of the weights, not of the sums, which stay fp32), the output divided
+ * by the fp32 sum and rounded to bf16. Score rows 16 at a time (the last tile as many as are
+ * left); a row's values depend on its own keys and queries only. */
+static void attend_amx(const Attn *a, int64_t r, int64_t h, int64_t t0, int64_t m, int64_t klo,
+                       int64_t nk, int64_t lp, int dec, float *scratch, int64_t lmax) {
+    const int64_t d = a->d, g = a->hq / a->hkv, st = a->start[r];
+    bf16 *kb = (bf16 *)scratch, *vb = (bf16 *)(scratch + lmax * d);
+    float *s = scratch + 2 * lmax * d, *qbuf = s + g * a->qblock * lmax;
+    float *ob = qbuf + g * a->qblock * d; /* `attend`'s scratch: kp, vp, s, qbuf, obuf */
+    bf16 *qb = (bf16 *)qbuf;
+    memset(kb, 0, sizeof(bf16) * lp * d);
+    memset(vb, 0, sizeof(bf16) * lp * d);
+    for (int64_t j = 0; j < nk; j += 2) {
+        const bf16 *k0 = key_bf16(a, a->k_pool, a->k, r, h, klo + j);
+        const bf16 *v0 = key_bf16(a, a->v_pool, a->v, r, h, klo + j);
+        const int two = j + 1 < nk; /* an odd last key's partner: zero values */
+        const bf16 *v1 = two ? key_bf16(a, a->v_pool, a->v, r, h, klo + j + 1) : v0;
+        for (int e = 0; e < 2 && j + e < nk; ++e) { /* a key's pairs of dimensions: words */
+            const bf16 *kr = e ? key_bf16(a, a->k_pool, a->k, r, h, klo + j + 1) : k0;
+            uint32_t *dst = (uint32_t *)kb + ((j + e) / 16) * (d / 2) * 16 + (j + e) % 16;
+            for (int64_t p = 0; p < d / 2; ++p) memcpy(dst + p * 16, kr + 2 * p, 4);
+        }
+        for (int64_t c = 0; c < d / 16; ++c) { /* the two keys' values, dimension by dimension */
+            bf16 *dst = vb + (c * (lp / 2) + j / 2) * 32;
+            for (int x = 0; x < 16; ++x)
+                dst[2 * x] = v0[c * 16 + x], dst[2 * x + 1] = two ? v1[c * 16 + x] : 0;
+        }
+    }
+    for (int64_t i = 0; i < m; ++i) {
+        const int64_t index = (a->offset[r] + t0 + i / g) * a->hq + h * g + i % g;
+        memcpy(qb + i * d, (const bf16 *)a->q + index * d, sizeof(bf16) * d);
+    }
+    int configured = 0;
+    for (int64_t m0 = 0; m0 < m; m0 += 16) {
+        const int mt = m - m0 < 16 ? (int)(m - m0) : 16;
+        if (mt != configured) amx_configure_dense(mt), configured = mt;
+        for (int64_t c = 0; c < lp / 16; ++c) {
+            _tile_zero(0);
+            for (int64_t x = 0; x < d; x += 32) {
+                _tile_loadd(4, qb + m0 * d + x, d * 2);
+                _tile_loadd(6, kb + (c * (d / 2) + x / 2) * 32, 64);
+                _tile_dpbf16ps(0, 4, 6);
+            }
+            _tile_stored(0, s + m0 * lp + c * 16, lp * 4);
+        }
+        float inv[16];
+        for (int x = 0; x < mt; ++x) {
+            int64_t jlo, jhi;
+            float *row = s + (m0 + x) * lp;
+            visible(a, dec, st + t0 + (m0 + x) / g, klo, nk, &jlo, &jhi);
+            inv[x] = softmax_row(row, lp, jlo, jhi, a->scale);
+            for (int64_t j = 0; j < lp; j += BV) /* in place: bf16 j at byte 2j, read at 4j */
+                store_bf16((bf16 *)row + j, bload(row + j));
+        }
+        for (int64_t c = 0; c < d / 16; ++c) {
+            _tile_zero(0);
+            for (int64_t j = 0; j < lp; j += 32) {
+                _tile_loadd(4, (const bf16 *)(s + m0 * lp) + j, lp * 4);
+                _tile_loadd(6, vb + (c * (lp / 2) + j / 2) * 32, 64);
+                _tile_dpbf16ps(0, 4, 6);
+            }
+            _tile_stored(0, ob + c * 16, d * 4);
+        }
+        for (int x = 0; x < mt; ++x) {
+            const int64_t i = m0 + x;
+            float *o = ob + x * d;
+            bf16 *dst = (bf16 *)a->out + ((a->offset[r] + t0 + i / g) * a->hq + h * g + i % g) * d;
+            for (int64_t y = 0; y < d; y += BV) store_bf16(dst + y, bload(o + y) * inv[x]);
+        }
+    }
+    if (configured) _tile_release();
+}
+#endif
+
 /* One item: row r, KV head h, the row's queries [t0, t1). scratch: kp, vp [Lp, D], the scores
  * [G * qblock, Lp], then (bf16) the queries [G * qblock, D], a tile's outputs [16, D] and three
  * rows [3, D] (ATTN_EXTRA). */
@@ -200,6 +300,12 @@ static void attend(const Attn *a, int64_t r, int64_t h, int64_t t0, float *scrat
         attend_few(a, r, h, t0, t1, klo, nk, dec, scratch, rowbuf);
         return;
     }
+#if CANVAS_AMX
+    if (a->bf == 2 && d % 32 == 0 && amx_ready()) {
+        attend_amx(a, r, h, t0, m, klo, nk, lp, dec, scratch, lmax);
+        return;
+    }
+#endif
     pack_keys(a, r, h, klo, nk, lp, kp, vp, rowbuf);
     const float *rows[MOE_MR];
     float inv[MOE_MR];
@@ -259,7 +365,7 @@ typedef struct {
     float *scratch;
     int64_t max_pages, hq, hkv, d, size, window, qblock;
     float scale;
-    int64_t lmax, bf, begin, end, threads; /* items [begin, end); bf: the tensors are bf16 */
+    int64_t lmax, bf, begin, end, threads; /* items [begin, end); bf: Attn's */
 } AttentionArgs;
 
 void canvas_attention(const AttentionArgs *p) {

@@ -11,7 +11,9 @@ its queries with all the head's query heads), takes the scores and the values' p
 register-tiled products, and runs each query's softmax over the keys it may see only. Rows with
 image spans (bidirectional within an image), head dims that are not whole vector blocks, very
 long rows and autograd keep the twin. bf16 q, k, v and pools (a `--dtype bfloat16` model's
-cache) are read into fp32 row by row, the output rounded to bf16.
+cache) run the scores and the values' product on AMX tiles where `bf16.path` is amx (bf16 rows
+as they are, fp32 sums, each softmax weight rounded to bf16 for the values' product), else are
+read into fp32 row by row; the output rounded to bf16 either way.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def canvas_attention(
     )
     args.max_pages, args.hq, args.hkv, args.d = rows.page_table.shape[1], heads, kv_heads, dim
     args.size, args.window, args.qblock = k_pool.shape[2], window, QUERY_BLOCK
-    args.scale, args.lmax, args.bf = scale, longest, int(q.dtype is torch.bfloat16)
+    args.scale, args.lmax, args.bf = scale, longest, _bf_mode(q)
     num_items = items.shape[0]
     if on_torch_team("attention"):
         team = min(torch.get_num_threads(), num_items)
@@ -138,3 +140,11 @@ def attention_lanes() -> int:
     """The vector width (floats) `attention.c` was compiled with; 0 without the library."""
     lib = library("attention")
     return int(lib.canvas_attention_lanes()) if lib is not None else 0
+
+
+def _bf_mode(q: torch.Tensor) -> int:
+    """attention.c's `bf`: 0 fp32; 1 bf16 read into fp32; 2 bf16 on AMX tiles (`bf16.path`
+    amx: the kernel takes them where D is a multiple of 32)."""
+    if q.dtype is not torch.bfloat16:
+        return 0
+    return 2 if bf16.path() == bf16.PATHS["amx"] else 1

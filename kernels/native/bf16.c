@@ -147,6 +147,10 @@ static void linear_rows(int path, const bf16 *x, const bf16 *wp, bf16 *const out
                         const int64_t n_of[3], int64_t k_dim, int64_t n, int64_t row_begin,
                         int64_t row_end) {
     const int64_t block = ((k_dim + 1) / 2) * 4 * BV;
+    if (path == BF_AMX && k_dim % 32 == 0) {
+        amx_dense_rows(0, x, wp, out, n_of, k_dim, n, row_begin, row_end);
+        return;
+    }
     for (int64_t c = 0; c < n / (2 * BV); ++c) {
         int64_t col = c * 2 * BV, part = 0;
         while (part < 2 && col >= n_of[part]) col -= n_of[part++];
@@ -184,6 +188,12 @@ void canvas_bf16_linear(const Bf16LinearArgs *a) {
 static void gated_rows(int path, const bf16 *x, const bf16 *gup, bf16 *out, int64_t k_dim,
                        int64_t inter, int64_t row_begin, int64_t row_end) {
     const int64_t block = ((k_dim + 1) / 2) * 4 * BV;
+    if (path == BF_AMX && k_dim % 32 == 0) {
+        bf16 *const outs[3] = {out, NULL, NULL};
+        const int64_t n_of[3] = {inter, 0, 0};
+        amx_dense_rows(1, x, gup, outs, n_of, k_dim, inter, row_begin, row_end);
+        return;
+    }
     for (int64_t j = 0; j < inter / BV; ++j) {
         for (int64_t row = row_begin; row < row_end; row += BMR) {
             const bf16 *a[BMR];
@@ -296,22 +306,23 @@ void canvas_bf16_moe_sum(const Bf16SumArgs *a) {
 
 /* ---- GeGLU of bf16 gate and up (the dense MLP's, where oneDNN ran the projections):
  * out = bf16(bf16(gelu_tanh(gate)) * up), rounded where the twin (F.gelu, then mul_) rounds;
- * elements [begin, end) in blocks of BV. */
+ * rows [begin, end) of `width` elements, gate's and up's rows `ld` elements apart (the halves
+ * of one [gate; up] product's rows, or two tensors' rows), out's contiguous. */
 typedef struct {
     const bf16 *gate, *up;
     bf16 *out;
-    int64_t begin, end, threads;
+    int64_t width, ld, begin, end, threads;
 } Bf16GegluArgs;
 
-static void geglu_range(const bf16 *gate, const bf16 *up, bf16 *out, int64_t begin, int64_t end) {
+static void geglu_row(const bf16 *gate, const bf16 *up, bf16 *out, int64_t width) {
     const bvf one = (bvf){0} + 1.0f;
-    int64_t i = begin;
+    int64_t i = 0;
     /* Whole blocks straight from the rows: staging each through variable-length copies cost
      * more than the GELU itself. */
-    for (; i + BV <= end; i += BV)
+    for (; i + BV <= width; i += BV)
         store_bf16(out + i, bround(geglu16(load_bf16(gate + i), one)) * load_bf16(up + i));
-    if (i < end) { /* the last partial block, zero-padded */
-        const int64_t n = end - i;
+    if (i < width) { /* the last partial block, zero-padded */
+        const int64_t n = width - i;
         bf16 g[BV] = {0}, u[BV] = {0}, o[BV];
         memcpy(g, gate + i, n * sizeof(bf16));
         memcpy(u, up + i, n * sizeof(bf16));
@@ -321,5 +332,6 @@ static void geglu_range(const bf16 *gate, const bf16 *up, bf16 *out, int64_t beg
 }
 
 void canvas_bf16_geglu(const Bf16GegluArgs *a) {
-    PARALLEL_ROWS(a->threads, a->begin, a->end, geglu_range(a->gate, a->up, a->out, b, e));
+    PARALLEL_ROWS(a->threads, a->begin, a->end, for (int64_t r = b; r < e; ++r)
+        geglu_row(a->gate + r * a->ld, a->up + r * a->ld, a->out + r * a->width, a->width));
 }

@@ -4,13 +4,15 @@ with `--dtype bfloat16`), the bf16 twins of its fp32 tiles.
 
 bf16 weights are packed once per binding (`kernels.native.packing`) as pairs of inputs per
 output column (`bf16.c`'s layout); activations stay bf16, read in place; sums run in fp32 and
-outputs are rounded to bf16, as the twins' (oneDNN's bf16 GEMMs) are. The products run
-AVX512-BF16's `vdpbf16ps` where the CPU has it (the library is built for this machine:
-`canvas_bf16_paths`), the generic vector code (the same bits, any CPU) elsewhere or with
-`CANVAS_NATIVE_BF16=generic`. Shapes the tiles do not take (output widths not whole blocks of
-32 columns, weights beyond the L2 budget) and autograd run the twins; a dense projection the
-tiles do not take (every one where oneDNN has AMX) runs oneDNN on the weight reordered once per
-binding (`kernels.native.onednn`) where the binding decided so, the twin otherwise.
+outputs are rounded to bf16, as the twins' (oneDNN's bf16 GEMMs) are. The products run on AMX
+tiles where the CPU has them (the experts; the dense projections with K a multiple of 32:
+`bf16_amx.h`), else AVX512-BF16's `vdpbf16ps` where the CPU has it (the library is built for
+this machine: `canvas_bf16_paths`), the generic vector code (the same bits, any CPU) elsewhere
+or with `CANVAS_NATIVE_BF16=generic`. Shapes the tiles do not take (output widths not whole
+blocks of 32 columns, weights beyond the L2 budget) and autograd run the twins; a dense
+projection the tiles do not take (or that oneDNN runs faster: `tiles_first`) runs oneDNN on the
+weight reordered once per binding (`kernels.native.onednn`; q/k/v, and gate with up, as one
+product) where the binding decided so, the twin otherwise.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ MAX_EXPERT_BYTES = 1 << 20
 # Rows per thread below which one thread runs all (a hand-off costs ~50 µs).
 MIN_ROWS_PER_THREAD = 32
 MIN_EXPERT_ROWS_PER_THREAD = 64
+# Rows from which a dense projection that fits the AMX tiles runs oneDNN instead (`tiles_first`).
+AMX_MAX_ROWS = 1024
 
 
 def takes(*tensors: torch.Tensor | None) -> bool:
@@ -125,11 +129,26 @@ def onednn_amx() -> bool:
     return "amx_bf16" in cpu_flags() and (isa in ("ALL", "DEFAULT") or "AMX" in isa)
 
 
+def amx_dense(k: int) -> bool:
+    """Whether the dense tiles run on AMX here: the amx path (`path`) and K a multiple of 32
+    (bf16.c's `amx_dense_rows`; the vdpbf16ps tiles otherwise)."""
+    return k % 32 == 0 and path() == PATHS["amx"]
+
+
+def tiles_first(k: int, rows: int) -> bool:
+    """Whether a dense projection of `rows` rows over K inputs that fits the tiles takes them
+    before oneDNN: where oneDNN has no AMX (`onednn_amx`), or the tiles run on AMX and the rows
+    are fewer than AMX_MAX_ROWS (one native call and no oneDNN primitive per projection: a
+    small model's projections are a few microseconds of work; from there on oneDNN's blocking
+    beats the tiles', and a row may round one ulp apart across that batch size)."""
+    return not onednn_amx() or (amx_dense(k) and rows < AMX_MAX_ROWS)
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, segments: list[int] | None, packs: PackedWeights | None
 ) -> torch.Tensor:
     """`reference.linear` for bf16 operands: `linear_tiles` where N is whole blocks of 32, the
-    weight within MAX_PACKED_BYTES and oneDNN has no AMX (`onednn_amx`); `dense` otherwise."""
+    weight within MAX_PACKED_BYTES and the tiles go first (`tiles_first`); `dense` otherwise."""
     return linear_many(x, [weight], segments, packs)[0]
 
 
@@ -154,15 +173,49 @@ def linear_many(
     packs: PackedWeights | None,
 ) -> list[torch.Tensor]:
     """[linear(x, w) for w in weights]: `linear_tiles` of all in one pass where every weight
-    fits the tiles (and oneDNN has no AMX), `dense` one by one otherwise."""
+    fits the tiles and they go first (`tiles_first`), `dense` one by one otherwise."""
     k = weights[0].shape[-1]
     if (
-        onednn_amx()
+        not tiles_first(k, x.numel() // max(1, k))
         or len(weights) > 3
         or not all(w.dim() == 2 and w.shape[1] == k and _fits(w.shape[0], k) for w in weights)
     ):
-        return [dense(x, w, segments, packs) for w in weights]
+        return dense_many(x, weights, segments, packs)
     return linear_tiles(x, weights, packs)
+
+
+def _joined(packs: PackedWeights | None, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether `dense_many` runs these weights as one oneDNN product: the binding chose oneDNN
+    and every weight fits it (`onednn.fits`) with the same K."""
+    return (
+        packs is not None
+        and packs.onednn
+        and len(weights) > 1
+        and all(onednn.fits(x, w) for w in weights)
+    )
+
+
+def dense_many(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    segments: list[int] | None,
+    packs: PackedWeights | None,
+) -> list[torch.Tensor]:
+    """[dense(x, w) for w in weights]: one oneDNN product over the weights stacked and
+    reordered once together (a binding that chose oneDNN, `_joined`), each output a view of its
+    columns of the one result (rows `sum(N_i)` apart: `step.qkv_norm_rope` reads q, k and v in
+    place); `dense` one by one otherwise. The same sums as one by one (their values within a
+    bf16 ulp of those, as oneDNN's are of each other across batches)."""
+    if not _joined(packs, x, weights):
+        return [dense(x, w, segments, packs) for w in weights]
+    assert packs is not None
+    (reordered,) = packs.get(
+        "bf16_onednn_many",
+        tuple(weights),
+        lambda: (onednn.reorder(torch.cat([w.detach() for w in weights])),),
+    )
+    out = onednn.linear(x, reordered)
+    return list(out.split([w.shape[0] for w in weights], dim=-1))
 
 
 def linear_tiles(
@@ -205,17 +258,25 @@ def gated_linear(
     packs: PackedWeights | None,
 ) -> torch.Tensor:
     """`gated_act(linear(x, gate), linear(x, up), activation)` for bf16 operands: `gated_tiles`
-    for GeGLU where gate and up fit (and oneDNN has no AMX); the three calls otherwise."""
+    for GeGLU where gate and up fit and the tiles go first (`tiles_first`); else for GeGLU one
+    oneDNN product over gate and up reordered once together where the binding chose oneDNN
+    (`dense_many`) and bf16.c's GeGLU over its halves; the three calls otherwise."""
     inter, k = gate.shape
     if (
-        onednn_amx()
+        not tiles_first(k, x.numel() // max(1, k))
         or activation != "gelu_pytorch_tanh"
         or inter % LANES
         or up.shape != gate.shape
         or inter * k * 2 > MAX_PACKED_BYTES
     ):
-        gate_out, up_out = linear(x, gate, segments, packs), linear(x, up, segments, packs)
-        return gated_act(gate_out, up_out, activation)
+        geglu = activation == "gelu_pytorch_tanh" and up.shape == gate.shape
+        if not (geglu and _joined(packs, x, [gate, up])):
+            gate_out, up_out = linear(x, gate, segments, packs), linear(x, up, segments, packs)
+            return gated_act(gate_out, up_out, activation)
+        # one oneDNN product over [gate; up], the GeGLU straight from its rows' halves
+        gate_out, up_out = dense_many(x, [gate, up], segments, packs)
+        out = _geglu(gate_out, up_out, x.numel() // max(1, k), inter, 2 * inter)
+        return out.view(*x.shape[:-1], inter)
     return gated_tiles(x, gate, up, packs)
 
 
@@ -226,9 +287,18 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Te
     if activation != "gelu_pytorch_tanh" or gate.shape != up.shape or gate.numel() == 0:
         return reference_layer.gated_act(gate, up, activation)
     g, u = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(g)
-    args = Bf16GegluArgs(gate=g.data_ptr(), up=u.data_ptr(), out=out.data_ptr())
-    split_rows("bf16", loaded("bf16").canvas_bf16_geglu, args, g.numel(), norm_min_rows(1))
+    width = g.shape[-1]
+    return _geglu(g, u, g.numel() // max(1, width), width, width).view(g.shape)
+
+
+def _geglu(gate: torch.Tensor, up: torch.Tensor, rows: int, width: int, ld: int) -> torch.Tensor:
+    """bf16.c's GeGLU over `rows` rows of `width` from gate's and up's first elements, their
+    rows `ld` apart: a new [rows, width]."""
+    out = torch.empty(rows, width, dtype=torch.bfloat16)
+    args = Bf16GegluArgs(
+        gate=gate.data_ptr(), up=up.data_ptr(), out=out.data_ptr(), width=width, ld=ld
+    )
+    split_rows("bf16", loaded("bf16").canvas_bf16_geglu, args, rows, norm_min_rows(width))
     return out
 
 

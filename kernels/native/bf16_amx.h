@@ -18,25 +18,10 @@
 /* Each thread's scratch (bf16 elements): the gathered rows, act, and two 16 x 16 fp32 tiles. */
 #define BF_SCRATCH(h, inter) (AMX_ROWS * ((h) + (inter)) + 4 * AMX_ROWS * BV)
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
-static int amx_ready(void) {
-    static int state = -1; /* the request is the process's: asked once */
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                   18 /* XFEATURE_XTILEDATA */) == 0;
-    return state;
-}
-
+#if CANVAS_AMX
 static int amx_takes(int64_t h, int64_t inter) { return h % 32 == 0 && inter % 32 == 0; }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} AmxConfig;
 
 /* Tiles 0-3: accumulators; 4: rows; 5, 6: weights. Every tile 16 rows of 64 bytes. */
 static void amx_configure(void) {
@@ -103,8 +88,92 @@ static void amx_moe_rows(const bf16 *x, const bf16 *gup, const bf16 *dnp, const 
     }
     _tile_release();
 }
+
+/* Rows [row, row + m) of one block of columns from the accumulators c0, c1 (16 x 16 fp32
+ * each): `gated`, GeGLU of gate (c0) and up (c1) rounded into out[0]'s columns [16c, 16c + 16);
+ * else the block's 32 columns rounded into the output (out0/out1/out2 by n_of) they fall in. */
+static void amx_store(int gated, bf16 *const out[3], const int64_t n_of[3], int64_t c,
+                      int64_t row, int m, const float *c0, const float *c1) {
+    if (gated) {
+        for (int r = 0; r < m; ++r)
+            store_bf16(out[0] + (row + r) * n_of[0] + c * BV,
+                       geglu16(bload(c0 + r * BV), bload(c1 + r * BV)));
+        return;
+    }
+    int64_t col = c * 2 * BV, part = 0;
+    while (part < 2 && col >= n_of[part]) col -= n_of[part++];
+    bf16 *dst = out[part];
+    const int64_t ld = n_of[part];
+    for (int r = 0; r < m; ++r) {
+        store_bf16(dst + (row + r) * ld + col, bload(c0 + r * BV));
+        store_bf16(dst + (row + r) * ld + col + BV, bload(c1 + r * BV));
+    }
+}
+
+/* The dense products on AMX tiles (K a multiple of 32), rows [row_begin, row_end) of x read in
+ * place: 32 rows at a time (two tiles of rows against each block's two tiles of weights: each
+ * weight tile loaded once per 32 rows), the last rows of a range 16 or fewer at a time. A
+ * row's sums are the same whichever tile holds it: each runs over the input pairs in order,
+ * 32 inputs per TDPBF16PS. `gated`: bf16.c's `gated_rows` (gate and up's blocks of 16
+ * columns, their GeGLU rounded once); else its `linear_rows` (blocks of 32 columns to
+ * out0/out1/out2). */
+static void amx_dense_rows(int gated, const bf16 *x, const bf16 *wp, bf16 *const out[3],
+                           const int64_t n_of[3], int64_t k_dim, int64_t n, int64_t row_begin,
+                           int64_t row_end) {
+    const int64_t block = (k_dim / 2) * 4 * BV, blocks = n / (gated ? BV : 2 * BV);
+    const int64_t lda = k_dim * 2, ldb = 4 * BV * 2;
+    float acc[4][AMX_ROWS * BV] __attribute__((aligned(64)));
+    int configured = 0;
+    int64_t row = row_begin;
+    for (; row + 2 * AMX_ROWS <= row_end; row += 2 * AMX_ROWS) {
+        if (configured != AMX_ROWS) amx_configure_dense(AMX_ROWS), configured = AMX_ROWS;
+        const bf16 *a0 = x + row * k_dim, *a1 = a0 + AMX_ROWS * k_dim;
+        for (int64_t c = 0; c < blocks; ++c) {
+            const bf16 *b = wp + c * block;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k = 0; k < k_dim; k += 32) {
+                _tile_loadd(4, a0 + k, lda);
+                _tile_loadd(5, a1 + k, lda);
+                _tile_loadd(6, b + k * 2 * BV, ldb);
+                _tile_loadd(7, b + k * 2 * BV + 2 * BV, ldb);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, acc[0], BV * 4); /* tile numbers are immediates */
+            _tile_stored(1, acc[1], BV * 4);
+            _tile_stored(2, acc[2], BV * 4);
+            _tile_stored(3, acc[3], BV * 4);
+            amx_store(gated, out, n_of, c, row, AMX_ROWS, acc[0], acc[1]);
+            amx_store(gated, out, n_of, c, row + AMX_ROWS, AMX_ROWS, acc[2], acc[3]);
+        }
+    }
+    for (; row < row_end; row += AMX_ROWS) {
+        const int m = row_end - row < AMX_ROWS ? (int)(row_end - row) : AMX_ROWS;
+        if (m != configured) amx_configure_dense(m), configured = m;
+        for (int64_t c = 0; c < blocks; ++c) {
+            const bf16 *b = wp + c * block;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t k = 0; k < k_dim; k += 32) {
+                _tile_loadd(4, x + row * k_dim + k, lda);
+                _tile_loadd(6, b + k * 2 * BV, ldb);
+                _tile_loadd(7, b + k * 2 * BV + 2 * BV, ldb);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            _tile_stored(0, acc[0], BV * 4);
+            _tile_stored(1, acc[1], BV * 4);
+            amx_store(gated, out, n_of, c, row, m, acc[0], acc[1]);
+        }
+    }
+    if (configured) _tile_release();
+}
 #else
-static int amx_ready(void) { return 0; }
 static int amx_takes(int64_t h, int64_t inter) { return (void)h, (void)inter, 0; }
 static void amx_moe_rows(const bf16 *x, const bf16 *gup, const bf16 *dnp, const float *weights,
                          const int64_t *pairs, const int64_t *ends, float *ybuf, bf16 *scratch,
@@ -113,6 +182,12 @@ static void amx_moe_rows(const bf16 *x, const bf16 *gup, const bf16 *dnp, const 
     (void)x, (void)gup, (void)dnp, (void)weights, (void)pairs, (void)ends, (void)ybuf;
     (void)scratch, (void)num_experts, (void)top_k, (void)h, (void)inter, (void)row_begin;
     (void)row_end;
+}
+static void amx_dense_rows(int gated, const bf16 *x, const bf16 *wp, bf16 *const out[3],
+                           const int64_t n_of[3], int64_t k_dim, int64_t n, int64_t row_begin,
+                           int64_t row_end) {
+    (void)gated, (void)x, (void)wp, (void)out, (void)n_of, (void)k_dim, (void)n;
+    (void)row_begin, (void)row_end;
 }
 #endif
 #endif

@@ -38,26 +38,38 @@ static void rope_row(float *out, const float *x, const float *c, const float *s,
     }
 }
 
-/* Tokens [b, e): q's and k's heads normed with their weights and rotated, v's heads normed. */
+/* Tokens [b, e): q's and k's heads normed with their weights and rotated, v's heads normed.
+ * ld: q's, k's and v's elements from one token to the next (their heads contiguous: columns of
+ * one projection's output over q, k and v); the outputs contiguous. */
 static void qkv_rows(const float *q, const float *k, const float *v, const float *qw,
                      const float *kw, const float *cos, const float *sin, float *qo, float *ko,
-                     float *vo, int64_t hq, int64_t hkv, int64_t d, float eps, int64_t b,
-                     int64_t e) {
+                     float *vo, int64_t hq, int64_t hkv, int64_t d, const int64_t *ld, float eps,
+                     int64_t b, int64_t e) {
     float tmp[d];
     for (int64_t r = b; r < e; ++r) {
         const float *c = cos + r * d, *s = sin + r * d;
         for (int64_t j = 0; j < hq; ++j) {
-            const float *x = q + (r * hq + j) * d;
+            const float *x = q + r * ld[0] + j * d;
             scale_row(tmp, x, inv_rms(x, d, eps), qw, 0, d);
             rope_row(qo + (r * hq + j) * d, tmp, c, s, d);
         }
         for (int64_t j = 0; j < hkv; ++j) {
-            const float *x = k + (r * hkv + j) * d, *y = v + (r * hkv + j) * d;
+            const float *x = k + r * ld[1] + j * d, *y = v + r * ld[2] + j * d;
             scale_row(tmp, x, inv_rms(x, d, eps), kw, 0, d);
             rope_row(ko + (r * hkv + j) * d, tmp, c, s, d);
             scale_row(vo + (r * hkv + j) * d, y, inv_rms(y, d, eps), 0, 0, d);
         }
     }
+}
+
+/* x's d bf16 values as fp32 (exact). */
+static inline void row_to_f32(float *out, const bf16 *x, int64_t d) {
+    int64_t i = 0;
+    for (; i + BV <= d; i += BV) {
+        const bvf v = load_bf16(x + i);
+        memcpy(out + i, &v, sizeof v);
+    }
+    for (; i < d; ++i) out[i] = bf_to_f(x[i]);
 }
 
 /* Tokens [b, e) of the router: h = rms_norm(x, scale) / sqrt(H); scores = proj @ h; the top_k
@@ -66,13 +78,15 @@ static void qkv_rows(const float *q, const float *k, const float *v, const float
  * [H, ep], ep a multiple of V, zeros past the experts), so a token's scores are V experts per
  * vector (four partial sums over the hidden units, in a fixed order): one FMA per unit and
  * block of experts, where the [E, H] rows took a dot product and a horizontal sum each. */
-static void route_rows(const float *x, const float *scale, const float *projt, const float *pes,
-                       float *weights, int64_t *ids, int64_t hidden, int64_t experts,
-                       int64_t ep, int64_t top_k, float eps, int64_t b, int64_t e) {
-    float h[hidden], scores[ep];
+static void route_rows(const float *x, const bf16 *xb, const float *scale, const float *projt,
+                       const float *pes, float *weights, int64_t *ids, int64_t hidden,
+                       int64_t experts, int64_t ep, int64_t top_k, float eps, int64_t b,
+                       int64_t e) {
+    float h[hidden], scores[ep], xf[xb ? hidden : 1];
     const float root = 1.0f / sqrtf((float)hidden);
     for (int64_t r = b; r < e; ++r) {
         const float *xr = x + r * hidden;
+        if (xb) row_to_f32(xf, xb + r * hidden, hidden), xr = xf;
         scale_row(h, xr, inv_rms(xr, hidden, eps), scale, 0, hidden);
         for (int64_t i = 0; i < hidden; ++i) h[i] *= root;
         for (int64_t j = 0; j < ep; j += MOE_V) { /* four chains: FMA latency, not a chain */
@@ -119,15 +133,18 @@ int64_t canvas_step_lanes(void) { return MOE_V; }
 typedef struct {
     const float *q, *k, *v, *qw, *kw, *cos, *sin;
     float *qo, *ko, *vo;
-    int64_t hq, hkv, d;
+    int64_t hq, hkv, d, ldq, ldk, ldv;
     float eps;
     int64_t begin, end, threads;
 } QkvArgs;
 
+/* xb: bf16 rows in place of x (NULL: x), each read into fp32 (exact): the fp32 kernel's values
+ * on an fp32 copy of the rows. */
 typedef struct {
     const float *x, *scale, *projt, *pes;
     float *weights;
     int64_t *ids;
+    const bf16 *xb;
     int64_t hidden, experts, ep, top_k;
     float eps;
     int64_t begin, end, threads;
@@ -148,11 +165,12 @@ typedef struct {
 void canvas_qkv_norm_rope(const QkvArgs *a) {
     PARALLEL_ROWS(a->threads, a->begin, a->end,
                   qkv_rows(a->q, a->k, a->v, a->qw, a->kw, a->cos, a->sin, a->qo, a->ko, a->vo,
-                           a->hq, a->hkv, a->d, a->eps, b, e));
+                           a->hq, a->hkv, a->d, (const int64_t[3]){a->ldq, a->ldk, a->ldv},
+                           a->eps, b, e));
 }
 void canvas_route(const RouteArgs *a) {
     PARALLEL_ROWS(a->threads, a->begin, a->end,
-                  route_rows(a->x, a->scale, a->projt, a->pes, a->weights, a->ids, a->hidden,
+                  route_rows(a->x, a->xb, a->scale, a->projt, a->pes, a->weights, a->ids, a->hidden,
                              a->experts, a->ep, a->top_k, a->eps, b, e));
 }
 /* Elements [begin, end), split in whole vectors (the values do not depend on the split). */
@@ -190,10 +208,6 @@ void canvas_philox_uniform(const PhiloxArgs *a) {
 
 /* ---- bf16 q/k/v ------------------------------------------------------------------------- */
 
-static inline void row_to_f32(float *out, const bf16 *x, int64_t d) {
-    for (int64_t i = 0; i < d; ++i) out[i] = bf_to_f(x[i]);
-}
-
 static inline float rnd(float x) { return bf_to_f(f_to_bf(x)); }
 
 /* out = bf16(norm(x) * w) (w NULL: none), rotated when c is not NULL: the normed halves x1, x2
@@ -202,12 +216,20 @@ static void norm_rope_bf16(bf16 *out, const bf16 *x, const float *w, const float
                            const float *s, float *tmp, int64_t d, float eps) {
     row_to_f32(tmp, x, d);
     scale_row(tmp, tmp, inv_rms(tmp, d, eps), w, 0, d);
+    int64_t i = 0;
     if (!c) {
-        for (int64_t i = 0; i < d; ++i) out[i] = f_to_bf(tmp[i]);
+        for (; i + BV <= d; i += BV) store_bf16(out + i, bload(tmp + i));
+        for (; i < d; ++i) out[i] = f_to_bf(tmp[i]);
         return;
     }
     const int64_t half = d / 2;
-    for (int64_t i = 0; i < half; ++i) {
+    for (; i + BV <= half; i += BV) { /* the scalar loop's roundings, 16 lanes at a time */
+        const bvf x1 = bround(bload(tmp + i)), x2 = bround(bload(tmp + half + i));
+        const bvf cv = bload(c + i), sv = bload(s + i);
+        store_bf16(out + i, bround(x1 * cv) - bround(x2 * sv));
+        store_bf16(out + half + i, bround(x2 * cv) + bround(x1 * sv));
+    }
+    for (; i < half; ++i) {
         const float x1 = rnd(tmp[i]), x2 = rnd(tmp[half + i]);
         out[i] = f_to_bf(rnd(x1 * c[i]) - rnd(x2 * s[i]));
         out[half + i] = f_to_bf(rnd(x2 * c[i]) + rnd(x1 * s[i]));
@@ -216,8 +238,8 @@ static void norm_rope_bf16(bf16 *out, const bf16 *x, const float *w, const float
 
 static void qkv_rows_bf16(const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *qw,
                           const bf16 *kw, const bf16 *cos, const bf16 *sin, bf16 *qo, bf16 *ko,
-                          bf16 *vo, int64_t hq, int64_t hkv, int64_t d, float eps, int64_t b,
-                          int64_t e) {
+                          bf16 *vo, int64_t hq, int64_t hkv, int64_t d, const int64_t *ld,
+                          float eps, int64_t b, int64_t e) {
     float tmp[d], qwf[d], kwf[d], c[d], s[d];
     row_to_f32(qwf, qw, d);
     row_to_f32(kwf, kw, d);
@@ -225,11 +247,11 @@ static void qkv_rows_bf16(const bf16 *q, const bf16 *k, const bf16 *v, const bf1
         row_to_f32(c, cos + r * d, d);
         row_to_f32(s, sin + r * d, d);
         for (int64_t j = 0; j < hq; ++j)
-            norm_rope_bf16(qo + (r * hq + j) * d, q + (r * hq + j) * d, qwf, c, s, tmp, d, eps);
+            norm_rope_bf16(qo + (r * hq + j) * d, q + r * ld[0] + j * d, qwf, c, s, tmp, d, eps);
         for (int64_t j = 0; j < hkv; ++j) {
             const int64_t at = (r * hkv + j) * d;
-            norm_rope_bf16(ko + at, k + at, kwf, c, s, tmp, d, eps);
-            norm_rope_bf16(vo + at, v + at, 0, 0, 0, tmp, d, eps);
+            norm_rope_bf16(ko + at, k + r * ld[1] + j * d, kwf, c, s, tmp, d, eps);
+            norm_rope_bf16(vo + at, v + r * ld[2] + j * d, 0, 0, 0, tmp, d, eps);
         }
     }
 }
@@ -238,7 +260,7 @@ static void qkv_rows_bf16(const bf16 *q, const bf16 *k, const bf16 *v, const bf1
 typedef struct {
     const bf16 *q, *k, *v, *qw, *kw, *cos, *sin;
     bf16 *qo, *ko, *vo;
-    int64_t hq, hkv, d;
+    int64_t hq, hkv, d, ldq, ldk, ldv;
     float eps;
     int64_t begin, end, threads;
 } QkvBf16Args;
@@ -246,5 +268,5 @@ typedef struct {
 void canvas_qkv_norm_rope_bf16(const QkvBf16Args *a) {
     PARALLEL_ROWS(a->threads, a->begin, a->end,
                   qkv_rows_bf16(a->q, a->k, a->v, a->qw, a->kw, a->cos, a->sin, a->qo, a->ko,
-                                a->vo, a->hq, a->hkv, a->d, a->eps, b, e));
+                                a->vo, a->hq, a->hkv, a->d, (const int64_t[3]){a->ldq, a->ldk, a->ldv}, a->eps, b, e));
 }

@@ -62,13 +62,17 @@ def qkv_norm_rope(
     ):
         return reference.qkv_norm_rope(q, k, v, q_weight, k_weight, cos, sin, eps)
     lib = loaded("step")
-    q, k, v, qw, kw, cos, sin = (t.contiguous() for t in (q, k, v, q_weight, k_weight, cos, sin))
-    qo, ko, vo = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    q, k, v = (heads_contiguous(t) for t in (q, k, v))
+    qw, kw, cos, sin = (t.contiguous() for t in (q_weight, k_weight, cos, sin))
+    qo, ko, vo = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
     args = QkvArgs(
         **addresses(q=q, k=k, v=v, qw=qw, kw=kw, cos=cos, sin=sin, qo=qo, ko=ko, vo=vo),
         hq=q.shape[1],
         hkv=k.shape[1],
         d=dim,
+        ldq=q.stride(0),
+        ldk=k.stride(0),
+        ldv=v.stride(0),
         eps=eps,
     )
     per_token = dim * (q.shape[1] + 2 * k.shape[1])
@@ -76,6 +80,12 @@ def qkv_norm_rope(
     kernel = lib.canvas_qkv_norm_rope_bf16 if bf else lib.canvas_qkv_norm_rope
     split_rows("step", kernel, args, q.shape[0], norm_min_rows(per_token))
     return qo, ko, vo
+
+
+def heads_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t [N, H, D] as is where each token's heads are contiguous (a column block of one
+    projection's output over q, k and v: `qkv_norm_rope` reads it in place), else a copy."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
 
 def route_experts(
@@ -92,15 +102,22 @@ def route_experts(
     top-k scores only: softmax, top-k and renormalising to one give exp(s_i - m) / sum over the
     chosen of exp(s_j - m) (the full softmax's denominator cancels), the same function up to
     rounding; the experts chosen are the same (softmax is monotonic). Fast numerics
-    (`segments` ignored). bf16 operands: the same kernel on an fp32 copy of the rows, the
-    projection packed in fp32 once (sharper than the bf16 twin's scores, whose near-ties may
+    (`segments` ignored). bf16 operands: the same kernel reading each bf16 row into fp32 (the
+    values of an fp32 copy of the rows, without the copy's pass), the projection and the
+    scales in fp32 once per binding (sharper than the bf16 twin's scores, whose near-ties may
     choose another expert)."""
     del segments
     size, experts = hidden.shape[-1], proj.shape[0]
-    if bf16.takes(hidden, scale, proj, per_expert_scale):  # fp32 rows; the weights in fp32 once
-        hidden, scale, per_expert_scale = (t.float() for t in (hidden, scale, per_expert_scale))
+    rows_bf16 = bf16.takes(hidden, scale, proj, per_expert_scale)
+    if rows_bf16:
+        scale, per_expert_scale = packed(
+            packs,
+            "router_scales",
+            (scale, per_expert_scale),
+            lambda: (scale.float(), per_expert_scale.float()),
+        )
     if (
-        not takes(hidden, scale, per_expert_scale)
+        not (takes(scale, per_expert_scale) and (rows_bf16 or takes(hidden)))
         or proj.dtype not in (torch.float32, torch.bfloat16)
         or not proj.is_cpu
         or size > MAX_ROW
@@ -110,7 +127,8 @@ def route_experts(
         or per_expert_scale.numel() != experts
         or not 0 < top_k <= experts
     ):
-        return reference.route_experts(hidden, scale, proj, per_expert_scale, top_k, eps)
+        fp32 = hidden.float() if rows_bf16 else hidden  # the twin on the fp32 copy, as before
+        return reference.route_experts(fp32, scale, proj, per_expert_scale, top_k, eps)
     lib = loaded("step")
     x = hidden.reshape(-1, size).contiguous()
     rows = x.shape[0]
@@ -119,7 +137,8 @@ def route_experts(
     (projt,) = packed(packs, "router", (proj,), lambda: (_transposed(proj),))
     pes = per_expert_scale.contiguous()
     args = RouteArgs(
-        **addresses(x=x, scale=scale.contiguous(), projt=projt, pes=pes, weights=weights, ids=ids),
+        **addresses(scale=scale.contiguous(), projt=projt, pes=pes, weights=weights, ids=ids),
+        **({"xb": x.data_ptr()} if rows_bf16 else {"x": x.data_ptr()}),
         hidden=size,
         experts=experts,
         ep=projt.shape[1],

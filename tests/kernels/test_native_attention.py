@@ -81,11 +81,13 @@ def _row_alone(x: Inputs, sc: Scenario, row: int) -> torch.Tensor:
     return run(Native, alone, replace(sc, starts=(sc.starts[row],)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
-def test_a_rows_values_do_not_depend_on_its_batch():
+def test_a_rows_values_do_not_depend_on_its_batch(dtype):
     sc = replace(SCENARIOS["mixed-sliding-window-edge"], head_dim=64)
-    x = make_inputs(sc, CPU)
+    x = make_inputs(sc, CPU, dtype)
     batched = run(Native, x, sc)
+    assert batched.dtype == dtype
     first = 0
     for row, count in enumerate(sc.num_tokens):
         assert torch.equal(_row_alone(x, sc, row), batched[first : first + count])

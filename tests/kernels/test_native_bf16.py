@@ -4,13 +4,16 @@ routing of bf16 operands from `kernels.native.moe`."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.model import Mode
 from kernels import reference, reference_layer, reference_norm
 from kernels.native import attention as native_attention
-from kernels.native import bf16, build, norms, step
+from kernels.native import bf16, norms, step
 from kernels.native import moe as native_moe
 from kernels.native.packing import PackedWeights
 from tests.kernels.attention_cases import SCENARIOS, make_inputs, run
@@ -39,7 +42,10 @@ def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=g) * scale).bfloat16()
 
 
-@pytest.mark.parametrize("rows,k,n", [(1, 64, 32), (3, 33, 64), (17, 511, 96), (40, 130, 32)])
+@pytest.mark.parametrize(
+    "rows,k,n",
+    [(1, 64, 32), (3, 33, 64), (17, 511, 96), (40, 130, 32), (15, 96, 64), (33, 256, 96)],
+)
 @torch.no_grad()
 def test_dense_tiles_match_the_twin_and_never_depend_on_the_batch(path, rows, k, n):
     x, weight = _randn(rows, k, seed=rows), _randn(n, k, seed=k, scale=k**-0.5)
@@ -61,7 +67,9 @@ def test_split_projections_give_each_its_own_bits(path, rows):
         assert torch.equal(out, bf16.linear_tiles(x, [weight], None)[0])
 
 
-@pytest.mark.parametrize("rows,k,inter", [(1, 32, 16), (3, 33, 48), (17, 130, 32)])
+@pytest.mark.parametrize(
+    "rows,k,inter", [(1, 32, 16), (3, 33, 48), (17, 130, 32), (16, 64, 48), (35, 256, 80)]
+)
 @torch.no_grad()
 def test_gated_tiles_match_the_twin_and_never_depend_on_the_batch(path, rows, k, inter):
     x = _randn(rows, k, seed=rows)
@@ -139,7 +147,8 @@ def test_the_path_variable_is_checked(monkeypatch):
 @torch.no_grad()
 def test_moe_hands_bf16_operands_to_the_bf16_kernels(monkeypatch):
     """`native_moe`'s kernels take bf16 operands to `bf16` (dense ones to oneDNN where it has
-    AMX), fp32 ones as before; odd shapes take the twins."""
+    AMX and the tiles do not run on AMX: `tiles_first`), fp32 ones as before; odd shapes take
+    the twins."""
     calls = []
     monkeypatch.setattr(bf16, "linear_tiles", lambda *a: calls.append("linear") or [None])
     monkeypatch.setattr(bf16, "gated_tiles", lambda *a: calls.append("gated"))
@@ -147,12 +156,15 @@ def test_moe_hands_bf16_operands_to_the_bf16_kernels(monkeypatch):
     native_moe.linear(x, w, [200])
     native_moe.gated_linear(x, w, w, "gelu_pytorch_tanh", [200])
     native_moe.linear(x.float(), w.float(), [200])
-    assert calls == ([] if bf16.onednn_amx() else ["linear", "gated"])
+    first = ["linear", "gated"] if bf16.tiles_first(64, 200) else []
+    amx = bf16.amx_dense(64)
+    assert calls == first and bf16.tiles_first(64, 200) == (amx or not bf16.onednn_amx())
+    assert not bf16.tiles_first(64, bf16.AMX_MAX_ROWS) or not bf16.onednn_amx()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-    assert not bf16.onednn_amx()
+    assert not bf16.onednn_amx() and bf16.tiles_first(64, bf16.AMX_MAX_ROWS)
     native_moe.linear(x, w, [200])
     assert torch.equal(native_moe.linear(x, w[:20], [200]), F.linear(x, w[:20]))
-    assert calls[-1] == "linear" and len(calls) == (1 if "amx_bf16" in build.cpu_flags() else 3)
+    assert calls == [*first, "linear"]
     args = _experts(9, 48, 16, 3, 2, seed=3)  # hidden off the blocks of 32: the twin
     assert not bf16.tiles(args[1], args[2])
     assert torch.equal(native_moe.fused_moe(*args), reference.fused_moe_scattered(*args))
@@ -212,6 +224,25 @@ def test_bf16_qkv_norms_and_rope_are_native_and_match_the_twin(monkeypatch, toke
         torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_qkv_norms_read_q_k_v_in_place_from_one_products_columns(dtype):
+    """q, k and v as column blocks of one [tokens, (Hq + 2 Hkv) D] product (`bf16.dense_many`'s
+    views) go to the kernel as they are, no copy, the bits of contiguous copies."""
+    tokens, d = 17, 32
+    joined = torch.randn(tokens, (4 + 2 + 2) * d, generator=torch.Generator().manual_seed(0))
+    q, k, v = (t.view(tokens, -1, d) for t in joined.to(dtype).split([4 * d, 2 * d, 2 * d], -1))
+    assert not q.is_contiguous() and step.heads_contiguous(q) is q
+    qw, kw = (torch.rand(d) + 0.5).to(dtype), (torch.rand(d) + 0.5).to(dtype)
+    angles = torch.rand(tokens, d // 2) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    got = step.qkv_norm_rope(q, k, v, qw, kw, cos, sin, 1e-6)
+    copies = (t.contiguous() for t in (q, k, v))
+    want = step.qkv_norm_rope(*copies, qw, kw, cos, sin, 1e-6)
+    for g, w in zip(got, want, strict=True):
+        assert g.is_contiguous() and torch.equal(g, w)
+
+
 @pytest.mark.parametrize("shape", [(1, 7), (3, 16), (17, 45)])
 @torch.inference_mode()
 def test_bf16_geglu_matches_its_twin(shape):
@@ -227,14 +258,42 @@ def test_bf16_geglu_matches_its_twin(shape):
     )
 
 
+@torch.inference_mode()
+def test_bf16_rounding_is_torchs_on_ties_denormals_and_specials():
+    """The kernels' fp32 -> bf16 rounding (vcvtneps2bf16 where the CPU has it, which flushes
+    denormals: vectors holding one take the software rounding) gives torch's bits: GeGLU with
+    gates past GELU's saturation (gelu(g) = g) leaves bf16(g * up), exact products with ties
+    and denormal results in some vectors and not others; NaN stays NaN."""
+    g = torch.Generator().manual_seed(0)
+    n = 4096
+    gate = (torch.rand(n, generator=g) * 90 + 10).bfloat16()
+    up = torch.randn(n, generator=g).bfloat16()
+    tiny = (torch.randn(n, generator=g) * 1e-39).bfloat16()  # bf16 denormals
+    up[: n // 2 : 3] = tiny[: n // 2 : 3]
+    up[-16:] = tiny[-16:]
+    up[5], up[700] = float("nan"), float("inf")
+    product = gate.float() * up.float()
+    assert ((product.view(torch.int32) & 0xFFFF) == 0x8000).sum() > 50  # ties
+    got = step.gated_act(gate[None], up[None], "gelu_pytorch_tanh")[0]
+    want = reference_layer.gated_act(gate[None], up[None], "gelu_pytorch_tanh")[0]
+    assert ((want.float().abs() < torch.finfo(torch.float32).tiny) & (want != 0)).sum() > 50
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and nan.sum() == 1
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (3, 1), (17, 2)])
 @torch.inference_mode()
-def test_the_bf16_router_runs_the_native_one_in_fp32(tokens, top_k):
-    """bf16 router operands: `step.route_experts` on fp32 copies, the same weights and experts
-    as on fp32 operands holding the same values."""
-    hidden, scale = _randn(tokens, 64, seed=1), _randn(64, seed=2) + 1
-    proj, pes = _randn(8, 64, seed=3), _randn(8, seed=4).abs() + 0.5
+@pytest.mark.parametrize("size", [64, 67])
+def test_the_bf16_router_runs_the_native_one_in_fp32(tokens, top_k, size):
+    """bf16 router operands: `step.route_experts` reading the bf16 rows into fp32 (a size off
+    the vector width too), the same weights and experts as on fp32 operands holding the same
+    values, with or without a binding's packed copies."""
+    hidden, scale = _randn(tokens, size, seed=1), _randn(size, seed=2) + 1
+    proj, pes = _randn(8, size, seed=3), _randn(8, seed=4).abs() + 0.5
     got = step.route_experts(hidden, scale, proj, pes, top_k, 1e-6)
+    bound = step.route_experts(hidden, scale, proj, pes, top_k, 1e-6, packs=PackedWeights())
+    assert torch.equal(got[0], bound[0]) and torch.equal(got[1], bound[1])
     want = step.route_experts(hidden.float(), scale.float(), proj.float(), pes.float(), top_k, 1e-6)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
     twin = reference.route_experts(hidden, scale, proj, pes, top_k, 1e-6)
@@ -249,9 +308,10 @@ class NativeAttention:
 @pytest.mark.parametrize("name", [n for n, sc in SCENARIOS.items() if not sc.images])
 @pytest.mark.parametrize("head_dim", [32, 64])
 @torch.inference_mode()
-def test_bf16_attention_over_a_bf16_cache_matches_the_twin(monkeypatch, name, head_dim):
-    """attention.c on bf16 q/k/v and pools (the twin raises here): within bf16's rounding of
-    the bf16 twin, every text scenario (decode and encode rows, windows, a query alone)."""
+def test_bf16_attention_over_a_bf16_cache_matches_the_twin(monkeypatch, path, name, head_dim):
+    """attention.c on bf16 q/k/v and pools (the twin raises here) on each path (amx: AMX
+    tiles; the others: rows read into fp32): within bf16's rounding of the bf16 twin, every
+    text scenario (decode and encode rows, windows, a query alone)."""
     from dataclasses import replace
 
     sc = replace(SCENARIOS[name], head_dim=head_dim)
@@ -264,18 +324,38 @@ def test_bf16_attention_over_a_bf16_cache_matches_the_twin(monkeypatch, name, he
 
 
 @torch.inference_mode()
+def test_bf16_attention_on_amx_tiles_is_its_own_path_within_rounding(monkeypatch):
+    """On AMX the scores and values run on tiles (each softmax weight rounded to bf16): other
+    bits than the rows read into fp32, within bf16's rounding of them."""
+    from dataclasses import replace
+
+    if "amx" not in bf16.paths():
+        pytest.skip("this CPU has no AMX path")
+    sc = replace(SCENARIOS["mixed-sliding-window-edge"], head_dim=64)
+    x = make_inputs(sc, torch.device("cpu"), torch.bfloat16)
+    got = {}
+    for name in ("amx", "avx512_bf16"):
+        monkeypatch.setenv("CANVAS_NATIVE_BF16", name)
+        got[name] = run(NativeAttention, x, sc)
+    assert not torch.equal(got["amx"], got["avx512_bf16"])
+    torch.testing.assert_close(got["amx"], got["avx512_bf16"], rtol=RTOL, atol=ATOL)
+
+
+@torch.inference_mode()
 def test_a_bf16_forward_on_native_kernels_is_as_near_fp32_as_the_twins(
     tiny_checkpoint, monkeypatch
 ):
     """A bf16 model on the native backend (`--dtype bfloat16 --device cpu`) runs the bf16
-    kernels (its projections too where oneDNN has no AMX: ONEDNN_MAX_CPU_ISA caps it), and its
-    forward (hidden states, logits, KV pools) is as near the fp32 forward as the bf16 twins'
-    (a random tiny model amplifies bf16's rounding: the twins' own differ by up to ~2). Four
-    tiny models' forwards: the engine's whole bf16 path, slower than the unit cases."""
+    kernels (its projections too where the tiles go first: on AMX, or where
+    ONEDNN_MAX_CPU_ISA caps oneDNN), and its forward (hidden states, logits, KV pools) is as
+    near the fp32 forward as the bf16 twins' (a random tiny model amplifies bf16's rounding:
+    the twins' own differ by up to ~2). Four tiny models' forwards: the engine's whole bf16
+    path, slower than the unit cases."""
     from engine.model import load_model
     from tests.kernels.native_cases import forwards
 
     path = tiny_checkpoint("c16")
+    hidden = json.loads((path / "config.json").read_text())["text_config"]["hidden_size"]
     twins = forwards(load_model(path, dtype="bfloat16", kernels="twins"))
     exact = forwards(load_model(path, dtype="float32", kernels="twins"))
     calls: list[str] = []
@@ -287,8 +367,37 @@ def test_a_bf16_forward_on_native_kernels_is_as_near_fp32_as_the_twins(
         calls.clear()
         got = forwards(load_model(path, dtype="bfloat16", kernels="native"))
         dense = {"linear_tiles", "gated_tiles"} & set(calls)
-        assert "fused_moe" in calls and bool(dense) == (not bf16.onednn_amx())
+        assert "fused_moe" in calls and bool(dense) == bf16.tiles_first(hidden, 1)
         for g, t, w in zip(got, twins, exact, strict=True):
             assert g.dtype == t.dtype
             ours, theirs = ((x.float() - w).abs().mean().item() for x in (g, t))
             assert ours <= 1.5 * theirs + 1e-3
+
+
+@torch.inference_mode()
+def test_a_bf16_canvas_gets_the_same_bits_alone_and_among_others(tiny_checkpoint):
+    """A bf16 model on the native kernels at bench-tiny's shapes (every dense projection on
+    the tiles where they go first, the experts, attention, norms and router native): a
+    canvas's hidden states are the same bits in a forward of three canvases as alone (one
+    bench-tiny model and four forwards: the shapes where the tiles go first)."""
+    from engine.model import load_model
+    from tests.kernels.native_cases import Sequences
+
+    path = tiny_checkpoint("bench-tiny")
+    model = load_model(path, dtype="bfloat16", kernels="native")
+    cfg, length = model.cfg, model.config.canvas_length
+    if not bf16.tiles_first(cfg.hidden_size, 3 * length):
+        pytest.skip("dense projections on oneDNN here: a row may round one ulp apart")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (9, 20, 3)]
+    canvas = torch.randint(0, cfg.vocab_size, (3, length), generator=gen)
+    seqs = Sequences(model, 3, 20 + length)
+    seqs.run(
+        [seqs.row(i, Mode.ENCODE, 0, len(p)) for i, p in enumerate(prompts)], torch.cat(prompts)
+    )
+    rows = [seqs.row(i, Mode.DECODE, len(p), length) for i, p in enumerate(prompts)]
+    together = seqs.run(rows, canvas.flatten()).view(3, length, -1)
+    assert together.dtype == torch.bfloat16
+    for i in range(3):
+        alone = seqs.run([rows[i]], canvas[i]).view(length, -1)
+        assert torch.equal(alone, together[i]), i

@@ -65,9 +65,10 @@ def test_the_reordered_weight_gives_the_twins_values_whatever_the_batch(monkeypa
 @HAS_ONEDNN
 @torch.no_grad()
 def test_a_binding_runs_its_bf16_projections_on_weights_reordered_once(monkeypatch):
-    """Through `kernels.native.moe` as a bound model calls it: q/k/v (`linear_many`), GeGLU
-    (`gated_linear`) and a projection the tiles would not take (`linear`, 20 outputs), each
-    weight reordered at its first use only."""
+    """Through `kernels.native.moe` as a bound model calls it: q/k/v (`linear_many`: one
+    product, the three weights reordered together), GeGLU (`gated_linear`: gate and up
+    together, the GeGLU over the product's halves) and a projection the tiles would not take
+    (`linear`, 20 outputs), each reordered at its first use only."""
     bound = kernels.resolve_kernels("cpu").for_model()
     assert bound.linear.keywords["packs"].onednn
     seen = _count_reorders(monkeypatch)
@@ -80,7 +81,8 @@ def test_a_binding_runs_its_bf16_projections_on_weights_reordered_once(monkeypat
         outs = bound.linear_many(x, [q, k, v], [17])
         geglu = bound.gated_linear(x, *gate_up, "gelu_pytorch_tanh", [17])
         single = bound.linear(x, odd, [17])
-    assert len(seen) == 6
+    assert [w.shape[0] for w in seen] == [64 + 32 + 96, 2 * 48, 20]
+    assert [o.shape for o in outs] == [(17, 64), (17, 32), (17, 96)] and geglu.shape == (17, 48)
     for got, w in zip([*outs, single], [q, k, v, odd], strict=True):
         torch.testing.assert_close(got, F.linear(x, w), rtol=ULP_RTOL, atol=ULP_ATOL)
     want = bf16.gated_act(F.linear(x, gate_up[0]), F.linear(x, gate_up[1]), "gelu_pytorch_tanh")
