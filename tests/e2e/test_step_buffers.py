@@ -26,7 +26,7 @@ from kernels import resolve_kernels
 from loadtest.gpu import roofline
 from loadtest.gpu.accountant import Accountant
 from loadtest.gpu.bench import model_config
-from tests.graph_cases import EagerCapture
+from tests.graph_cases import EagerCapture, fake_graphs
 
 
 def test_buckets_double_up_to_the_largest_step() -> None:
@@ -81,7 +81,7 @@ def _generate(llm: LLM, graphs: EagerCapture | None) -> tuple[list[list[int]], d
     addresses of each bucket's steps."""
     runner: ModelRunner = llm.engine.runner
     if graphs is not None:
-        runner.graphs = ForwardGraphs(graphs, runner.inputs, runner.model, runner.cache)
+        fake_graphs(llm.engine, graphs)
     seen: dict[int, set] = {}
     kept: list[object] = []  # every step's inputs stay alive: a new one cannot take their address
     batch, stage = runner.inputs.batch, llm.engine.sampling.inputs.stage  # type: ignore[attr-defined]

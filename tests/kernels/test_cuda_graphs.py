@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.device.graphs import ForwardGraphs
 from engine.device.warmup import warm_up
 from engine.engine import EngineConfig
 from engine.llm import LLM
 from engine.params import DecodeMode, SamplingParams
 from engine.scheduler import SchedulerConfig
 from kernels import triton_available
-from tests.graph_cases import EagerCapture
+from tests.graph_cases import EagerCapture, fake_graphs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,8 +34,7 @@ def _tokens(model_dir: Path, graphs: bool, num: int) -> tuple[list[list[int]], L
     if graphs:
         warm_up(llm.engine)
     else:  # the padded forwards, eager
-        runner = llm.engine.runner
-        runner.graphs = ForwardGraphs(EagerCapture(), runner.inputs, runner.model, runner.cache)
+        fake_graphs(llm.engine, EagerCapture())
     params = [
         SamplingParams(
             mode=DecodeMode.DIFFUSION, seed=i, max_tokens=48, max_denoising_steps=6, ignore_eos=True
