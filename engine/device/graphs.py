@@ -8,12 +8,12 @@ plan counts (`engine.device.memory.graph_pool_bytes`); larger buckets run the he
 eager (their launches weigh less in a longer step). Steps with ENCODE rows run eager.
 
 A step of R canvases copies its canvas ids and self-conditioning inputs into the bucket's
-static ones (rows past R zeroed: the dummy rows of `step_buffers`), writes the rest of its
-inputs into the bucket's buffers, replays, and reads the first R rows' hidden states; the
-dummies' are dropped. Capture (`ForwardGraphs.capture_all`, part of warm-up before ready):
-two warm runs, then the capture, from the largest bucket down, every graph in one memory pool
-(the smaller ones reuse the largest one's memory). A bucket not captured then is captured at
-its first step.
+static ones (rows past R zeroed: the dummy rows of `step_buffers`), unless the sampler's graph
+wrote them there (`static_inputs`), writes the rest of its inputs into the bucket's buffers,
+replays, and reads the first R rows' hidden states (or logits); the dummies' are dropped.
+Capture (`ForwardGraphs.capture_all`, part of warm-up before ready): two warm runs, then the
+capture, from the largest bucket down, every graph in one memory pool (the smaller ones reuse
+the largest one's memory), up to the bucket of the plan's canvases per step. A bucket not captured then is captured at its first step.
 
 The captured kernels must read every per-row value from the device: Triton's do (their grids
 depend only on the rows' number and the canvas length, fixed per bucket); the twins size
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.device.step_buffers import ForwardInputs
+from engine.device.step_buffers import ForwardInputs, bucket_of
 from engine.kv_pages import PageTables
 from engine.model.base import DiffusionLM, SoftEmbeds
 from engine.model.kv_cache import ForwardBatch, PagedKVCache
@@ -113,9 +113,13 @@ class ForwardGraphs:
         self.graphs: dict[int, _Graph] = {}
 
     @torch.inference_mode()
-    def capture_all(self) -> None:
-        """Capture every bucket's forward not captured yet, the largest first."""
-        for bucket in sorted(self.inputs.sizes, reverse=True):
+    def capture_all(self, most: int | None = None) -> None:
+        """Capture every bucket's forward not captured yet, the largest first, up to the bucket
+        of `most` canvases (a step's most, which larger buckets would never serve; None: all):
+        what the memory plan counts (`engine.device.memory.graph_pool_bytes`)."""
+        sizes = self.inputs.sizes
+        largest = (bucket_of(min(most, max(sizes)), sizes) if most else None) or max(sizes)
+        for bucket in sorted((b for b in sizes if b <= largest), reverse=True):
             self._graph(bucket)
 
     def _graph(self, bucket: int) -> _Graph:
