@@ -13,7 +13,8 @@ wrote them there (`static_inputs`), writes the rest of its inputs into the bucke
 replays, and reads the first R rows' hidden states (or logits); the dummies' are dropped.
 Capture (`ForwardGraphs.capture_all`, part of warm-up before ready): two warm runs, then the
 capture, from the largest bucket down, every graph in one memory pool (the smaller ones reuse
-the largest one's memory), up to the bucket of the plan's canvases per step. A bucket not captured then is captured at its first step.
+the largest one's memory), up to the bucket of the plan's canvases per step. A bucket not
+captured then is captured at its first step.
 
 The captured kernels must read every per-row value from the device: Triton's do (their grids
 depend only on the rows' number and the canvas length, fixed per bucket); the twins size
