@@ -68,6 +68,7 @@ class SamplerGraphs:
         self.capturer = forward.capturer.apart()
         self.pairs: dict[int, _Pair] = {}
 
+    @torch.inference_mode()  # their buffers are the forward graphs' (inference tensors)
     def canvas_inputs(
         self, slots: torch.Tensor, starting: torch.Tensor, pinned: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, RowStates]:
@@ -97,6 +98,7 @@ class SamplerGraphs:
         static_soft.copy_(soft)
         return (static_ids, static_soft, *_flat(rows))
 
+    @torch.inference_mode()  # their buffers are the forward graphs' (inference tensors)
     def denoise(
         self, logits: torch.Tensor, rows: RowStates
     ) -> tuple[RowStates, list[torch.Tensor]]:
@@ -121,6 +123,7 @@ class SamplerGraphs:
         new, (finished, steps, drafts, failed) = pair.update[:width], pair.update[width:]
         return _rows(new, num), [finished[:num], steps[:num], drafts[: num * length], failed[:num]]
 
+    @torch.inference_mode()  # their buffers are the forward graphs' (inference tensors)
     def write(self, rows: RowStates, keep: torch.Tensor | None = None) -> None:
         """`BatchedSampler.write`, replayed where every row of a full bucket is kept and `rows`
         are its update's (a bucket with dummy rows writes the real ones eager: the dummies'

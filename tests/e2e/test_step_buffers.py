@@ -119,6 +119,7 @@ def _generate(llm: LLM, graphs: EagerCapture | None) -> tuple[list[list[int]], d
     runner: ModelRunner = llm.engine.runner
     if graphs is not None:
         fake_graphs(llm.engine, graphs)
+        runner.graphs.capture_all()  # as warm-up does (its buffers made in inference mode)
     seen: dict[int, set] = {}
     kept: list[object] = []  # every step's inputs stay alive: a new one cannot take their address
     batch, stage = runner.inputs.batch, llm.engine.sampling.inputs.stage  # type: ignore[attr-defined]
