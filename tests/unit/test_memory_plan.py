@@ -108,7 +108,7 @@ def test_one_h100_holds_16_canvases_at_8k_and_one_h200_64():
     assert h200.max_running_requests == 64 and h200.limited_by == "--max-num-seqs"
 
 
-def test_cuda_graphs_pools_are_counted_and_one_h100_still_holds_16_canvases_at_8k():
+def test_cuda_graphs_pools_are_counted_and_one_h100_still_holds_16_canvases_at_8k(capsys):
     """--cuda-graphs: the pools' bytes (the largest bucket's forward activations, and the fp32
     logits of each bucket of at most HEAD_ROWS canvases, whose graphs hold the head and the
     sampler) come out of the step's room before the running requests are counted."""
@@ -124,6 +124,10 @@ def test_cuda_graphs_pools_are_counted_and_one_h100_still_holds_16_canvases_at_8
     assert eager.graph_bytes == 0 and graphed.max_running_requests < eager.max_running_requests
     assert graphed.max_running_requests >= 16 and canvases >= 16
     assert "GB of it CUDA graphs'" in graphed.describe()
+    args = ("--preset", "real-26b-a4b", "--gpu", "h100", "--max-model-len", "8192")
+    assert plan_json(capsys, *args, "--cuda-graphs")["graph_bytes"] == graphed.graph_bytes
+    assert main(["plan", *args, "--cuda-graphs"]) == 0
+    assert "GB of it CUDA graphs'" in capsys.readouterr().out
     # the largest bucket a step uses sizes the forward's part; above HEAD_ROWS, no logits
     assert graph_pool_bytes(shapes, 64, 9) == graph_pool_bytes(shapes, 64, 16)
     grown = graph_pool_bytes(shapes, 64, 8) - graph_pool_bytes(shapes, 64, 4)
