@@ -1,23 +1,24 @@
 """CUDA graphs of the fast sampler's device work in all-denoise steps (`--cuda-graphs`): per
 bucket of at most `HEAD_ROWS` canvases, whose forward graph also runs the LM head
-(`engine.device.graphs`), two graphs replace the sampler's eager launches:
+(`engine.device.graphs`), three graphs replace the sampler's eager launches:
 
 - the canvas inputs (`BatchedSampler.canvas_inputs`): over the bucket's persistent slots and
   new-canvas flags (`engine.device.step_buffers.SamplerInputs`, dummy rows at slot 0, not
-  starting), into static ids, self-conditioning inputs and row states;
+  starting), into static row states, the ids and self-conditioning inputs written straight
+  into the forward graph's static inputs (`ForwardGraphs.static_inputs`);
 - the update (`BatchedSampler.denoise`): over the forward graph's static logits (which the
   logits processors, if any, have rewritten in place before) and those row states, into static
-  new row states and results.
+  new row states and results;
+- the state write (`BatchedSampler.write`), once the step has succeeded, where every row is
+  kept and the bucket has no dummy row (a dummy's slot is a real request's).
 
 Every per-row value they read sits in a persistent buffer (the slots' state and parameters in
-`SlotState`; Philox seeds, canvas numbers and steps are gathered from it by slot inside the
-graph), so a replay allocates nothing, copies nothing from the host and waits for nothing.
-The first R rows' outputs are views of the static ones; the dummy rows' are dropped, and
-`BatchedSampler.write` stores only the R rows' new state, eager, once the step has succeeded.
-The graphs have a memory pool of their own (`Capture.apart`): the forward graph of the bucket
-replays between the two, and in a shared pool its scratch memory could be where the first
-one's outputs live. Each bucket's pair is captured at its first step (warm-up runs one at
-each bucket).
+`SlotState`: Philox seeds, canvas numbers, steps, temperatures, thresholds are gathered from it
+by slot inside the graph), so a replay allocates nothing, copies nothing from the host and waits
+for nothing. The caller gets views of the static outputs' first R rows; the dummy rows' are
+dropped. The graphs have a memory pool of their own (`Capture.apart`): the forward graph of the
+bucket replays between the first two, and in a shared pool its scratch memory could be where
+the first one's outputs live. Each is captured at its bucket's first step that can replay it.
 
 Anything else runs eager, as without graphs: rows with a pinned first token (hybrid), larger
 buckets, mixed steps (their logits are not the graph's), exact numerics (another sampler).
@@ -56,8 +57,8 @@ class _Pair:
 
 
 class SamplerGraphs:
-    """`BatchedSampler.canvas_inputs` and `BatchedSampler.denoise` as replayed graphs where
-    they can be (module docstring), else the sampler's own."""
+    """`BatchedSampler.canvas_inputs`, `denoise` and `write` as replayed graphs where they can
+    be (module docstring), else the sampler's own."""
 
     def __init__(
         self, forward: ForwardGraphs, sampler: BatchedSampler, inputs: SamplerInputs
