@@ -152,7 +152,7 @@ class Engine:
         self.runner = ModelRunner(model, cache, sched.max_num_seqs, graphs, plan.max_model_len)
         cpu = self.device.type == "cpu"
         self.threads = make_tuner(self.config.cpu_threads, model.kernels.exact) if cpu else None
-        self.sampling = make_sampling(model, sched.max_num_seqs)
+        self.sampling = make_sampling(model, sched.max_num_seqs, self.runner.graphs)
         self.limits = self._limits()
         self.validator = RequestValidator(defaults, self.limits)
         # Structured outputs: the grammar compiler is built from the tokenizer on first use.

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from engine.device.cuda import to_device
-from engine.device.graphs import Capture, ForwardGraphs
+from engine.device.graphs import Capture, ForwardGraphs, Hidden
 from engine.device.overlap import ForwardClock
 from engine.device.step_buffers import ForwardInputs
 from engine.kv_pages import PageTables
@@ -121,11 +121,12 @@ class ModelRunner:
         index = to_device(np.array(last, dtype=np.int64), self.device) if last else None
         clock = ForwardClock(self.device)
         if replay is not None:
-            hidden = replay.run(ids, step.soft_embeds, batch)  # [N, H]
+            forward = replay.run(ids, step.soft_embeds, batch)
         else:
             images = self._image_embeds(offsets)
             hidden = self.model(ids, step.soft_embeds, batch, self.cache, images)  # [N, H]
-        denoise_logits, sampled = self._logits(hidden, num_canvas, last, index)
+            forward = hidden, self.model.logits
+        denoise_logits, sampled = self._logits(forward, num_canvas, last, index)
         clock.stop()
         last_logits, verify_logits = sampled, None
         if spans:
@@ -136,10 +137,10 @@ class ModelRunner:
         return RunOutput(denoise_logits, last_logits, clock, verify_logits)
 
     def _logits(
-        self, hidden: torch.Tensor, num_canvas: int, last: list[int], index: torch.Tensor | None
+        self, forward: Hidden, num_canvas: int, last: list[int], index: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The head over the canvases and the `last` positions (`index`: them on the device)."""
-        head = self.model.logits
+        hidden, head = forward
         if not last:
             return (head(hidden[:num_canvas]) if num_canvas else None), None
         if self.model.kernels.exact:

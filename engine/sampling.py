@@ -19,6 +19,8 @@ import torch
 
 from engine.batched_sampler import BatchedSampler, CounterDraws, RowStates, to_host
 from engine.device.cuda import to_device
+from engine.device.graphs import ForwardGraphs
+from engine.device.sampler_graphs import SamplerGraphs
 from engine.device.step_buffers import SamplerInputs
 from engine.logits.batched import process_rows_
 from engine.logits.processors import process_, processes, processing
@@ -100,17 +102,15 @@ def _slot(req: RequestState) -> int:
 
 
 class BatchedSampling:
-    def __init__(self, model: DiffusionLM, num_slots: int) -> None:
-        self.canvas_length = model.config.canvas_length
-        self.sampler = BatchedSampler(
-            model.kernels,
-            model.embed_tokens.weight,
-            float(model.embed_scale),
-            self.canvas_length,
-            num_slots,
-        )
-        self.device = model.embed_tokens.weight.device
+    def __init__(self, model: DiffusionLM, num_slots: int, graphs: ForwardGraphs | None) -> None:
+        """`graphs`: the runner's, beside which the sampler's graphs replay (`sampler_graphs`)."""
+        self.canvas_length = length = model.config.canvas_length
+        weight, scale = model.embed_tokens.weight, float(model.embed_scale)
+        self.sampler = BatchedSampler(model.kernels, weight, scale, length, num_slots)
+        self.device = weight.device
         self.inputs = SamplerInputs(self.device, num_slots)  # slots and flags, per bucket
+        graphed = SamplerGraphs(graphs, self.sampler, self.inputs) if graphs else None
+        self.steps = graphed or self.sampler  # canvas inputs and update (replayed, or eager)
 
     def bind(self, reqs: list[RequestState]) -> None:
         for req in reqs:
@@ -125,7 +125,7 @@ class BatchedSampling:
         tokens = [r.pinned_token for r in reqs]
         if any(token >= 0 for token in tokens):
             pinned = to_device(np.array(tokens, dtype=np.int64), self.device)
-        ids, soft, rows = self.sampler.canvas_inputs(slots, flags, pinned)
+        ids, soft, rows = self.steps.canvas_inputs(slots, flags, pinned)
         return CanvasBatch(ids, soft, rows)
 
     def verify_draws(self, reqs: list[RequestState]) -> list[Draws]:
@@ -139,7 +139,7 @@ class BatchedSampling:
     ) -> CanvasSample:
         assert isinstance(canvas.state, RowStates)
         with self._processing(logits, canvas.state.slots, reqs, self.canvas_length):
-            staged, parts = self.sampler.denoise(logits, canvas.state)
+            staged, parts = self.steps.denoise(logits, canvas.state)
         finished, steps, flat, failed = to_host(parts)
         length = self.canvas_length
         drafts: list[list[int] | None] = [
@@ -176,7 +176,7 @@ class BatchedSampling:
         mask = None
         if not all(keep):
             mask = to_device(np.array(keep, dtype=np.bool_), self.device)
-        self.sampler.write(sampled.staged, mask)
+        self.steps.write(sampled.staged, mask)
 
 
 @dataclass(slots=True)
@@ -343,8 +343,8 @@ def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(torch.logsumexp(logits, dim=-1)) & ~torch.isnan(logits).any(-1)
 
 
-def make_sampling(model: DiffusionLM, num_slots: int) -> Sampling:
-    """The sampler of the model's bound numerics."""
+def make_sampling(model: DiffusionLM, num_slots: int, graphs: ForwardGraphs | None) -> Sampling:
+    """The sampler of the model's bound numerics (`graphs`: `BatchedSampling`'s)."""
     if model.kernels.exact:
         return ReferenceSampling(model, num_slots)
-    return BatchedSampling(model, num_slots)
+    return BatchedSampling(model, num_slots, graphs)

@@ -1,16 +1,20 @@
 """CUDA graphs of all-denoise forwards (`canvas serve --cuda-graphs`, off by default): the
 forward of a step whose rows are all DENOISE rows is captured once per bucket of canvases
 (`engine.device.step_buffers.bucket_sizes`) over the bucket's persistent inputs and replayed,
-so a step launches one graph instead of hundreds of kernels. The LM head and the sampler stay
-eager (the graphs' memory holds no logits); steps with ENCODE rows run eager.
+so a step launches one graph instead of hundreds of kernels. In the buckets of at most
+`HEAD_ROWS` canvases the LM head is captured too, and the sampler's device work around it
+(`engine.device.sampler_graphs`): their graphs hold the bucket's fp32 logits, which the memory
+plan counts (`engine.device.memory.graph_pool_bytes`); larger buckets run the head and sampler
+eager (their launches weigh less in a longer step). Steps with ENCODE rows run eager.
 
 A step of R canvases copies its canvas ids and self-conditioning inputs into the bucket's
-static ones (rows past R zeroed: the dummy rows of `step_buffers`), writes the rest of its
-inputs into the bucket's buffers, replays, and reads the first R rows' hidden states; the
-dummies' are dropped. Capture (`ForwardGraphs.capture_all`, part of warm-up before ready):
-two warm runs, then the capture, from the largest bucket down, every graph in one memory pool
-(the smaller ones reuse the largest one's memory). A bucket not captured then is captured at
-its first step.
+static ones (rows past R zeroed: the dummy rows of `step_buffers`), unless the sampler's graph
+wrote them there (`static_inputs`), writes the rest of its inputs into the bucket's buffers,
+replays, and reads the first R rows' hidden states (or logits); the dummies' are dropped.
+Capture (`ForwardGraphs.capture_all`, part of warm-up before ready): two warm runs, then the
+capture, from the largest bucket down, every graph in one memory pool (the smaller ones reuse
+the largest one's memory), up to the bucket of the plan's canvases per step. A bucket not
+captured then is captured at its first step.
 
 The captured kernels must read every per-row value from the device: Triton's do (their grids
 depend only on the rows' number and the canvas length, fixed per bucket); the twins size
@@ -25,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.device.step_buffers import ForwardInputs
+from engine.device.step_buffers import ForwardInputs, bucket_of
 from engine.kv_pages import PageTables
 from engine.model.base import DiffusionLM, SoftEmbeds
 from engine.model.kv_cache import ForwardBatch, PagedKVCache
@@ -33,13 +37,21 @@ from engine.model.kv_cache import ForwardBatch, PagedKVCache
 # Runs of the forward before its capture: the first compiles and allocates (cuBLAS workspaces,
 # Triton's first launch), the second runs as the captured one will.
 WARM_RUNS = 2
+# The largest bucket whose graph holds the LM head and the sampler (module docstring).
+HEAD_ROWS = 4
+
+Outputs = tuple[torch.Tensor, ...]
+# A forward's hidden states [N, H] and the head that gives their logits (`ForwardGraphs.run`).
+Hidden = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 
 class Capture(Protocol):
-    def capture(
-        self, forward: Callable[[], torch.Tensor]
-    ) -> tuple[Callable[[], None], torch.Tensor]:
-        """Run `forward` warm, then capture it: (replay, the output each replay rewrites)."""
+    def capture(self, forward: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
+        """Run `forward` warm, then capture it: (replay, the outputs each replay rewrites)."""
+        ...
+
+    def apart(self) -> Capture:
+        """A capture of the same kind whose graphs share a memory pool of their own."""
         ...
 
 
@@ -54,9 +66,7 @@ class CudaCapture:
         self.device = device
         self.pool: Any = None  # the graphs' memory pool (torch's handle), once one is captured
 
-    def capture(
-        self, forward: Callable[[], torch.Tensor]
-    ) -> tuple[Callable[[], None], torch.Tensor]:
+    def capture(self, forward: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
@@ -71,6 +81,14 @@ class CudaCapture:
             self.pool = graph.pool()
         return graph.replay, out
 
+    def apart(self) -> CudaCapture:
+        return CudaCapture(self.device)
+
+
+def _done(logits: torch.Tensor) -> torch.Tensor:
+    """The head of a step whose graph ran it: its output is the logits already."""
+    return logits
+
 
 @dataclass(slots=True)
 class _Graph:
@@ -78,7 +96,7 @@ class _Graph:
     soft: torch.Tensor  # [B * L, H] static self-conditioning inputs
     batch: ForwardBatch  # the step's batch (its device tensors are the bucket's buffers)
     replay: Callable[[], None] | None = None
-    out: torch.Tensor | None = None  # [B * L, H] the hidden states each replay writes
+    out: torch.Tensor | None = None  # [B * L, H] the hidden states (or [B * L, V] the logits)
 
 
 class ForwardGraphs:
@@ -96,9 +114,13 @@ class ForwardGraphs:
         self.graphs: dict[int, _Graph] = {}
 
     @torch.inference_mode()
-    def capture_all(self) -> None:
-        """Capture every bucket's forward not captured yet, the largest first."""
-        for bucket in sorted(self.inputs.sizes, reverse=True):
+    def capture_all(self, most: int | None = None) -> None:
+        """Capture every bucket's forward not captured yet, the largest first, up to the bucket
+        of `most` canvases (a step's most, which larger buckets would never serve; None: all):
+        what the memory plan counts (`engine.device.memory.graph_pool_bytes`)."""
+        sizes = self.inputs.sizes
+        largest = (bucket_of(min(most, max(sizes)), sizes) if most else None) or max(sizes)
+        for bucket in sorted((b for b in sizes if b <= largest), reverse=True):
             self._graph(bucket)
 
     def _graph(self, bucket: int) -> _Graph:
@@ -111,10 +133,25 @@ class ForwardGraphs:
         batch = self.inputs.batch([], [], bucket, pad=True)  # dummy rows only
         batch.prepare(device, self.inputs.tables.pools)
         graph = self.graphs[bucket] = _Graph(ids, soft, batch)
-        graph.replay, graph.out = self.capturer.capture(
-            lambda: self.model(graph.ids, graph.soft, graph.batch, self.cache, None)
-        )
+
+        def forward() -> Outputs:
+            hidden = self.model(graph.ids, graph.soft, graph.batch, self.cache, None)
+            return (self.model.logits(hidden) if bucket <= HEAD_ROWS else hidden,)
+
+        graph.replay, (graph.out,) = self.capturer.capture(forward)
         return graph
+
+    def static_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`bucket`'s static canvas ids [B * L] and self-conditioning inputs [B * L, H] (its
+        graph captured first, if it was not): a step whose inputs are already there (written
+        by the sampler's graph) copies nothing into them."""
+        graph = self._graph(bucket)
+        return graph.ids, graph.soft
+
+    def logits(self, bucket: int) -> torch.Tensor | None:
+        """The logits [B * L, V] that `bucket`'s graph writes (None: its head runs eager)."""
+        graph = self.graphs.get(bucket)
+        return graph.out if graph is not None and bucket <= HEAD_ROWS else None
 
     def batch(self, starts: list[int], pages: list[PageTables], bucket: int) -> ForwardBatch:
         """An all-denoise step's batch in `bucket`, padded to it, its inputs in the bucket's
@@ -122,17 +159,22 @@ class ForwardGraphs:
         self._graph(bucket)  # a capture writes dummy rows into the buffers
         return self.inputs.batch(starts, pages, bucket, pad=True)
 
-    def run(self, ids: torch.Tensor, soft: SoftEmbeds, batch: ForwardBatch) -> torch.Tensor:
-        """The hidden states [R * L, H] of an all-denoise step of R canvases: ids [R * L],
-        soft [R * L, H]; `batch`: what `ForwardGraphs.batch` gave for the step."""
-        graph = self.graphs[len(batch.rows)]
+    def run(self, ids: torch.Tensor, soft: SoftEmbeds, batch: ForwardBatch) -> Hidden:
+        """The hidden states [R * L, H] of an all-denoise step of R canvases and the head to
+        apply to them, or, where the graph holds the head, the logits [R * L, V] and a head
+        that returns them as they are: ids [R * L], soft [R * L, H]; `batch`: what
+        `ForwardGraphs.batch` gave for the step."""
+        bucket = len(batch.rows)
+        graph = self.graphs[bucket]
         graph.batch = batch
         assert isinstance(soft, torch.Tensor), "a canvas step's inputs are tensors"
         num = ids.shape[0]
-        graph.ids[:num].copy_(ids)
-        graph.ids[num:].zero_()
-        graph.soft[:num].copy_(soft)
-        graph.soft[num:].zero_()
+        if ids.data_ptr() != graph.ids.data_ptr():  # else written in place (`static_inputs`)
+            graph.ids[:num].copy_(ids)
+            graph.soft[:num].copy_(soft)
+            if num < graph.ids.shape[0]:
+                graph.ids[num:].zero_()
+                graph.soft[num:].zero_()
         assert graph.replay is not None and graph.out is not None
         graph.replay()
-        return graph.out[:num]
+        return graph.out[:num], _done if bucket <= HEAD_ROWS else self.model.logits

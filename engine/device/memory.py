@@ -7,6 +7,7 @@ available RAM) is shared out by `plan_memory`:
              − the CPU kernels' copies of the weights, made after the plan (`packed_bytes`)
     usable ≥ one step's transient  (its tokens' activations, its sampled positions' logits
                                     and the logits filters' workspace)
+           + with --cuda-graphs, what their memory pools hold (`graph_pool_bytes`)
            + running × (a sliding-window ring + a sampler slot)
            + the full-attention pool (enough for every running request at max_model_len)
 
@@ -27,13 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.device.graphs import HEAD_ROWS
+from engine.device.step_buffers import bucket_of, bucket_sizes
+from engine.device.weight_copies import packed_bytes
 from engine.kv_pages import PageGeometry
 from engine.logits.filters import FILTER_CHUNK_ELEMENTS
 from engine.model import BACKBONES, DiffusionLM
 from engine.model.config import LayerType, ModelConfig, TextConfig
-from engine.model.layers import Attention, GatedMLP
 from engine.model.quant import FP8, fp8_candidates, make_fp8
-from kernels.native import onednn
+from kernels.reference_sampler import PROBS_CHUNK_BYTES
 
 if TYPE_CHECKING:
     from engine.engine import EngineConfig
@@ -186,6 +189,7 @@ class ModelShapes:
     text: TextConfig = field(repr=False)
     dequant_bytes: int = 0  # FP8 weights dequantized for one kernel call (`fp8_workspace`)
     packed_bytes: int = 0  # what the bound CPU kernels copy of the weights (`packed_bytes`)
+    dtype_bytes: int = 2  # one activation value (the model's dtype)
 
 
 def model_shapes(
@@ -219,23 +223,8 @@ def model_shapes(
         text=cfg,
         dequant_bytes=dequant,
         packed_bytes=packed_bytes(model),
+        dtype_bytes=size,
     )
-
-
-def packed_bytes(model: DiffusionLM) -> int:
-    """What `model`'s bound native CPU kernels hold beside its weights once each has run: a
-    copy of each bf16 dense projection (attention's and the gated MLPs'), reordered for oneDNN
-    or packed for the tiles (`kernels.native.onednn.held_bytes`); 0 under other kernels."""
-    if not model.kernels.native:
-        return 0
-    dense = [
-        proj.weight
-        for module in model.modules()
-        if isinstance(module, (Attention, GatedMLP))
-        for name in module.FP8_PARAMS
-        if (proj := getattr(module, name.removesuffix(".weight"))) is not None
-    ]
-    return onednn.held_bytes(dense)
 
 
 def fp8_workspace(model: DiffusionLM, dtype: torch.dtype, fp8: Fp8Paths) -> tuple[int, int]:
@@ -313,6 +302,7 @@ class MemoryPlan:
     slot_bytes: int
     step_bytes: int
     limited_by: str
+    graph_bytes: int = 0  # of step_bytes, what --cuda-graphs' pools hold (`graph_pool_bytes`)
 
     @property
     def kv_positions(self) -> dict[str, int]:
@@ -336,6 +326,7 @@ class MemoryPlan:
             "canvases_per_step": self.canvases_per_step,
             "tokens_per_step": self.tokens_per_step,
             "step_bytes": self.step_bytes,
+            "graph_bytes": self.graph_bytes,
             "slot_bytes": self.slot_bytes,
         }
 
@@ -352,7 +343,15 @@ class MemoryPlan:
             f"{kv['full']:,} full-attention positions, {kv['sliding']:,} sliding-window "
             f"positions in rings; {self.canvases_per_step} canvases per step "
             f"({self.tokens_per_step:,} tokens, {self.step_bytes / GB:.1f} GB of activations "
-            f"and sampler logits); sampler slots {self.slot_bytes / GB:.2f} GB"
+            f"and sampler logits{self.graph_note()}); sampler slots {self.slot_bytes / GB:.2f} GB"
+        )
+
+    def graph_note(self) -> str:
+        return (
+            f", {self.graph_bytes / GB:.1f} GB of it CUDA graphs' (--cuda-graphs: the head and "
+            f"sampler captured up to {HEAD_ROWS} canvases)"
+            if self.graph_bytes
+            else ""
         )
 
 
@@ -400,6 +399,8 @@ def plan_memory(shapes: ModelShapes, config: EngineConfig, memory: DeviceMemory)
         if canvases < most_canvases:  # fewer canvases per step: a smaller step
             tokens = canvases * length_of_canvas
         step_bytes = step_transient(shapes, max(tokens, length_of_canvas), sched.max_num_seqs)
+        graphs = graph_pool_bytes(shapes, sched.max_num_seqs, canvases) if config.cuda_graphs else 0
+        step_bytes += graphs
         running = most_running(usable - step_bytes)
         if running >= canvases:
             break
@@ -430,6 +431,7 @@ def plan_memory(shapes: ModelShapes, config: EngineConfig, memory: DeviceMemory)
         slot_bytes=running * shapes.slot_bytes,
         step_bytes=step_bytes,
         limited_by="--max-num-seqs" if running == sched.max_num_seqs else "memory",
+        graph_bytes=graphs,
     )
 
 
@@ -440,6 +442,31 @@ def step_transient(shapes: ModelShapes, tokens: int, max_rows: int) -> int:
     sampled = min(tokens, max_rows * shapes.canvas_length)
     workspace = shapes.filter_bytes + shapes.dequant_bytes
     return tokens * shapes.token_bytes + sampled * shapes.logit_bytes + workspace
+
+
+def graph_pool_bytes(shapes: ModelShapes, max_rows: int, canvases: int) -> int:
+    """What `--cuda-graphs`' memory pools hold (`engine.device.graphs`,
+    `engine.device.sampler_graphs`), apart from the eager steps' memory, for the buckets of
+    `max_rows` canvases that steps of at most `canvases` canvases use: the largest bucket's
+    forward activations (the smaller buckets' captures reuse them); each bucket's static canvas
+    ids, self-conditioning inputs and output; and in the buckets of at most `HEAD_ROWS`
+    canvases, each one's fp32 logits and the sampler's static inputs and new state, beside the
+    largest one's head projection and soft-embedding probabilities (reused)."""
+    length, hidden, size = shapes.canvas_length, shapes.text.hidden_size, shapes.dtype_bytes
+    vocab = shapes.text.vocab_size
+    sizes = bucket_sizes(max_rows)
+    largest = bucket_of(min(canvases, max(sizes)), sizes) or 1
+    buckets = [b for b in sizes if b <= largest]
+    total = max(buckets) * length * shapes.token_bytes
+    total += sum(buckets) * length * (8 + 2 * hidden * size)
+    headed = [b for b in buckets if b <= HEAD_ROWS]
+    if headed:
+        # per position: the logits; ids, canvas, draft, the new canvas and draft (int64), the
+        # soft inputs and the new soft embedding, the sampler's fp32 and int64 results
+        total += sum(headed) * length * (4 * vocab + 5 * 8 + 2 * hidden * size + 32)
+        most = max(headed) * length * vocab * size
+        total += most + min(PROBS_CHUNK_BYTES, most)
+    return total
 
 
 def no_room(config: EngineConfig, memory: DeviceMemory, length: int, need: int) -> MemoryPlanError:

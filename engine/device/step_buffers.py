@@ -91,6 +91,10 @@ class SamplerInputs:
         self._flags[bucket].write(np.array([*starting, *[False] * pad], dtype=np.bool_))
         return self._slots[bucket].device[:rows], self._flags[bucket].device[:rows]
 
+    def buffers(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole of `bucket`'s slots [B] and flags [B] (dummy rows included), once staged."""
+        return self._slots[bucket].device, self._flags[bucket].device
+
 
 class BucketInputs:
     """One bucket's forward inputs: int64 [row index of B | positions B * L], int32 [start B |

@@ -163,7 +163,7 @@ def warm_up(engine: Engine, should_stop: Callable[[], bool] = lambda: False) -> 
     )
     try:
         if engine.runner.graphs is not None:  # captured largest first; the rounds replay them
-            engine.runner.graphs.capture_all()
+            engine.runner.graphs.capture_all(engine.plan.canvases_per_step)
         image = warmup_image(engine)
         for bucket in buckets:
             for mode in modes:

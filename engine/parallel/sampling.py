@@ -119,7 +119,7 @@ class ShardedSampling(BatchedSampling):
 
     def __init__(self, engine: Engine, leader: Leader) -> None:
         model = engine.model
-        super().__init__(model, engine.scheduler.config.max_num_seqs)
+        super().__init__(model, engine.scheduler.config.max_num_seqs, None)  # no graphs at TP
         self.engine, self.leader = engine, leader
         self.start, self.vocab = vocab_start(model), model.cfg.vocab_size
         sampler = self.sampler

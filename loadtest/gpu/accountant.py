@@ -19,7 +19,9 @@ peak rates (`Hardware`): max(FLOPs / peak, bytes / bandwidth) + a per-launch cos
   nothing is pinned: the accountant counts what CUDA would do. A copy from pageable memory may
   wait for the stream (CUDA stages it through a pinned buffer of its own).
 
-`phase(name)` labels what follows (inputs, forward, sampler, publish) for the sync checks.
+`phase(name)` labels what follows (inputs, forward, sampler, publish) for the sync checks;
+`graph()` marks what follows as a CUDA graph's replay (`MetaCapture`): one launch for the
+graph, none for the kernels it holds (their bytes and FLOPs count as ever).
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ class OpRecord:
     wall_s: float = 0.0  # the op's own run time here (meaningful on a real device only)
     copy: str = ""
     host_bytes: float = 0.0
+    captured: bool = False  # ran in a replayed CUDA graph: launched by the graph, not the host
+
+    @property
+    def host_launches(self) -> int:
+        """The launches the host makes for this op (none for a kernel of a graph)."""
+        return 0 if self.host or self.captured else self.launches
 
     def seconds(self, hw: Hardware) -> float:
         if self.host:
@@ -111,7 +119,7 @@ class OpRecord:
         rate = hw.fp32_flops if self.fp32 else hw.tensor_flops
         if self.attention and hw.attention_flops:
             rate = hw.attention_flops
-        time = max(self.flops / rate, self.bytes / hw.bandwidth) + self.launches * hw.launch_s
+        time = max(self.flops / rate, self.bytes / hw.bandwidth) + self.host_launches * hw.launch_s
         return time + (hw.sync_s if self.sync else 0.0)
 
 
@@ -142,6 +150,7 @@ class Accountant(TorchDispatchMode):
         self.rows = rows or StepRows()
         self.records: list[OpRecord] = []
         self.current = "step"
+        self.replaying = False  # inside `graph()`
         # Host memory staged for copies while active (module docstring): the storages are
         # held, so that no pageable tensor made later can take a staged one's address.
         self._staged: list[torch.UntypedStorage] = []
@@ -185,10 +194,22 @@ class Accountant(TorchDispatchMode):
         finally:
             self.current = previous
 
+    @contextmanager
+    def graph(self) -> Iterator[None]:
+        """What runs inside is a CUDA graph's replay: one launch (the graph's, recorded here)."""
+        self.records.append(OpRecord("graph.replay", self.current))
+        self.replaying = True
+        try:
+            yield
+        finally:
+            self.replaying = False
+
     def sync(self, name: str, kind: str, size: float = 0.0) -> None:
         """Record a synchronisation seen outside the dispatcher (e.g. `.tolist()` on meta)."""
         phase = "inputs" if self.current == "forward" and in_prepare() else self.current
-        self.records.append(OpRecord(name, phase, bytes=size, sync=kind, where=project_frame()))
+        record = OpRecord(name, phase, bytes=size, sync=kind, where=project_frame())
+        record.captured = self.replaying
+        self.records.append(record)
 
     # -- dispatch -----------------------------------------------------------------------------
 
@@ -209,9 +230,12 @@ class Accountant(TorchDispatchMode):
         elapsed = time.perf_counter() - began
         packet = func.overloadpacket
         if func.namespace == "canvas":
-            self.records += custom_records(self, func, args, out)
+            for custom in custom_records(self, func, args, out):
+                custom.captured = self.replaying
+                self.records.append(custom)
             return out
         record = OpRecord(str(packet).replace("aten.", ""), self.current, sync=sync)
+        record.captured = self.replaying
         record.wall_s = elapsed
         record.host = not on_device
         if func.is_view or packet in _ALLOCATIONS:
@@ -309,7 +333,13 @@ class Accountant(TorchDispatchMode):
 
     @property
     def launches(self) -> int:
-        return sum(r.launches for r in self.records if not r.host)
+        """Kernel launches the host makes (a replayed graph: one)."""
+        return sum(r.host_launches for r in self.records)
+
+    @property
+    def captured_launches(self) -> int:
+        """Kernel launches inside replayed graphs."""
+        return sum(r.launches for r in self.records if r.captured and not r.host)
 
     @property
     def gemm_flops(self) -> float:

@@ -5,7 +5,8 @@ recorded by `loadtest.gpu.accountant` and its time predicted on an H200 and an H
     python -m loadtest.gpu.roofline [--canvases 1 4 16 64] [--layers N] [--top 8]   (make roofline)
         [--quantization fp8]   (FP8 projections and experts, as `--quantization fp8` loads them,
                                 on sm_90's FP8 rows; `--without-fp8-rows`: each quantizes its own)
-        [--cuda-graphs]        (the forward's launches cost nothing: `--cuda-graphs` replays it)
+        [--cuda-graphs]        (all-denoise steps replay what `--cuda-graphs` captures: the
+                                forward, and at <= HEAD_ROWS canvases the head and sampler)
         [--launch-us US]       (every launch costs US µs; 0: none, the whole step captured)
     python -m loadtest.gpu.roofline --measured-launch   (launch cost measured here: launch_probe)
     python -m loadtest.gpu.roofline_calibrate     (the accountant against a measured CPU step)
@@ -39,6 +40,7 @@ import torch
 from engine.batched_sampler import BatchedSampler, to_host
 from engine.device.cuda import to_device
 from engine.device.memory import meta_model
+from engine.device.sampler_graphs import SamplerGraphs
 from engine.device.step_buffers import SamplerInputs
 from engine.kv_pages import PageTables
 from engine.model import DiffusionLM
@@ -51,6 +53,7 @@ from loadtest.gpu.accountant import GPUS, Accountant, Hardware, OpRecord, StepRo
 from loadtest.gpu.bench import build_model, model_config
 from loadtest.gpu.custom_rules import touched_experts
 from loadtest.gpu.launch_probe import LaunchCost, measure
+from loadtest.gpu.meta_graphs import MetaCapture, active_accountant
 
 KINDS = ("denoise", "commit", "prefill", "ar")
 PREFIX_LEN = 1024
@@ -67,17 +70,12 @@ class StepAccount:
     canvases: int
     acct: Accountant
     weight_bytes: float
-    # CUDA graphs replay the forward: its kernels' launch cost is gone (a replay's own launch
-    # is left out; the forward phase holds the LM head's two launches, which `--cuda-graphs`
-    # runs eager, and the sampler's stay counted).
+    # The step replayed what `--cuda-graphs` captures (`MetaCapture`): each graph one launch,
+    # the kernels inside none (`OpRecord.captured`), everything else launched as it is.
     graphs: bool = False
 
     def op_seconds(self, record: OpRecord, hw: Hardware) -> float:
-        """One op's predicted time in this step (`graphs`: a forward op's launches free)."""
-        t = record.seconds(hw)
-        if self.graphs and record.phase == "forward" and not record.host:
-            t -= record.launches * hw.launch_s
-        return t
+        return record.seconds(hw)
 
     def seconds(self, hw: Hardware) -> float:
         return sum(self.op_seconds(r, hw) for r in self.acct.records)
@@ -146,7 +144,10 @@ class StepHarness:
         canvases: int,
         device: torch.device,
         prefix: int = PREFIX_LEN,
+        graphs: bool = False,
     ) -> None:
+        """`graphs`: all-denoise steps replay the graphs `--cuda-graphs` captures (on the meta
+        device: `MetaCapture`)."""
         config, self.canvas = model.config, model.config.canvas_length
         self.kind, self.device = kind, device
         self.starts, self.encode = step_rows(kind, canvases, self.canvas, prefix)
@@ -157,12 +158,15 @@ class StepHarness:
         )  # fmt: skip
         self.pages = [_pages(r, self.per_row) for r in range(len(self.starts))]
         held = self.pages + [e.pages for e in self.encode]
-        self.runner = ModelRunner(model, cache, max_rows=len(held))
+        capture = MetaCapture() if graphs else None
+        self.runner = ModelRunner(model, cache, max_rows=len(held), graphs=capture)
         self.runner.tables.gather(held)
         embed = model.embed_tokens.weight
         scale = float(model.embed_scale)
         self.sampler = BatchedSampler(model.kernels, embed, scale, self.canvas, canvases)
         self.staged = SamplerInputs(device, canvases)
+        forward = self.runner.graphs  # as `engine.sampling.BatchedSampling` samples
+        self.steps = SamplerGraphs(forward, self.sampler, self.staged) if forward else self.sampler
         rows = [(s, self.canvas, True) for s in self.starts]
         self.rows = StepRows(rows + [(e.start, len(e.tokens), False) for e in self.encode])
 
@@ -182,15 +186,15 @@ class StepHarness:
             if starts:  # as engine.sampling.BatchedSampling builds them
                 num = len(starts)
                 slots, flags = self.staged.stage(list(range(num)), [self.kind == "commit"] * num)
-                ids, soft, rows = sampler.canvas_inputs(slots, flags)
+                ids, soft, rows = self.steps.canvas_inputs(slots, flags)
                 inputs = replace(inputs, canvas_ids=ids, soft_embeds=soft)
         with phase("forward"):
             out = self.runner.execute(inputs)
         with phase("sampler"):
             parts: list[torch.Tensor] = []
             if rows is not None and out.denoise_logits is not None:
-                new, parts = sampler.denoise(out.denoise_logits, rows)
-                sampler.write(new)
+                new, parts = self.steps.denoise(out.denoise_logits, rows)
+                self.steps.write(new)
             if out.last_logits is not None:  # as engine.sampling.BatchedSampling builds them
                 slots = to_device(np.arange(len(encode), dtype=np.int64), device)
                 index = to_device(np.full(len(encode), 7, dtype=np.int64), device)
@@ -201,16 +205,9 @@ class StepHarness:
             except NotImplementedError as exc:  # `.tolist()` of a meta tensor: the D2H copy
                 if "meta" not in str(exc):
                     raise
-                phase_acct = _active_accountant()
+                phase_acct = active_accountant()
                 if phase_acct is not None:
                     phase_acct.sync("to_host", "device to host copy")
-
-
-def _active_accountant() -> Accountant | None:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    modes = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, Accountant)]
-    return modes[-1] if modes else None
 
 
 def launch_backends() -> tuple[str, ...]:
@@ -249,7 +246,10 @@ def account(
     meta = torch.device("meta")
     acct = Accountant("meta")
     with torch.inference_mode():
-        StepHarness(model, kind, canvases, meta, prefix).run(acct)
+        harness = StepHarness(model, kind, canvases, meta, prefix, graphs)
+        if graphs:  # the first step captures, the accounted one replays
+            harness.run()
+        harness.run(acct)
     num_tokens = sum(n for _, n, _ in acct.rows.rows)
     return StepAccount(kind, canvases, acct, weight_bytes(model, num_tokens), graphs)
 
@@ -287,7 +287,7 @@ def summary_table(steps: list[StepAccount], gpus: tuple[Hardware, ...] = GPUS) -
     head = (
         "| step | canvases | "
         + " | ".join(f"{hw.name} ms | floor ms | ×floor" for hw in gpus)
-        + " | launches | syncs (fwd+sampler) |"
+        + " | launches (in graphs) | syncs (fwd+sampler) |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in steps:
@@ -298,7 +298,8 @@ def summary_table(steps: list[StepAccount], gpus: tuple[Hardware, ...] = GPUS) -
         inner = len(s.acct.syncs(("forward", "sampler")))
         lines.append(
             f"| {s.kind} | {s.canvases} | " + " | ".join(cells)
-            + f" | {s.acct.launches} | {len(s.acct.syncs())} ({inner}) |"
+            + f" | {s.acct.launches} ({s.acct.captured_launches})"
+            + f" | {len(s.acct.syncs())} ({inner}) |"
         )  # fmt: skip
     return "\n".join(lines)
 
@@ -317,7 +318,7 @@ def top_ops(step: StepAccount, hw: Hardware, top: int) -> str:
     for name, recs in rows[:top]:
         t = sum(step.op_seconds(r, hw) for r in recs)
         lines.append(
-            f"| {name} | {len(recs)} | {sum(r.launches for r in recs)} "
+            f"| {name} | {len(recs)} | {sum(r.host_launches for r in recs)} "
             f"| {sum(r.bytes for r in recs) / 1e9:.2f} | {sum(r.flops for r in recs) / 1e12:.2f} "
             f"| {t * 1e3:.2f} | {t / total:.0%} |"
         )
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--cuda-graphs", action="store_true",
-        help="the forward phase's kernels cost no launch (CUDA graphs replay it; sampler eager)",
+        help="all-denoise steps replay what --cuda-graphs captures (a graph: one launch)",
     )  # fmt: skip
     parser.add_argument(
         "--measured-launch", action="store_true",
@@ -416,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = "FP8 projections and experts" if args.quantization == "fp8" else "bf16"
     weights += " on FP8 rows" if fp8_rows else ""
     numerics = "fast numerics" + (
-        ", CUDA graphs (forward launches free)" if args.cuda_graphs else ""
+        ", CUDA graphs (what --cuda-graphs captures replayed)" if args.cuda_graphs else ""
     )
     began = time.perf_counter()
     steps = [

@@ -192,7 +192,8 @@ ENGINE_FLAGS = (
         "--cuda-graphs",
         "engine.cuda_graphs",
         "replay the forward of steps whose rows are all canvases as CUDA graphs, one per bucket "
-        "of canvases, captured at warm-up (default off until a GPU run shows replay equal to "
+        "of canvases, captured at warm-up (up to 4 canvases with the LM head and the sampler; "
+        "the memory plan counts their pools; default off until a GPU run shows replay equal to "
         "eager; a CUDA device and the Triton kernels only)",
         switch=True,
     ),

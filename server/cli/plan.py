@@ -25,7 +25,7 @@ from engine.model.config import ModelConfig
 from server.cli.config import DTYPE, ENGINE_FLAGS, EXACT, QUANTIZATION, add_flags, build_config
 
 MEMORY_FLAGS = {"--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-tokens"}
-MEMORY_FLAGS |= {"--gpu-memory-utilization", "--max-model-len"}
+MEMORY_FLAGS |= {"--gpu-memory-utilization", "--max-model-len", "--cuda-graphs"}
 PLAN_FLAGS = (
     DTYPE,
     EXACT,
@@ -138,7 +138,8 @@ def plan_text(plan: MemoryPlan) -> str:
         (
             "one step",
             plan.step_bytes,
-            f"{plan.canvases_per_step} canvases per step ({plan.tokens_per_step:,} tokens)",
+            f"{plan.canvases_per_step} canvases per step ({plan.tokens_per_step:,} tokens)"
+            + plan.graph_note(),
         ),
     ]
     lines = [f"  {name:<40} {size / GB:8.2f} GB  {note}".rstrip() for name, size, note in rows]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.device import warmup
-from engine.device.graphs import ForwardGraphs
+from engine.device.graphs import HEAD_ROWS, ForwardGraphs
 from engine.device.step_buffers import SamplerInputs, bucket_of, bucket_sizes
 from engine.engine import EngineConfig
 from engine.llm import LLM
@@ -26,7 +26,7 @@ from kernels import resolve_kernels
 from loadtest.gpu import roofline
 from loadtest.gpu.accountant import Accountant
 from loadtest.gpu.bench import model_config
-from tests.graph_cases import EagerCapture
+from tests.graph_cases import EagerCapture, fake_graphs
 
 
 def test_buckets_double_up_to_the_largest_step() -> None:
@@ -66,6 +66,43 @@ def test_a_bucketed_denoise_step_allocates_no_input_copies_from_pinned_memory_an
     assert not [r for r in acct.records if r.phase == "inputs" and r.name.startswith("empty")]
 
 
+@pytest.mark.parametrize("canvases", [1, 2, 3, 4, 8])
+def test_a_replayed_step_holds_no_allocation_sync_or_host_copy_inside_or_around_its_graphs(
+    canvases: int,
+) -> None:
+    """`--cuda-graphs` on the meta device (`MetaCapture`), at every bucket (3 canvases: bucket
+    4, one dummy row): inside the replayed graphs nothing waits, nothing is copied from the
+    host and nothing is launched from the host; around them the step's only launches are the
+    four pinned input copies, the page tables' gathers, the graphs themselves and, in a bucket
+    with a dummy row, the sampler's state write; nothing is allocated before the publish. At
+    1 to 4 canvases (`HEAD_ROWS`) the head and sampler are inside the graphs; at 8 only the
+    forward is."""
+    kernels = resolve_kernels("cpu", "twins").with_custom_ops()
+    meta = torch.device("meta")
+    model = roofline.build(model_config(toy=True), kernels, meta)
+    with torch.inference_mode():
+        harness = roofline.StepHarness(model, "denoise", canvases, meta, graphs=True)
+        largest = 1 << (canvases - 1).bit_length()
+        harness.runner.inputs.sizes = harness.staged.sizes = bucket_sizes(largest)
+        harness.run()  # captures
+        acct = Accountant("meta")
+        harness.run(acct)
+    captured = [r for r in acct.records if r.captured]
+    assert captured and not [r for r in captured if r.sync or r.copy or r.host_launches]
+    assert acct.syncs(("inputs", "forward", "sampler")) == [] and acct.pageable_copies() == []
+    assert [(r.name, r.copy) for r in acct.records if r.copy] == [("copy_", "pinned")] * 4
+    stepping = [r for r in acct.records if r.phase != "publish" and not r.captured]
+    launched = {r.name for r in stepping if r.host_launches}
+    allowed = {"graph.replay", "copy_", "index_select", "fill_"}
+    if canvases <= HEAD_ROWS:
+        allowed |= {"index_put_"} if canvases < largest else set()
+        assert launched <= allowed, launched
+        assert not [r for r in stepping if r.name.startswith(("empty", "zeros", "full"))]
+        assert "canvas.fused_sample" in {r.name for r in captured}
+    else:
+        assert {"canvas.softcap", "canvas.fused_sample", "index_put_"} <= launched
+
+
 def _pointers(batch: ForwardBatch) -> tuple[int, ...]:
     """The addresses of every input a forward of `batch` reads."""
     cpu = torch.device("cpu")
@@ -81,7 +118,8 @@ def _generate(llm: LLM, graphs: EagerCapture | None) -> tuple[list[list[int]], d
     addresses of each bucket's steps."""
     runner: ModelRunner = llm.engine.runner
     if graphs is not None:
-        runner.graphs = ForwardGraphs(graphs, runner.inputs, runner.model, runner.cache)
+        fake_graphs(llm.engine, graphs)
+        runner.graphs.capture_all()  # as warm-up does (its buffers made in inference mode)
     seen: dict[int, set] = {}
     kept: list[object] = []  # every step's inputs stay alive: a new one cannot take their address
     batch, stage = runner.inputs.batch, llm.engine.sampling.inputs.stage  # type: ignore[attr-defined]
@@ -119,8 +157,37 @@ def test_inputs_keep_their_addresses_and_a_replayed_padded_forward_gives_the_eag
     fake = EagerCapture()
     replayed, seen = _generate(LLM.from_pretrained(tiny_checkpoint("c32-window")), fake)
     assert fake.replays > 0 and 4 * 32 in fake.captured  # the whole bucket, dummy row included
+    # the sampler's graphs: the canvas inputs (ids first) and the update (slots first) of the
+    # whole bucket; its rows' state written eager (a dummy row's slot is a real request's)
+    sampler = fake.parts[1]
+    assert sampler.replays > 0 and sorted(sampler.captured) == [4, 4 * 32]
     assert all(len(pointers) == 1 for pointers in seen.values()), seen
     assert replayed == eager
+
+
+def test_logits_processors_and_pinned_tokens_run_with_the_sampler_graphs(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """The logits processors rewrite the graph's static logits before its update replays; a
+    hybrid canvas's pinned first token sends the step's canvas inputs and update eager. Same
+    tokens as without graphs."""
+
+    def generate(graphs: EagerCapture | None) -> list[list[int]]:
+        llm = LLM.from_pretrained(tiny_checkpoint("c32-window"))
+        if graphs is not None:
+            fake_graphs(llm.engine, graphs)
+        common = {"seed": 3, "max_tokens": 24, "max_denoising_steps": 4, "ignore_eos": True}
+        params = [
+            SamplingParams(mode=DecodeMode.DIFFUSION, logit_bias={7: 5.0, 9: -3.0}, **common),
+            SamplingParams(mode=DecodeMode.DIFFUSION, presence_penalty=1.5, **common),
+        ]
+        hybrid = [SamplingParams(mode=DecodeMode.HYBRID, **common)]
+        first = llm.generate([[5, 6, 7], [8, 9]], params)
+        return [o.output_ids for o in first + llm.generate([[5, 6, 7]], hybrid)]
+
+    fake = EagerCapture()
+    assert generate(fake) == generate(None)
+    assert fake.parts[1].replays > 0
 
 
 def test_warm_up_captures_every_bucket_largest_first_into_the_graphs(

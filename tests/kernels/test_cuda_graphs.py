@@ -1,9 +1,10 @@
 """CUDA graphs of all-denoise forwards (`engine.device.graphs`) on a CUDA GPU (marked gpu:
 `make gpu-check` runs them; skipped elsewhere, never faked): a tiny checkpoint on the Triton
 kernels serves the same diffusion requests with `cuda_graphs` and with the same padded
-forwards run eager (`tests.graph_cases.EagerCapture`: the same shapes, so the same kernels), at
-step sizes that fill a bucket and that leave dummy rows, and every token is the same; the
-graphs were captured for every bucket at warm-up."""
+forwards and sampler run eager (`tests.graph_cases.EagerCapture`: the same shapes, so the same
+kernels; up to 4 canvases the graphs hold the head and sampler too), at step sizes that fill a
+bucket and that leave dummy rows, and every token is the same; the graphs were captured for
+every bucket at warm-up."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.device.graphs import ForwardGraphs
+from engine.device.sampler_graphs import SamplerGraphs
 from engine.device.warmup import warm_up
 from engine.engine import EngineConfig
 from engine.llm import LLM
 from engine.params import DecodeMode, SamplingParams
 from engine.scheduler import SchedulerConfig
 from kernels import triton_available
-from tests.graph_cases import EagerCapture
+from tests.graph_cases import EagerCapture, fake_graphs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,8 +36,7 @@ def _tokens(model_dir: Path, graphs: bool, num: int) -> tuple[list[list[int]], L
     if graphs:
         warm_up(llm.engine)
     else:  # the padded forwards, eager
-        runner = llm.engine.runner
-        runner.graphs = ForwardGraphs(EagerCapture(), runner.inputs, runner.model, runner.cache)
+        fake_graphs(llm.engine, EagerCapture())
     params = [
         SamplingParams(
             mode=DecodeMode.DIFFUSION, seed=i, max_tokens=48, max_denoising_steps=6, ignore_eos=True
@@ -56,4 +56,6 @@ def test_replayed_denoise_forwards_give_the_eager_tokens(
     replayed, llm = _tokens(model_dir, True, num)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4]
+    steps = llm.engine.sampling.steps  # type: ignore[attr-defined]
+    assert isinstance(steps, SamplerGraphs) and (4 if num > 1 else 1) in steps.pairs
     assert replayed == eager

@@ -1,12 +1,11 @@
 """The roofline of an FP8 step on FP8 rows (sm_90's path): the norms and the GeGLU product emit
 the rows, so the only per-token quantizer left is attention's output projection's; the experts
-read FP8 activations; `--cuda-graphs` frees the forward's launches, `--launch-us` sets (or
-zeroes) every launch's cost."""
+read FP8 activations; `--cuda-graphs` frees the launches of what the engine captures,
+`--launch-us` sets (or zeroes) every launch's cost."""
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 
 import pytest
 import torch
@@ -19,11 +18,11 @@ from loadtest.gpu.bench import model_config
 META = torch.device("meta")
 
 
-def fp8_step(fp8_rows: bool) -> roofline.StepAccount:
+def fp8_step(fp8_rows: bool, graphs: bool = False, canvases: int = 1) -> roofline.StepAccount:
     kernels = resolve_kernels("cpu", "twins")
     kernels = (kernels.with_fp8_rows() if fp8_rows else kernels).with_custom_ops()
     model = roofline.build(model_config(toy=True), kernels, META, "fp8")
-    return roofline.account(model, "denoise", 1)
+    return roofline.account(model, "denoise", canvases, graphs=graphs)
 
 
 def test_fp8_rows_leave_one_quantizer_a_layer_and_the_experts_read_fp8_activations() -> None:
@@ -50,15 +49,28 @@ def test_fp8_rows_leave_one_quantizer_a_layer_and_the_experts_read_fp8_activatio
     assert rows.seconds(H200) < quantizing.seconds(H200)
 
 
-def test_cuda_graphs_free_the_forwards_launches_only() -> None:
-    step = fp8_step(True)
-    forward = sum(r.launches for r in step.acct.records if r.phase == "forward" and not r.host)
-    others = sum(r.launches for r in step.acct.records if r.phase != "forward" and not r.host)
-    assert forward > 0 and others > 0
-    graphed = replace(step, graphs=True)
-    assert graphed.seconds(H200) == pytest.approx(step.seconds(H200) - forward * H200.launch_s)
+def test_cuda_graphs_free_the_launches_of_what_the_engine_captures_only() -> None:
+    """`--cuda-graphs`: the step replays the engine's own graphs (`MetaCapture`): at 1 canvas
+    the forward, the head and the sampler's canvas inputs, update and state write run inside
+    them (each graph one launch, its kernels none); the same work, the same bytes; at 8
+    canvases (above `HEAD_ROWS`) the head and sampler are launched one kernel at a time."""
+    eager = fp8_step(True)
+    graphed = fp8_step(True, graphs=True)
     free = H200.with_launch(0.0)
-    assert graphed.seconds(free) == pytest.approx(step.seconds(free))
+    assert graphed.seconds(free) == pytest.approx(eager.seconds(free), rel=1e-3)
+    launched = graphed.seconds(H200) - graphed.seconds(free)
+    assert launched == pytest.approx(graphed.acct.launches * H200.launch_s)
+    replays = [r.phase for r in graphed.acct.records if r.name == "graph.replay"]
+    assert replays == ["inputs", "forward", "sampler", "sampler"]
+    captured = {r.name for r in graphed.acct.records if r.captured}
+    assert {"canvas.softcap", "canvas.fused_sample", "canvas.philox_uniform"} <= captured
+    eager_names = {r.name for r in graphed.acct.records if r.host_launches}
+    assert eager_names <= {"graph.replay", "copy_", "index_select", "cat"}, eager_names
+    assert graphed.acct.launches < eager.acct.launches / 10
+    large = fp8_step(True, graphs=True, canvases=8)
+    sampled = [r for r in large.acct.records if r.name == "canvas.fused_sample"]
+    assert sampled and not any(r.captured for r in sampled)
+    assert [r.phase for r in large.acct.records if r.name == "graph.replay"] == ["forward"]
 
 
 def test_the_launch_cost_flag_sets_every_launch_and_refuses_a_negative_one(

@@ -30,6 +30,7 @@ from engine.device.memory import (
     assumed_gpu,
     available_ram,
     device_memory,
+    graph_pool_bytes,
     meta_model,
     model_shapes,
     plan_memory,
@@ -106,6 +107,32 @@ def test_one_h100_holds_16_canvases_at_8k_and_one_h200_64():
     h200 = plan_memory(shapes, at(8192), assumed_gpu("h200", shapes.weights_bytes))
     assert h100.max_running_requests >= 16 and h100.canvases_per_step >= 16
     assert h200.max_running_requests == 64 and h200.limited_by == "--max-num-seqs"
+
+
+def test_cuda_graphs_pools_are_counted_and_one_h100_still_holds_16_canvases_at_8k(capsys):
+    """--cuda-graphs: the pools' bytes (the largest bucket's forward activations, and the fp32
+    logits of each bucket of at most HEAD_ROWS canvases, whose graphs hold the head and the
+    sampler) come out of the step's room before the running requests are counted."""
+    shapes = real_shapes()
+    gpu = assumed_gpu("h100", shapes.weights_bytes)
+    eager = plan_memory(shapes, at(8192), gpu)
+    graphed = plan_memory(shapes, replace(at(8192), cuda_graphs=True), gpu)
+    logits = (1 + 2 + 4) * shapes.canvas_length * 4 * shapes.text.vocab_size
+    canvases = graphed.canvases_per_step
+    assert graphed.graph_bytes == graph_pool_bytes(shapes, 64, canvases) > logits
+    step = step_transient(shapes, graphed.tokens_per_step, 64)
+    assert graphed.step_bytes == step + graphed.graph_bytes
+    assert eager.graph_bytes == 0 and graphed.max_running_requests < eager.max_running_requests
+    assert graphed.max_running_requests >= 16 and canvases >= 16
+    assert "GB of it CUDA graphs'" in graphed.describe()
+    args = ("--preset", "real-26b-a4b", "--gpu", "h100", "--max-model-len", "8192")
+    assert plan_json(capsys, *args, "--cuda-graphs")["graph_bytes"] == graphed.graph_bytes
+    assert main(["plan", *args, "--cuda-graphs"]) == 0
+    assert "GB of it CUDA graphs'" in capsys.readouterr().out
+    # the largest bucket a step uses sizes the forward's part; above HEAD_ROWS, no logits
+    assert graph_pool_bytes(shapes, 64, 9) == graph_pool_bytes(shapes, 64, 16)
+    grown = graph_pool_bytes(shapes, 64, 8) - graph_pool_bytes(shapes, 64, 4)
+    assert 0 < grown < 4 * 256 * shapes.token_bytes + 8 * 256 * 12_000
 
 
 def test_a_plan_that_cannot_hold_one_canvas_names_the_flags():
