@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.device.cuda import to_device
 from engine.device.ar_steps import ArSteps
+from engine.device.cuda import to_device
 from engine.device.graphs import Capture, ForwardGraphs, Hidden
 from engine.device.overlap import ForwardClock
 from engine.device.step_buffers import ForwardInputs

@@ -5,7 +5,8 @@ so a step launches one graph instead of hundreds of kernels. In the buckets of a
 `HEAD_ROWS` canvases the LM head is captured too, and the sampler's device work around it
 (`engine.device.sampler_graphs`): their graphs hold the bucket's fp32 logits, which the memory
 plan counts (`engine.device.memory.graph_pool_bytes`); larger buckets run the head and sampler
-eager (their launches weigh less in a longer step). Steps with ENCODE rows run eager.
+eager (their launches weigh less in a longer step). Other steps with ENCODE rows than
+all-AR ones (below) run eager.
 
 A step of R canvases copies its canvas ids and self-conditioning inputs into the bucket's
 static ones (rows past R zeroed: the dummy rows of `step_buffers`), unless the sampler's graph
@@ -144,7 +145,7 @@ class ForwardGraphs:
         graph = self.graphs[bucket] = _Graph(ids, soft, batch)
 
         def forward() -> Outputs:
-            soft = [] if graph.soft is None else graph.soft  # AR rows: no canvas
+            soft: SoftEmbeds = [] if graph.soft is None else graph.soft  # AR rows: no canvas
             hidden = self.model(graph.ids, soft, graph.batch, self.cache, None)
             return (self.model.logits(hidden) if bucket <= HEAD_ROWS else hidden,)
 
