@@ -4,7 +4,7 @@ no sync in the forward; with `--cuda-graphs`' wiring, `MetaCapture`, nothing fro
 inside the graph and the head inside it up to `HEAD_ROWS` rows), stable input addresses across
 the steps of a bucket, and AR requests served through the fake graphs (`tests.graph_cases`:
 the eager forward replayed over the padded bucket) giving the eager tokens, greedy and
-sampled."""
+sampled; and the roofline's prediction of a replayed AR step of one request."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from engine.model.kv_cache import ForwardBatch
 from engine.params import DecodeMode, SamplingParams
 from kernels import resolve_kernels
 from loadtest.gpu import roofline
-from loadtest.gpu.accountant import Accountant
+from loadtest.gpu.accountant import GPUS, Accountant
 from loadtest.gpu.bench import model_config
 from tests.graph_cases import EagerCapture, fake_graphs
 
@@ -81,6 +81,20 @@ def test_a_replayed_ar_step_holds_no_allocation_sync_or_host_copy_inside_or_arou
         assert head and not [r for r in around if r.name.startswith(("empty", "zeros", "full"))]
     else:
         assert not head and "canvas.softcap" in launched
+
+
+def test_the_roofline_predicts_a_replayed_ar_step_of_one_request_near_its_floor() -> None:
+    """At the real shapes (`--cuda-graphs`, `MetaCapture`): the same work as eager, its launches
+    but a handful, within 1.5x its floor on an H200 and an H100 (eager: launch-bound)."""
+    kernels = resolve_kernels("cpu", "twins").with_custom_ops()
+    model = roofline.build(model_config(), kernels, torch.device("meta"))
+    eager, graphed = (roofline.account(model, "ar", 1, graphs=g) for g in (False, True))
+    assert graphed.acct.launches < 30 < 600 < eager.acct.launches
+    for hw in GPUS:
+        free = hw.with_launch(0.0)
+        assert graphed.seconds(free) == pytest.approx(eager.seconds(free), rel=1e-3)
+        floor = roofline.floor_s(graphed, hw)
+        assert graphed.seconds(hw) <= 1.5 * floor < eager.seconds(hw), hw.name
 
 
 def _pointers(batch: ForwardBatch) -> tuple[int, ...]:
