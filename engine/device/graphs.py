@@ -182,7 +182,7 @@ class ForwardGraphs:
         """The hidden states [R * L, H] of an all-denoise step of R canvases and the head to
         apply to them, or, where the graph holds the head, the logits [R * L, V] and a head
         that returns them as they are: ids [R * L], soft [R * L, H] (AR: the ids where `batch`
-        wrote them, soft None); `batch`: what `ForwardGraphs.batch` gave for the step."""
+        wrote them, soft unused); `batch`: what `ForwardGraphs.batch` gave for the step."""
         bucket = len(batch.rows)
         graph = self.graphs[bucket]
         graph.batch = batch
