@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.device.ar_steps import ArSteps
 from engine.device.cuda import to_device
 from engine.device.graphs import Capture, ForwardGraphs, Hidden
 from engine.device.overlap import ForwardClock
@@ -91,6 +92,7 @@ class ModelRunner:
         self.vision = VisionEncoder(model.vision, self.device) if model.vision is not None else None
         self.inputs = ForwardInputs(self.tables, model, cache.page_size, max_rows)
         self.graphs = ForwardGraphs(graphs, self.inputs, model, cache) if graphs else None
+        self.ar = ArSteps(self.tables, model, cache, max_rows, graphs)  # all-AR steps' buckets
 
     @torch.inference_mode()
     def copy_sliding_pages(self, copies: tuple[tuple[int, int], ...]) -> None:
@@ -100,9 +102,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> RunOutput:
-        """Fast numerics' all-denoise steps of at most `max_rows` canvases take their inputs
-        from persistent buffers (`engine.device.step_buffers`) and may replay a graph."""
+        """Fast numerics' all-denoise and all-AR steps of at most `max_rows` canvases (rows)
+        take their inputs from persistent buffers (`engine.device.step_buffers`) and may replay
+        a graph."""
         num_rows = len(step.denoise_starts)
+        if (ar := self.ar.bucket(num_rows, step.encode)) is not None:  # engine.device.ar_steps
+            return RunOutput(None, *self.ar.run(step.encode, ar))
         bucket = None if step.encode or self.model.kernels.exact else self.inputs.bucket(num_rows)
         replay = self.graphs if bucket is not None else None
         batch = self._batch(step, bucket)
@@ -164,11 +169,8 @@ class ModelRunner:
 
     @staticmethod
     def _encode_offsets(step: StepInputs, first: int) -> list[tuple[int, EncodeInput]]:
-        out, offset = [], first
-        for e in step.encode:
-            out.append((offset, e))
-            offset += len(e.tokens)
-        return out
+        ends = np.cumsum([first] + [len(e.tokens) for e in step.encode]).tolist()
+        return list(zip(ends[:-1], step.encode, strict=True))
 
     def _batch(self, step: StepInputs, bucket: int | None) -> ForwardBatch:
         """The step's rows, their page tables gathered from the device tables; in a `bucket`:

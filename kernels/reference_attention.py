@@ -233,6 +233,8 @@ def _split_rows(rows: PagedRows) -> list[tuple[PagedRows, torch.Tensor]]:
     parts = []
     for kind in (1, 0):
         chosen = (rows.decode == kind).nonzero()[:, 0]
+        if not chosen.numel():  # e.g. a graph's capture over dummy rows only
+            continue
         index = (per_token == kind).nonzero()[:, 0]
         count, start = rows.num_tokens[chosen], rows.start[chosen]
         part = PagedRows(

@@ -37,8 +37,10 @@ class EagerCapture:
 
 def fake_graphs(engine: Engine, capture: EagerCapture) -> None:
     """Give `engine` (fast numerics, built without `--cuda-graphs`) graphs that `capture` takes:
-    the runner's forwards and the sampler's canvas inputs and update."""
+    the runner's forwards (all-denoise and all-AR steps') and the sampler's canvas inputs and
+    update."""
     runner, sampling = engine.runner, engine.sampling
     assert isinstance(sampling, BatchedSampling)
     runner.graphs = ForwardGraphs(capture, runner.inputs, runner.model, runner.cache)
+    runner.ar.graphs = ForwardGraphs(capture, runner.ar.inputs, runner.model, runner.cache)
     sampling.steps = SamplerGraphs(runner.graphs, sampling.sampler, sampling.inputs)

@@ -5,7 +5,8 @@ so a step launches one graph instead of hundreds of kernels. In the buckets of a
 `HEAD_ROWS` canvases the LM head is captured too, and the sampler's device work around it
 (`engine.device.sampler_graphs`): their graphs hold the bucket's fp32 logits, which the memory
 plan counts (`engine.device.memory.graph_pool_bytes`); larger buckets run the head and sampler
-eager (their launches weigh less in a longer step). Steps with ENCODE rows run eager.
+eager (their launches weigh less in a longer step). Other steps with ENCODE rows than
+all-AR ones (below) run eager.
 
 A step of R canvases copies its canvas ids and self-conditioning inputs into the bucket's
 static ones (rows past R zeroed: the dummy rows of `step_buffers`), unless the sampler's graph
@@ -15,6 +16,12 @@ Capture (`ForwardGraphs.capture_all`, part of warm-up before ready): two warm ru
 capture, from the largest bucket down, every graph in one memory pool (the smaller ones reuse
 the largest one's memory), up to the bucket of the plan's canvases per step. A bucket not
 captured then is captured at its first step.
+
+All-AR steps (one new token per row, `engine.device.ar_steps`) have graphs of their own, a
+`ForwardGraphs` over the AR buckets of rows (`ForwardInputs(..., ar=True)`) in the same pool:
+their static token ids are the bucket's input buffer (written in place with the other
+inputs), they have no self-conditioning input, and in the buckets of at most `HEAD_ROWS` rows
+the graph holds the head (the AR sampler runs eager).
 
 The captured kernels must read every per-row value from the device: Triton's do (their grids
 depend only on the rows' number and the canvas length, fixed per bucket); the twins size
@@ -92,8 +99,8 @@ def _done(logits: torch.Tensor) -> torch.Tensor:
 
 @dataclass(slots=True)
 class _Graph:
-    ids: torch.Tensor  # [B * L] static canvas ids
-    soft: torch.Tensor  # [B * L, H] static self-conditioning inputs
+    ids: torch.Tensor  # [B * L] static canvas ids (AR: the bucket's token ids [B])
+    soft: torch.Tensor | None  # [B * L, H] static self-conditioning inputs (AR: None)
     batch: ForwardBatch  # the step's batch (its device tensors are the bucket's buffers)
     replay: Callable[[], None] | None = None
     out: torch.Tensor | None = None  # [B * L, H] the hidden states (or [B * L, V] the logits)
@@ -128,14 +135,18 @@ class ForwardGraphs:
         if graph is not None:
             return graph
         device, num = self.inputs.tables.device, bucket * self.inputs.length
-        ids = torch.zeros(num, dtype=torch.long, device=device)
-        soft = torch.zeros(num, self.hidden, dtype=self.dtype, device=device)
         batch = self.inputs.batch([], [], bucket, pad=True)  # dummy rows only
         batch.prepare(device, self.inputs.tables.pools)
+        if self.inputs.ar:
+            ids, soft = self.inputs.ids(bucket), None
+        else:
+            ids = torch.zeros(num, dtype=torch.long, device=device)
+            soft = torch.zeros(num, self.hidden, dtype=self.dtype, device=device)
         graph = self.graphs[bucket] = _Graph(ids, soft, batch)
 
         def forward() -> Outputs:
-            hidden = self.model(graph.ids, graph.soft, graph.batch, self.cache, None)
+            soft: SoftEmbeds = [] if graph.soft is None else graph.soft  # AR rows: no canvas
+            hidden = self.model(graph.ids, soft, graph.batch, self.cache, None)
             return (self.model.logits(hidden) if bucket <= HEAD_ROWS else hidden,)
 
         graph.replay, (graph.out,) = self.capturer.capture(forward)
@@ -146,6 +157,7 @@ class ForwardGraphs:
         graph captured first, if it was not): a step whose inputs are already there (written
         by the sampler's graph) copies nothing into them."""
         graph = self._graph(bucket)
+        assert graph.soft is not None, "the canvas graphs' inputs"
         return graph.ids, graph.soft
 
     def logits(self, bucket: int) -> torch.Tensor | None:
@@ -153,23 +165,30 @@ class ForwardGraphs:
         graph = self.graphs.get(bucket)
         return graph.out if graph is not None and bucket <= HEAD_ROWS else None
 
-    def batch(self, starts: list[int], pages: list[PageTables], bucket: int) -> ForwardBatch:
-        """An all-denoise step's batch in `bucket`, padded to it, its inputs in the bucket's
-        buffers (the bucket's graph captured first, if it was not)."""
+    def batch(
+        self,
+        starts: list[int],
+        pages: list[PageTables],
+        bucket: int,
+        tokens: list[int] | None = None,
+    ) -> ForwardBatch:
+        """An all-denoise (AR: all-AR, of these `tokens`) step's batch in `bucket`, padded to
+        it, its inputs in the bucket's buffers (the bucket's graph captured first, if it was
+        not)."""
         self._graph(bucket)  # a capture writes dummy rows into the buffers
-        return self.inputs.batch(starts, pages, bucket, pad=True)
+        return self.inputs.batch(starts, pages, bucket, pad=True, tokens=tokens)
 
     def run(self, ids: torch.Tensor, soft: SoftEmbeds, batch: ForwardBatch) -> Hidden:
         """The hidden states [R * L, H] of an all-denoise step of R canvases and the head to
         apply to them, or, where the graph holds the head, the logits [R * L, V] and a head
-        that returns them as they are: ids [R * L], soft [R * L, H]; `batch`: what
-        `ForwardGraphs.batch` gave for the step."""
+        that returns them as they are: ids [R * L], soft [R * L, H] (AR: the ids where `batch`
+        wrote them, soft unused); `batch`: what `ForwardGraphs.batch` gave for the step."""
         bucket = len(batch.rows)
         graph = self.graphs[bucket]
         graph.batch = batch
-        assert isinstance(soft, torch.Tensor), "a canvas step's inputs are tensors"
         num = ids.shape[0]
         if ids.data_ptr() != graph.ids.data_ptr():  # else written in place (`static_inputs`)
+            assert isinstance(soft, torch.Tensor) and graph.soft is not None, "canvas inputs"
             graph.ids[:num].copy_(ids)
             graph.soft[:num].copy_(soft)
             if num < graph.ids.shape[0]:

@@ -451,14 +451,19 @@ def graph_pool_bytes(shapes: ModelShapes, max_rows: int, canvases: int) -> int:
     forward activations (the smaller buckets' captures reuse them); each bucket's static canvas
     ids, self-conditioning inputs and output; and in the buckets of at most `HEAD_ROWS`
     canvases, each one's fp32 logits and the sampler's static inputs and new state, beside the
-    largest one's head projection and soft-embedding probabilities (reused)."""
+    largest one's head projection and soft-embedding probabilities (reused). All-AR steps'
+    graphs (`engine.device.ar_steps`), one per bucket of up to `max_rows` rows, in the same
+    pool: their forward activations where the largest one's tokens outnumber the canvases',
+    and each bucket's output (its rows' hidden states, or in the buckets of at most `HEAD_ROWS`
+    rows their fp32 logits)."""
     length, hidden, size = shapes.canvas_length, shapes.text.hidden_size, shapes.dtype_bytes
     vocab = shapes.text.vocab_size
     sizes = bucket_sizes(max_rows)
     largest = bucket_of(min(canvases, max(sizes)), sizes) or 1
     buckets = [b for b in sizes if b <= largest]
-    total = max(buckets) * length * shapes.token_bytes
+    total = max(max(buckets) * length, max(sizes)) * shapes.token_bytes
     total += sum(buckets) * length * (8 + 2 * hidden * size)
+    total += sum(b * (4 * vocab if b <= HEAD_ROWS else hidden * size) for b in sizes)
     headed = [b for b in buckets if b <= HEAD_ROWS]
     if headed:
         # per position: the logits; ids, canvas, draft, the new canvas and draft (int64), the

@@ -12,6 +12,12 @@ buffers), a replayed graph all B and drops the dummies' outputs. Steps with ENCO
 (mixed steps), steps of more canvases than the largest bucket and exact numerics' steps build
 their inputs as before (`ModelRunner._batch`); a hybrid canvas's pinned first token, when a
 step has one, is still copied by `to_device`.
+
+All-AR steps (one new token per row: `engine.device.ar_steps`) have buckets of their own, of
+rows (`ForwardInputs(..., ar=True)`): canvases of one token, ENCODE rows, whose token ids ride
+in the int64 buffer too. Their dummy rows are flagged DECODE on the device only (a DECODE row
+writes no KV: a dummy's pages are -1), so the host sees ENCODE rows and every kernel launch is
+the same whatever the number of real rows.
 """
 
 from __future__ import annotations
@@ -97,33 +103,48 @@ class SamplerInputs:
 
 
 class BucketInputs:
-    """One bucket's forward inputs: int64 [row index of B | positions B * L], int32 [start B |
-    offset B | num_tokens B | decode B], and per pool the page tables [B, width]."""
+    """One bucket's forward inputs: int64 [row index of B | positions B * L | AR: token ids B],
+    int32 [start B | offset B | num_tokens B | decode B], and per pool the page tables
+    [B, width]. `ar`: rows of one ENCODE token (L = 1), the dummy rows DECODE ones."""
 
     def __init__(
-        self, bucket: int, length: int, pools: list[LayerType], width: int, device: torch.device
+        self,
+        bucket: int,
+        length: int,
+        pools: list[LayerType],
+        width: int,
+        device: torch.device,
+        ar: bool = False,
     ) -> None:
-        self.bucket, self.length = bucket, length
-        self.longs = Mirrored(bucket * (1 + length), torch.int64, device)
+        self.bucket, self.length, self.ar = bucket, length, ar
+        self.longs = Mirrored(bucket * (1 + length + ar), torch.int64, device)
         self.ints = Mirrored(4 * bucket, torch.int32, device)
         self.pages = {
             t: torch.full((bucket, width), -1, dtype=torch.int32, device=device) for t in pools
         }
-        self.index, self.positions = self.longs.device.split([bucket, bucket * length])
+        parts = self.longs.device.split([bucket, bucket * length, bucket * ar])
+        self.index, self.positions, self.ids = parts  # ids: [B] an AR bucket's tokens
         self.columns = self.ints.device.view(4, bucket)  # start, offset, num_tokens, decode
 
-    def write(self, starts: list[int], rows: list[int], tables: DevicePageTables) -> None:
-        """Rows `rows` of `tables` at `starts`, then dummy rows; their page tables gathered."""
+    def write(
+        self, starts: list[int], rows: list[int], tables: DevicePageTables, tokens: list[int]
+    ) -> None:
+        """Rows `rows` of `tables` at `starts` (an AR bucket: with these `tokens`), then dummy
+        rows; their page tables gathered."""
         bucket, length, real = self.bucket, self.length, len(starts)
         start = np.zeros(bucket, dtype=np.int64)
         start[:real] = starts
         index = np.full(bucket, rows[0] if rows else 0, dtype=np.int64)
         index[:real] = rows
         positions = (start[:, None] + np.arange(length, dtype=np.int64)).reshape(-1)
-        self.longs.write(np.concatenate([index, positions]))
+        ids = np.zeros(bucket if self.ar else 0, dtype=np.int64)
+        ids[: len(tokens)] = tokens
+        self.longs.write(np.concatenate([index, positions, ids]))
         offsets = np.arange(bucket, dtype=np.int64) * length
         ones = np.ones(bucket, dtype=np.int64)
-        self.ints.write(np.concatenate([start, offsets, ones * length, ones]).astype(np.int32))
+        decode = (np.arange(bucket) >= real) if self.ar else ones  # AR: the dummies only
+        columns = [start, offsets, ones * length, decode]
+        self.ints.write(np.concatenate(columns).astype(np.int32))
         for t, pages in self.pages.items():  # the tables are as wide as the served context
             assert tables.table[t].shape[1] == pages.shape[1], "page tables wider than the model"
             torch.index_select(tables.table[t], 0, self.index, out=pages)
@@ -134,10 +155,11 @@ class BucketInputs:
         """Each pool's paged rows over the first `num` rows (starts: the real rows')."""
         start, offset, count, decode = (c[:num] for c in self.columns)
         values = [*starts, *[0] * (num - len(starts))]
+        ar, padded = self.ar, num > len(starts)  # an AR bucket's dummies: DECODE rows
         return {
             t: PagedRows(
                 start, offset, count, decode, pages[:num], self.length, max(values), True,
-                min(values), all_decode=True,
+                min(values), all_decode=not ar, no_decode=ar and not padded,
             )
             for t, pages in self.pages.items()
         }  # fmt: skip
@@ -147,11 +169,17 @@ class ForwardInputs:
     """The forward's inputs of all-denoise steps, per bucket (module docstring)."""
 
     def __init__(
-        self, tables: DevicePageTables, model: DiffusionLM, page_size: int, max_rows: int
+        self,
+        tables: DevicePageTables,
+        model: DiffusionLM,
+        page_size: int,
+        max_rows: int,
+        ar: bool = False,
     ) -> None:
-        """`tables`: the runner's page tables of `model`'s KV pools of `page_size` pages."""
-        self.tables = tables
-        self.length = model.config.canvas_length
+        """`tables`: the runner's page tables of `model`'s KV pools of `page_size` pages;
+        `ar`: the buckets of all-AR steps (of rows of one token) instead."""
+        self.tables, self.ar = tables, ar
+        self.length = 1 if ar else model.config.canvas_length
         self.window, self.page_size = model.cfg.sliding_window, page_size
         self.sizes = bucket_sizes(max_rows)
         self.buckets: dict[int, BucketInputs] = {}
@@ -159,21 +187,32 @@ class ForwardInputs:
     def bucket(self, rows: int) -> int | None:
         return bucket_of(rows, self.sizes)
 
+    def ids(self, bucket: int) -> torch.Tensor:
+        """An AR bucket's token ids [B], where `batch` wrote them (dummy rows: token 0)."""
+        return self.buckets[bucket].ids
+
     def batch(
-        self, starts: list[int], pages: list[PageTables], bucket: int, pad: bool = False
+        self,
+        starts: list[int],
+        pages: list[PageTables],
+        bucket: int,
+        pad: bool = False,
+        tokens: list[int] | None = None,
     ) -> ForwardBatch:
         """The forward batch of an all-denoise step of `len(starts)` canvases in `bucket` (at
-        least as many; no rows: dummy rows only): its inputs written into the bucket's
-        buffers; `pad`: with the dummy rows (the whole bucket), else the real rows only."""
+        least as many; no rows: dummy rows only), or of an all-AR step of these rows and
+        `tokens`: its inputs written into the bucket's buffers (`ids`: the AR tokens'); `pad`:
+        with the dummy rows (the whole bucket), else the real rows only."""
         inputs = self.buckets.get(bucket)
         if inputs is None:
-            width = self.tables.max_pages
-            pools, device = self.tables.pools, self.tables.device
-            inputs = self.buckets[bucket] = BucketInputs(bucket, self.length, pools, width, device)
-        inputs.write(starts, self.tables.place(pages) if pages else [], self.tables)
+            width, pools = self.tables.max_pages, self.tables.pools
+            inputs = BucketInputs(bucket, self.length, pools, width, self.tables.device, self.ar)
+            self.buckets[bucket] = inputs
+        inputs.write(starts, self.tables.place(pages) if pages else [], self.tables, tokens or [])
         num = bucket if pad else len(starts)
         values = [*starts, *[0] * (num - len(starts))]
-        rows = [Row(Mode.DECODE, s, self.length, {}) for s in values]
+        mode = Mode.ENCODE if self.ar else Mode.DECODE
+        rows = [Row(mode, s, self.length, {}) for s in values]
         batch = ForwardBatch(rows, self.window, self.page_size)
         device = self.tables.device
         batch.provide(device, inputs.positions[: num * self.length], inputs.rows(starts, num))

@@ -164,6 +164,8 @@ def warm_up(engine: Engine, should_stop: Callable[[], bool] = lambda: False) -> 
     try:
         if engine.runner.graphs is not None:  # captured largest first; the rounds replay them
             engine.runner.graphs.capture_all(engine.plan.canvases_per_step)
+        if engine.runner.ar.graphs is not None:  # then the AR rows' buckets, in the same pool
+            engine.runner.ar.graphs.capture_all()
         image = warmup_image(engine)
         for bucket in buckets:
             for mode in modes:

@@ -1,10 +1,10 @@
 """CUDA graphs on the meta device, for the roofline (`python -m loadtest.gpu.roofline
 --cuda-graphs`): `MetaCapture` stands in for `engine.device.graphs.CudaCapture`, so the
-engine's own graph wiring (`engine.device.graphs`, `engine.device.sampler_graphs`: which
-buckets, which work, which buffers) decides what a step replays. A replay runs the captured
-function again under the accountant's `graph()` (one launch for the graph; the kernels it
-holds keep their bytes and FLOPs but cost no launch); meta tensors hold no values, so nothing
-is copied into the static outputs."""
+engine's own graph wiring (`engine.device.graphs`, `engine.device.sampler_graphs`,
+`engine.device.ar_steps`: which buckets, which work, which buffers) decides what a step
+replays. A replay runs the captured function again under the accountant's `graph()` (one
+launch for the graph; the kernels it holds keep their bytes and FLOPs but cost no launch);
+meta tensors hold no values, so nothing is copied into the static outputs."""
 
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ recorded by `loadtest.gpu.accountant` and its time predicted on an H200 and an H
     python -m loadtest.gpu.roofline [--canvases 1 4 16 64] [--layers N] [--top 8]   (make roofline)
         [--quantization fp8]   (FP8 projections and experts, as `--quantization fp8` loads them,
                                 on sm_90's FP8 rows; `--without-fp8-rows`: each quantizes its own)
-        [--cuda-graphs]        (all-denoise steps replay what `--cuda-graphs` captures: the
-                                forward, and at <= HEAD_ROWS canvases the head and sampler)
+        [--cuda-graphs]        (all-denoise and all-AR steps replay what `--cuda-graphs`
+                                captures: the forward, and at <= HEAD_ROWS canvases the head
+                                and sampler, at <= HEAD_ROWS AR rows the head)
         [--launch-us US]       (every launch costs US µs; 0: none, the whole step captured)
     python -m loadtest.gpu.roofline --measured-launch   (launch cost measured here: launch_probe)
     python -m loadtest.gpu.roofline_calibrate     (the accountant against a measured CPU step)
@@ -146,8 +147,8 @@ class StepHarness:
         prefix: int = PREFIX_LEN,
         graphs: bool = False,
     ) -> None:
-        """`graphs`: all-denoise steps replay the graphs `--cuda-graphs` captures (on the meta
-        device: `MetaCapture`)."""
+        """`graphs`: all-denoise and all-AR steps replay the graphs `--cuda-graphs` captures
+        (on the meta device: `MetaCapture`)."""
         config, self.canvas = model.config, model.config.canvas_length
         self.kind, self.device = kind, device
         self.starts, self.encode = step_rows(kind, canvases, self.canvas, prefix)
@@ -389,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--cuda-graphs", action="store_true",
-        help="all-denoise steps replay what --cuda-graphs captures (a graph: one launch)",
+        help="all-denoise and all-AR steps replay what --cuda-graphs captures (a graph: one "
+        "launch)",
     )  # fmt: skip
     parser.add_argument(
         "--measured-launch", action="store_true",

@@ -191,8 +191,9 @@ ENGINE_FLAGS = (
     Flag(
         "--cuda-graphs",
         "engine.cuda_graphs",
-        "replay the forward of steps whose rows are all canvases as CUDA graphs, one per bucket "
-        "of canvases, captured at warm-up (up to 4 canvases with the LM head and the sampler; "
+        "replay the forward of steps whose rows are all canvases (or all AR tokens) as CUDA "
+        "graphs, one per bucket of canvases (rows), captured at warm-up (up to 4 canvases with "
+        "the LM head and the sampler, up to 4 AR rows with the head; "
         "the memory plan counts their pools; default off until a GPU run shows replay equal to "
         "eager; a CUDA device and the Triton kernels only)",
         switch=True,

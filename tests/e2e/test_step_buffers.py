@@ -124,8 +124,8 @@ def _generate(llm: LLM, graphs: EagerCapture | None) -> tuple[list[list[int]], d
     kept: list[object] = []  # every step's inputs stay alive: a new one cannot take their address
     batch, stage = runner.inputs.batch, llm.engine.sampling.inputs.stage  # type: ignore[attr-defined]
 
-    def recorded_batch(starts, pages, bucket, pad=False):  # type: ignore[no-untyped-def]
-        out = batch(starts, pages, bucket, pad)
+    def recorded_batch(starts, pages, bucket, pad=False, tokens=None):  # type: ignore[no-untyped-def]
+        out = batch(starts, pages, bucket, pad, tokens)
         seen.setdefault(bucket, set()).add(_pointers(out))
         kept.append(out)
         return out

@@ -4,7 +4,8 @@ kernels serves the same diffusion requests with `cuda_graphs` and with the same 
 forwards and sampler run eager (`tests.graph_cases.EagerCapture`: the same shapes, so the same
 kernels; up to 4 canvases the graphs hold the head and sampler too), at step sizes that fill a
 bucket and that leave dummy rows, and every token is the same; the graphs were captured for
-every bucket at warm-up."""
+every bucket at warm-up. The same for AR requests through the all-AR steps' graphs
+(`engine.device.ar_steps`: forward and head up to 4 rows), greedy and sampled."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ pytestmark = [
 ]
 
 
-def _tokens(model_dir: Path, graphs: bool, num: int) -> tuple[list[list[int]], LLM]:
+def _tokens(
+    model_dir: Path, graphs: bool, num: int, mode: DecodeMode = DecodeMode.DIFFUSION, **extra: float
+) -> tuple[list[list[int]], LLM]:
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4), cuda_graphs=graphs)
     llm = LLM.from_pretrained(model_dir, device="cuda", kernels="triton", config=config)
     if graphs:
@@ -39,7 +42,7 @@ def _tokens(model_dir: Path, graphs: bool, num: int) -> tuple[list[list[int]], L
         fake_graphs(llm.engine, EagerCapture())
     params = [
         SamplingParams(
-            mode=DecodeMode.DIFFUSION, seed=i, max_tokens=48, max_denoising_steps=6, ignore_eos=True
+            mode=mode, seed=i, max_tokens=48, max_denoising_steps=6, ignore_eos=True, **extra
         )
         for i in range(num)
     ]
@@ -58,4 +61,16 @@ def test_replayed_denoise_forwards_give_the_eager_tokens(
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4]
     steps = llm.engine.sampling.steps  # type: ignore[attr-defined]
     assert isinstance(steps, SamplerGraphs) and (4 if num > 1 else 1) in steps.pairs
+    assert replayed == eager
+
+
+@pytest.mark.parametrize(("num", "temperature"), [(1, 0.0), (3, 0.0), (3, 1.0), (4, 1.0)])
+def test_replayed_ar_forwards_give_the_eager_tokens(
+    tiny_checkpoint: Callable[[str], Path], num: int, temperature: float
+) -> None:
+    model_dir = tiny_checkpoint("c32-window")
+    eager, _ = _tokens(model_dir, False, num, DecodeMode.AR, temperature=temperature)
+    replayed, llm = _tokens(model_dir, True, num, DecodeMode.AR, temperature=temperature)
+    graphs = llm.engine.runner.ar.graphs
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4]
     assert replayed == eager

@@ -133,6 +133,15 @@ def test_cuda_graphs_pools_are_counted_and_one_h100_still_holds_16_canvases_at_8
     assert graph_pool_bytes(shapes, 64, 9) == graph_pool_bytes(shapes, 64, 16)
     grown = graph_pool_bytes(shapes, 64, 8) - graph_pool_bytes(shapes, 64, 4)
     assert 0 < grown < 4 * 256 * shapes.token_bytes + 8 * 256 * 12_000
+    # AR rows' graphs, one per bucket of up to max_rows rows: their logits up to HEAD_ROWS rows
+    # and hidden states above, and their activations once their tokens outnumber the canvases'
+    hidden = shapes.text.hidden_size * shapes.dtype_bytes
+    ar = graph_pool_bytes(shapes, 8, 1) - graph_pool_bytes(shapes, 4, 1)
+    assert ar == 8 * hidden
+    length = shapes.canvas_length
+    many = graph_pool_bytes(shapes, 2 * length, 1) - graph_pool_bytes(shapes, length, 1)
+    assert many == 2 * length * hidden + length * shapes.token_bytes
+    assert graph_pool_bytes(shapes, 1, 1) >= 4 * shapes.text.vocab_size * (1 + length)
 
 
 def test_a_plan_that_cannot_hold_one_canvas_names_the_flags():
