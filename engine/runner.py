@@ -20,6 +20,7 @@ head that an AR step at that position runs — its logits are AR's, bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -169,7 +170,7 @@ class ModelRunner:
 
     @staticmethod
     def _encode_offsets(step: StepInputs, first: int) -> list[tuple[int, EncodeInput]]:
-        ends = np.cumsum([first] + [len(e.tokens) for e in step.encode]).tolist()
+        ends = list(accumulate((len(e.tokens) for e in step.encode), initial=first))
         return list(zip(ends[:-1], step.encode, strict=True))
 
     def _batch(self, step: StepInputs, bucket: int | None) -> ForwardBatch:
