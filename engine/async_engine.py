@@ -96,7 +96,8 @@ class AsyncEngine:
         self._died = False  # the loop thread ended on a fault (set once, by that thread)
         self._failure = ""  # why it ended: a fatal CUDA error (set once, by that thread)
         self._warming = wants_warmup(engine) if warmup is None else warmup  # cleared by the loop
-        self._steps = StepPipeline(engine, self._hand_over, engine.config.overlap)
+        between = lambda: self._drain_commands(block=False)  # noqa: E731
+        self._steps = StepPipeline(engine, self._hand_over, engine.config.overlap, between)
         self.publish: Publish = self._publish_all  # the engine process sends them (engine.process)
 
     # -- lifecycle --
@@ -253,11 +254,12 @@ class AsyncEngine:
     def _step_loop(self) -> None:
         engine, steps = self.engine, self._steps
         while not self._stop.is_set():
-            if not engine.has_work():  # no next step to hand the last one over beside
-                steps.flush()
-            self._drain_commands(block=not engine.has_work())
-            if self._stop.is_set() or self._failure:
-                break
+            if not steps.ahead:  # else begun beside the last step, its commands taken then
+                if not engine.has_work():  # no next step to hand the last one over beside
+                    steps.flush()
+                self._drain_commands(block=not engine.has_work())
+                if self._stop.is_set() or self._failure:
+                    break
             try:
                 steps.step()
             except Exception as exc:  # a model fault fails the running requests, not the server

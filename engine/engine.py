@@ -24,26 +24,26 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-
-import numpy as np
-import torch
+from functools import partial
 
 from engine.batched_sampler import new_seed
 from engine.cpu_threads import make_tuner
-from engine.device.cuda import fatal_device_error, to_device
+from engine.device.cuda import fatal_device_error
 from engine.device.graphs import CudaCapture
 from engine.device.memory import MemoryConfig, device_memory, model_shapes, plan_memory
 from engine.inputs.images import ImageProcessor, PreparedImage, image_spans, image_token_positions
 from engine.inputs.tokenizer import Tokenizer
 from engine.kv_pages import KVPages
+from engine.logits.kinds import kind_batches
 from engine.model import DiffusionLM, PagedKVCache
 from engine.model.config import LayerType
 from engine.params import DecodingDefaults, ParamError, ResolvedParams
 from engine.request import RequestState
-from engine.rows import ROW_KINDS, KindBatch, RowSpec
+from engine.rows import ROW_KINDS, RowSpec
 from engine.runner import EncodeInput, ModelRunner, RunOutput, StepInputs
-from engine.sampling import CanvasBatch, Sampling, make_sampling
+from engine.sampling import CanvasBatch, make_sampling
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured import Constraint, GrammarCompiler, grammar_compiler
 from engine.types import (
@@ -105,6 +105,11 @@ class StepBegun:
     plan: StepPlan
     stats: StepStats
     start: float  # time.perf_counter() when it was begun
+
+
+# A step's forward, launched (`Engine.launch`): its rows' kinds, ENCODE inputs, canvas, outputs.
+Launched = tuple[list[RowSpec], list[EncodeInput], CanvasBatch | None, RunOutput]
+Write = Callable[[], None]  # a sampler state write, deferred (`Engine.execute`)
 
 
 class Engine:
@@ -271,8 +276,9 @@ class Engine:
         began = self.begin()
         return self.finish(began, self.execute(began))
 
-    def begin(self) -> StepBegun:
-        """Plan the next step (writes scheduler state: not while another step executes)."""
+    def begin(self, threads: int = 0) -> StepBegun:
+        """Plan the next step (writes scheduler state: not while another step executes).
+        `threads`: the CPU thread count its forward runs with, set already (0: set here)."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.copies:
@@ -280,7 +286,7 @@ class Engine:
         stats = StepStats(num_rows=len(plan.rows), num_tokens=plan.num_tokens)
         stats.row_kinds = dict(Counter(row.kind for row in plan.rows))
         if self.threads is not None and plan.num_tokens:
-            stats.cpu_threads = self.threads.choose(plan.num_tokens)
+            stats.cpu_threads = threads or self.threads.choose(plan.num_tokens)
         return StepBegun(plan, stats, start)
 
     def finish(self, began: StepBegun, effects: list[RowEffect]) -> StepResult:
@@ -305,17 +311,22 @@ class Engine:
             self.scheduler.check()
         return StepResult(outputs, stats)
 
-    def execute(self, began: StepBegun) -> list[RowEffect]:
+    def execute(
+        self, began: StepBegun, ahead: Launched | None = None, writes: list[Write] | None = None
+    ) -> list[RowEffect]:
         """Each row's effect, computed without writing request state. A failure re-runs the
         rows one at a time (safe: nothing was written); a row that fails again gets an error
         effect, which ends only its own request. A CUDA error that the context does not
         survive (`fatal_device_error`) is raised at once: nothing can run after it. Writes only
-        the runner's and the sampler's state (`engine.device.overlap` relies on it)."""
+        the runner's and the sampler's state (`engine.device.overlap` relies on it). For a step
+        run ahead (`engine.device.overlap`): `ahead`, its forward, launched already; `writes`,
+        where the sampler's state writes go instead of running (the caller runs them, in
+        order, before anything samples again)."""
         plan, stats = began.plan, began.stats
         if not plan.rows:
             return []
         try:
-            return self._run(list(plan.rows), stats)
+            return self._land(list(plan.rows), ahead or self.launch(list(plan.rows)), stats, writes)
         except Exception as exc:
             if fatal_device_error(exc):
                 raise
@@ -336,16 +347,17 @@ class Engine:
         return effects
 
     def _run(self, rows: list[ScheduledRow], stats: StepStats) -> list[RowEffect]:
-        """Inputs → forward → for each row kind present: sample its rows (`engine.rows`); the
-        effects in plan order. Writes nothing but, once all of that has succeeded, the sampler
-        state of the rows whose effects are not errors."""
+        return self._land(rows, self.launch(rows), stats)
+
+    def launch(self, rows: list[ScheduledRow], canvas: CanvasBatch | None = None) -> Launched:
+        """Inputs → forward of `rows` (`canvas`: the DENOISE rows' inputs, when known already);
+        writes nothing but new rows' sampler parameters (`Sampling.bind`)."""
         self.sampling.bind([row.req for row in rows if row.admitted])
         specs = [ROW_KINDS[row.kind] for row in rows]
         decode = [row for row, spec in zip(rows, specs, strict=True) if spec.decode]
         encode = [(row, spec) for row, spec in zip(rows, specs, strict=True) if not spec.decode]
         inputs = [spec.encode_input(row) for row, spec in encode]
-        canvas = None
-        if decode:
+        if decode and canvas is None:
             starting = [row.starts_canvas for row in decode]
             canvas = self.sampling.canvas_inputs([row.req for row in decode], starting)
         out = self.runner.execute(
@@ -357,7 +369,20 @@ class Engine:
                 encode=inputs,
             )
         )
-        batches = _kind_batches(rows, specs, inputs, canvas, out, self.sampling, stats)
+        return specs, inputs, canvas, out
+
+    def _land(
+        self,
+        rows: list[ScheduledRow],
+        ahead: Launched,
+        stats: StepStats,
+        writes: list[Write] | None = None,
+    ) -> list[RowEffect]:
+        """For each row kind present: sample its rows (`engine.rows`); the effects in plan
+        order. Writes nothing but, once all of that has succeeded, the sampler state of the
+        rows whose effects are not errors."""
+        specs, inputs, canvas, out = ahead
+        batches = kind_batches(rows, specs, inputs, canvas, out, self.sampling, stats)
         effects: list[RowEffect | None] = [None] * len(rows)
         installs = []
         for spec, (batch, where) in batches.items():
@@ -369,47 +394,8 @@ class Engine:
         stats.forward_seconds += forward_seconds
         stats.sample_seconds += sample_seconds
         for install, ok in installs:
-            install(ok)
+            if writes is None:
+                install(ok)
+            else:
+                writes.append(partial(install, ok))
         return effects  # type: ignore[return-value]
-
-
-def _kind_batches(
-    rows: list[ScheduledRow],
-    specs: list[RowSpec],
-    inputs: list[EncodeInput],
-    canvas: CanvasBatch | None,
-    out: RunOutput,
-    sampling: Sampling,
-    stats: StepStats,
-) -> dict[RowSpec, tuple[KindBatch, list[int]]]:
-    """The rows of each kind present, with their plan positions and their share of the
-    forward's outputs: DECODE rows' logits (all DECODE rows share one canvas batch, so one
-    DECODE kind), ENCODE rows' last-position logits (those that asked), verify passes'
-    per-position logits."""
-    where: dict[RowSpec, list[int]] = {}
-    last: dict[int, int] = {}  # plan position -> row of out.last_logits
-    verify: dict[int, torch.Tensor] = {}
-    encoded = iter(inputs)  # the ENCODE rows' inputs, in plan order
-    for i, spec in enumerate(specs):
-        where.setdefault(spec, []).append(i)
-        step_input = None if spec.decode else next(encoded)
-        if step_input is not None and step_input.verify:
-            verify[i] = (out.verify_logits or [])[len(verify)]
-        elif step_input is not None and step_input.wants_last_logits:
-            last[i] = len(last)
-    assert sum(spec.decode for spec in where) <= 1, "one DECODE kind per step"
-    batches = {}
-    for spec, positions in where.items():
-        logits = out.denoise_logits if spec.decode else None
-        picked = [last[i] for i in positions if i in last]
-        if picked:
-            assert out.last_logits is not None
-            logits = out.last_logits
-            if picked != list(range(out.last_logits.shape[0])):
-                logits = logits[to_device(np.array(picked, dtype=np.int64), logits.device)]
-        rows_of_kind = [rows[i] for i in positions]
-        verify_logits = tuple(verify[i] for i in positions if i in verify)
-        kind_canvas = canvas if spec.decode else None
-        batch = KindBatch(rows_of_kind, sampling, stats, logits, kind_canvas, verify_logits)
-        batches[spec] = (batch, positions)
-    return batches

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Protocol
 
 import numpy as np
@@ -111,6 +111,7 @@ class BatchedSampling:
         self.inputs = SamplerInputs(self.device, num_slots)  # slots and flags, per bucket
         graphed = SamplerGraphs(graphs, self.sampler, self.inputs) if graphs else None
         self.steps = graphed or self.sampler  # canvas inputs and update (replayed, or eager)
+        self.sampled: RowStates | None = None  # the new state of the last canvases sampled
 
     def bind(self, reqs: list[RequestState]) -> None:
         for req in reqs:
@@ -128,6 +129,19 @@ class BatchedSampling:
         ids, soft, rows = self.steps.canvas_inputs(slots, flags, pinned)
         return CanvasBatch(ids, soft, rows)
 
+    def canvas_ahead(self) -> CanvasBatch | None:
+        """The next step's canvas inputs of the rows of the last `sample_canvases` (in its
+        order; the caller installs every one of them first, none starts a canvas or pins a
+        token): `canvas_inputs`' values, without gathering them back (a step run ahead,
+        `engine.device.overlap`). None where the sampler's steps replay graphs (their outputs
+        are overwritten by the next replay)."""
+        rows, state = self.sampled, self.sampler.state
+        if rows is None or self.steps is not self.sampler:
+            return None
+        names = [f.name for f in fields(RowStates) if f.name != "slots"]
+        rows = RowStates(rows.slots, *(getattr(rows, n).to(getattr(state, n).dtype) for n in names))
+        return CanvasBatch(rows.canvas.reshape(-1), rows.soft.flatten(0, 1), rows)
+
     def verify_draws(self, reqs: list[RequestState]) -> list[Draws]:
         return [CounterDraws(req.seed, self.device) for req in reqs]
 
@@ -140,6 +154,7 @@ class BatchedSampling:
         assert isinstance(canvas.state, RowStates)
         with self._processing(logits, canvas.state.slots, reqs, self.canvas_length):
             staged, parts = self.steps.denoise(logits, canvas.state)
+        self.sampled = staged
         finished, steps, flat, failed = to_host(parts)
         length = self.canvas_length
         drafts: list[list[int] | None] = [

@@ -25,17 +25,23 @@ steps"). The clock below is what the GPU needs from this module either way: no s
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.types import StepResult
+from engine.device.cuda import fatal_device_error
+from engine.sampling import BatchedSampling, CanvasBatch
+from engine.types import RowEffect, RowKind, ScheduledRow, StepPlan, StepResult
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from engine.engine import Engine, Launched, StepBegun, Write
+
+logger = logging.getLogger(__name__)
 
 HandOver = Callable[[StepResult], None]
 
@@ -43,14 +49,35 @@ HandOver = Callable[[StepResult], None]
 class StepPipeline:
     """Steps an engine on the calling thread; every step's result goes to `hand_over` once, in
     step order: on the calling thread right after the step (serial), or on the hand-over
-    thread while the next step executes (overlapped; `flush` when no step follows)."""
+    thread while the next step executes (overlapped; `flush` when no step follows).
 
-    def __init__(self, engine: Engine, hand_over: HandOver, overlap: bool) -> None:
-        self.engine, self.hand_over = engine, hand_over
+    Overlapped, a step whose rows all go on denoising the same canvases runs the next one
+    ahead: its forward starts from the canvas state this step's sampler produced (with the
+    same rows' inputs) while the hand-over thread finishes this step (the scheduler's update),
+    hands it over, begins the next (plans it) and takes the commands that arrived
+    (`between`). The next step keeps that forward when its plan has the rows it ran;
+    otherwise the forward is dropped and the plan runs as planned. `ahead`: the next step is
+    begun already (its commands taken), so the caller takes none before it."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        hand_over: HandOver,
+        overlap: bool,
+        between: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.engine, self.hand_over, self.between = engine, hand_over, between
         self.overlap = overlap and not engine.model.kernels.exact
         self._pool = ThreadPoolExecutor(1, "canvas-hand-over") if self.overlap else None
         self._held: StepResult | None = None  # the last step's result, not passed on yet
-        self._handing: Future[None] | None = None  # the last hand-over passed on
+        self._handing: Future[Any] | None = None  # the last hand-over passed on
+        # A fast sampler without replayed graphs gives a step's new canvas state as a value.
+        self.runs_ahead = self.overlap and isinstance(engine.sampling, BatchedSampling)
+        self._ahead: tuple[StepBegun, Launched | None] | None = None
+
+    @property
+    def ahead(self) -> bool:
+        return self._ahead is not None
 
     def step(self) -> None:
         """One engine step. What it raises (`Engine.step`) comes after every result before it
@@ -60,12 +87,83 @@ class StepPipeline:
             self.hand_over(engine.step())
             return
         try:
-            began = engine.begin()
+            began, launched = self._ahead or (engine.begin(), None)
+            self._ahead = None
             self._pass_on()  # handed over while this step executes
-            self._held = engine.finish(began, engine.execute(began))
+            writes: list[Write] = []  # the sampler's state writes, run before it samples again
+            effects = engine.execute(began, launched, writes)
+            rows = self._next_rows(began, effects)
+            canvas = engine.sampling.canvas_ahead() if rows else None  # type: ignore[attr-defined]
+            if rows is None or canvas is None or canvas.state.slots.shape[0] != len(rows):
+                for write in writes:
+                    write()
+                self._held = engine.finish(began, effects)
+                return
+            self._run_ahead(began, effects, writes, rows, canvas)
         except BaseException:
+            self._ahead = None
             self.flush()
             raise
+
+    def _next_rows(self, began: StepBegun, effects: list[RowEffect]) -> list[ScheduledRow] | None:
+        """The rows of the step after `began` when they are surely its rows again: every row
+        goes on denoising its canvas (none finished, failed or ended), no token is pinned, and
+        no request waits that the plan could admit. None otherwise."""
+        rows, sched = began.plan.rows, self.engine.scheduler
+        if not self.runs_ahead or not rows:
+            return None
+        if sched.waiting and sched.num_running < sched.config.max_num_seqs:
+            return None
+        for row, effect in zip(rows, effects, strict=True):
+            going_on = effect.error is None and effect.finish_reason is None and not effect.tokens
+            if not going_on or effect.progress.canvas_steps is not None:
+                return None
+            if row.kind != RowKind.DENOISE or row.seq_id not in sched.requests:
+                return None
+            if row.req.pinned_token >= 0:
+                return None
+        return [replace(row, admitted=False, starts_canvas=False) for row in rows]
+
+    def _run_ahead(
+        self,
+        began: StepBegun,
+        effects: list[RowEffect],
+        writes: list[Write],
+        rows: list[ScheduledRow],
+        canvas: CanvasBatch,
+    ) -> None:
+        """The next step's forward over `rows` (from `canvas`: the state `writes` store) while
+        the hand-over thread stores that state, finishes `began`, hands it over and begins the
+        next step."""
+        engine = self.engine
+        threads = engine.threads.choose(began.plan.num_tokens) if engine.threads else 0
+        assert self._pool is not None
+        self._handing = job = self._pool.submit(self._between, began, effects, writes, threads)
+        start = time.perf_counter()
+        launched: Launched | None = None
+        try:
+            launched = engine.launch(rows, canvas)
+        except Exception as exc:
+            if fatal_device_error(exc):
+                raise
+            logger.warning("a step run ahead failed; its plan runs as planned: %r", exc)
+        finally:
+            began_next = job.result()  # the engine is this thread's again
+        if launched is not None and _same_rows(rows, began_next.plan):
+            launched[3].clock.resume()  # the sampler's time starts now
+            self._ahead = replace(began_next, start=start), launched
+        else:
+            self._ahead = began_next, None
+
+    def _between(
+        self, began: StepBegun, effects: list[RowEffect], writes: list[Write], threads: int
+    ) -> StepBegun:
+        for write in writes:
+            write()
+        self.hand_over(self.engine.finish(began, effects))
+        began_next = self.engine.begin(threads)
+        self.between()  # commands after the plan: they count from the step after it
+        return began_next
 
     def flush(self) -> None:
         """Hand the held result over and wait until every result has been."""
@@ -87,6 +185,14 @@ class StepPipeline:
             self._handing = self._pool.submit(self.hand_over, held)
 
 
+def _same_rows(ahead: list[ScheduledRow], plan: StepPlan) -> bool:
+    """`plan` runs exactly the rows run ahead (the same requests' rows, in order)."""
+    if plan.copies or len(plan.rows) != len(ahead):
+        return False
+    key = lambda r: (r.kind, r.start, r.num_tokens, r.admitted, r.starts_canvas)  # noqa: E731
+    return all(a.req is b.req and key(a) == key(b) for a, b in zip(ahead, plan.rows, strict=True))
+
+
 class ForwardClock:
     """A step's forward time and its sampler's after it. On CUDA between events, read once the
     sampler has read its results to the host (so they are done: no `synchronize`, and the host
@@ -96,6 +202,7 @@ class ForwardClock:
         self.cuda = device.type == "cuda"
         self._marks: list[torch.cuda.Event] = []
         self._times: list[float] = []
+        self._resumed = 0.0
         self._mark()
 
     def _mark(self) -> None:
@@ -109,12 +216,17 @@ class ForwardClock:
         """The forward is queued (or, off CUDA, done)."""
         self._mark()
 
+    def resume(self) -> None:
+        """The sampler's time starts now: the host waited for something else since the forward
+        ended (a step run ahead, `StepPipeline`). On CUDA the events' device times stand."""
+        self._resumed = time.perf_counter()
+
     def seconds(self) -> tuple[float, float]:
         """(forward, after it until now): call once the step's results are on the host."""
         self._mark()
         if not self.cuda:
             begin, stop, now = self._times
-            return stop - begin, now - stop
+            return stop - begin, now - max(stop, self._resumed)
         began, queued, done = self._marks
         done.synchronize()  # done already: the results were read after it
         return began.elapsed_time(queued) / 1e3, queued.elapsed_time(done) / 1e3

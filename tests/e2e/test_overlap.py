@@ -160,14 +160,14 @@ def test_aborts_and_arrivals_between_overlapped_steps(tiny_checkpoint):
 
 def test_a_failing_overlapped_step_fails_only_its_rows(tiny_checkpoint, monkeypatch):
     llm = make_llm(tiny_checkpoint("c16"), overlapped=True)
-    run = llm.engine._run
+    launch = llm.engine.launch
 
-    def faulty(rows: list[Any], stats: StepStats) -> Any:
+    def faulty(rows: list[Any], canvas: Any = None) -> Any:
         if any(row.req.request_id == "r1" for row in rows):
             raise RuntimeError("injected")
-        return run(rows, stats)
+        return launch(rows, canvas)
 
-    monkeypatch.setattr(llm.engine, "_run", faulty)
+    monkeypatch.setattr(llm.engine, "launch", faulty)
     out = serve(llm, [SamplingParams(max_tokens=12, seed=i) for i in range(3)])
     assert isinstance(out[1], RuntimeError) and "internal engine error" in str(out[1])
     assert [len(t) for t in (out[0], out[2]) if isinstance(t, list)] == [12, 12]
