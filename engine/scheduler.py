@@ -289,7 +289,7 @@ class Scheduler:
         for row, effect in zip(plan.rows, effects, strict=True):
             seq_id = row.seq_id
             if seq_id not in self.requests:
-                continue  # ended while the step ran (it cannot be: one thread) — nothing to do
+                continue  # aborted after the plan of a step run ahead (`engine.device.overlap`)
             try:
                 out = (
                     self.fail(seq_id, effect.error)

@@ -74,6 +74,7 @@ class StepPipeline:
         # A fast sampler without replayed graphs gives a step's new canvas state as a value.
         self.runs_ahead = self.overlap and isinstance(engine.sampling, BatchedSampling)
         self._ahead: tuple[StepBegun, Launched | None] | None = None
+        self.num_ahead = self.num_dropped = 0  # forwards run ahead: kept, and dropped
 
     @property
     def ahead(self) -> bool:
@@ -107,10 +108,11 @@ class StepPipeline:
 
     def _next_rows(self, began: StepBegun, effects: list[RowEffect]) -> list[ScheduledRow] | None:
         """The rows of the step after `began` when they are surely its rows again: every row
-        goes on denoising its canvas (none finished, failed or ended), no token is pinned, and
-        no request waits that the plan could admit. None otherwise."""
+        goes on denoising its canvas (none finished, failed or ended), no token is pinned,
+        every running request has a row, and no request waits that the plan could admit. None
+        otherwise."""
         rows, sched = began.plan.rows, self.engine.scheduler
-        if not self.runs_ahead or not rows:
+        if not self.runs_ahead or not rows or len(rows) != sched.num_running:
             return None
         if sched.waiting and sched.num_running < sched.config.max_num_seqs:
             return None
@@ -152,8 +154,10 @@ class StepPipeline:
         if launched is not None and _same_rows(rows, began_next.plan):
             launched[3].clock.resume()  # the sampler's time starts now
             self._ahead = replace(began_next, start=start), launched
+            self.num_ahead += 1
         else:
             self._ahead = began_next, None
+            self.num_dropped += launched is not None
 
     def _between(
         self, began: StepBegun, effects: list[RowEffect], writes: list[Write], threads: int

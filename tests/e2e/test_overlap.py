@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -237,3 +238,170 @@ def test_overlap_is_off_unless_the_flag_asks_for_it():
     overlap = lambda *flags: build_config(parser.parse_args(flags), None, ENGINE_FLAGS)  # noqa: E731
     assert overlap().engine.overlap is False and EngineConfig().overlap is False
     assert overlap("--overlap").engine.overlap is True
+
+
+def denoising_params(n: int, steps: int = 5) -> list[SamplingParams]:
+    """Diffusion requests that denoise a fixed number of steps per canvas (`steps`), 3 canvases
+    each: most steps run the same rows as the step before."""
+    return [
+        SamplingParams(
+            max_tokens=40,
+            seed=i,
+            temperature=1.0,
+            max_denoising_steps=steps,
+            confidence_threshold=0.0,
+        )
+        for i in range(n)
+    ]
+
+
+def counting_launches(llm: LLM) -> list[bool]:
+    """Each forward's `Engine.launch`, flagged True where its canvas came in (run ahead)."""
+    launches: list[bool] = []
+    launch = llm.engine.launch
+
+    def counted(rows: list[Any], canvas: Any = None) -> Any:
+        launches.append(canvas is not None)
+        return launch(rows, canvas)
+
+    llm.engine.launch = counted  # type: ignore[method-assign]
+    return launches
+
+
+def test_denoising_steps_run_ahead_with_the_serial_tokens(tiny_checkpoint):
+    """Steps that go on denoising the same canvases run ahead (their forward starts from the
+    sampler's new state while the last step is finished and the next one planned beside it),
+    and give the serial loop's tokens and steps; their forward and sampler times exclude the
+    wait for the hand-over thread."""
+    path = tiny_checkpoint("c16")
+    serial_steps: list[StepStats] = []
+    serial = serve(
+        make_llm(path, overlapped=False),
+        denoising_params(4),
+        lambda engine: engine.on_step.append(lambda s, o: serial_steps.append(s)),
+    )
+    llm = make_llm(path, overlapped=True)
+    launches = counting_launches(llm)
+    steps: list[StepStats] = []
+    pipelines: list[Any] = []
+
+    def setup(engine: AsyncEngine) -> None:
+        engine.on_step.append(lambda s, o: steps.append(s))
+        pipelines.append(engine._steps)
+
+    overlapped = serve(llm, denoising_params(4), setup)
+    assert all(isinstance(t, list) and len(t) == 40 for t in serial) and overlapped == serial
+    assert [s.row_kinds for s in steps] == [s.row_kinds for s in serial_steps]
+    pipeline = pipelines[0]
+    # 3 canvases x (5 steps, the first riding with the prompt or commit): 3 x 3 run ahead
+    assert pipeline.num_ahead == sum(launches) == 9 and pipeline.num_dropped == 0
+    assert len(launches) == len(steps)  # one forward per step: none run twice
+    assert all(s.forward_seconds + s.sample_seconds <= s.step_seconds for s in steps)
+
+
+def test_the_next_step_is_planned_while_a_forward_runs_ahead(tiny_checkpoint):
+    """`Engine.begin` of step t+1 runs on the hand-over thread while step t+1's forward runs
+    ahead: each such forward waits, before it returns, for that plan (in the serial loop the
+    plan comes first, so nothing runs ahead)."""
+    llm = make_llm(tiny_checkpoint("c16"), overlapped=True)
+    engine, begun = llm.engine, threading.Event()
+    begin, launch = engine.begin, engine.launch
+    waits: list[bool] = []
+
+    def planning(threads: int = 0) -> Any:
+        began = begin(threads)
+        if threading.current_thread().name.startswith("canvas-hand-over"):
+            begun.set()
+        return began
+
+    def launching(rows: list[Any], canvas: Any = None) -> Any:
+        launched = launch(rows, canvas)
+        if canvas is not None:  # run ahead, on the step loop's thread
+            waits.append(begun.wait(10) and threading.current_thread().name == "canvas-step-loop")
+            begun.clear()
+        return launched
+
+    engine.begin = planning  # type: ignore[method-assign]
+    engine.launch = launching  # type: ignore[method-assign]
+    out = serve(llm, denoising_params(2))
+    assert all(isinstance(t, list) and len(t) == 40 for t in out)
+    assert waits == [True] * 9
+
+
+def test_a_step_whose_plan_changed_drops_the_forward_run_ahead(tiny_checkpoint):
+    """A plan without the rows a forward ran ahead over (here a row held back by the
+    scheduler once, in both loops) drops that forward and runs as planned: the serial loop's
+    tokens, one forward more."""
+    path = tiny_checkpoint("c16")
+
+    def holding_back(engine: AsyncEngine) -> None:
+        scheduler = engine.engine.scheduler
+        schedule, calls = scheduler.schedule, [0]
+
+        def plan() -> Any:
+            calls[0] += 1
+            out = schedule()
+            if calls[0] == 4:  # mid-canvas: the last request waits a step
+                assert len(out.rows) == 3 and not out.copies
+                return replace(out, rows=out.rows[:-1])
+            return out
+
+        scheduler.schedule = plan  # type: ignore[method-assign]
+
+    serial = serve(make_llm(path, overlapped=False), denoising_params(3), holding_back)
+    llm = make_llm(path, overlapped=True)
+    pipelines: list[Any] = []
+    overlapped = serve(
+        llm, denoising_params(3), lambda e: (holding_back(e), pipelines.append(e._steps))
+    )
+    assert all(isinstance(t, list) and len(t) == 40 for t in serial) and overlapped == serial
+    assert pipelines[0].num_dropped == 1 and pipelines[0].num_ahead > 3
+
+
+def test_canvas_ahead_is_what_canvas_inputs_gathers_after_the_write(tiny_checkpoint):
+    """`BatchedSampling.canvas_ahead` gives `canvas_inputs`' tensors (values, dtypes) once the
+    step's state is written, in bf16 too (the self-conditioning state is stored in the
+    model's dtype: the new state is cast as the write casts it)."""
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM.from_pretrained(tiny_checkpoint("c16"), dtype=dtype)
+        engine = llm.engine
+        for i, params in enumerate(denoising_params(3)):
+            engine.add_request(
+                f"r{i}", [5, 6, 7 + i], llm.validator.validate([5, 6, 7 + i], params)
+            )
+        engine.step()  # prompts, and each canvas's first step
+        result = engine.step()  # all three canvases, mid-way
+        assert result.stats.row_kinds == {"denoise": 3}
+        ahead = engine.sampling.canvas_ahead()  # type: ignore[attr-defined]
+        reqs = [engine.requests[f"r{i}"] for i in range(3)]
+        gathered = engine.sampling.canvas_inputs(reqs, [False] * 3)
+        assert ahead is not None
+        for got, want in [(ahead.ids, gathered.ids), (ahead.soft, gathered.soft)]:
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        for name in ("canvas_no", "canvas", "draft", "soft", "run", "steps_left", "num_steps"):
+            got, want = getattr(ahead.state, name), getattr(gathered.state, name)
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert gathered.soft.dtype == torch.bfloat16
+
+
+def test_a_denoising_step_of_the_same_rows_reuses_their_forward_batch(tiny_checkpoint):
+    """The forward batch (positions, page tables in the bucket's buffers) is built once per
+    canvas, not once per step; a changed page table (its version) builds it again."""
+    llm = LLM.from_pretrained(tiny_checkpoint("c16"))
+    engine = llm.engine
+    fills: list[int] = []
+    fill = engine.runner.inputs.batch
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fills.append(1)
+        return fill(*args, **kwargs)
+
+    engine.runner.inputs.batch = counted  # type: ignore[method-assign]
+    params = denoising_params(2)[0]
+    engine.add_request("r", [5, 6, 7], llm.validator.validate([5, 6, 7], params))
+    kinds = [engine.step().stats.row_kinds for _ in range(4)]
+    assert kinds[1:] == [{"denoise": 1}] * 3 and len(fills) == 1
+    engine.requests["r"].pages.version += 1  # type: ignore[union-attr]
+    engine.step()
+    engine.step()
+    assert len(fills) == 2
