@@ -289,8 +289,10 @@ class Engine:
             stats.cpu_threads = threads or self.threads.choose(plan.num_tokens)
         return StepBegun(plan, stats, start)
 
-    def finish(self, began: StepBegun, effects: list[RowEffect]) -> StepResult:
-        """Apply a begun step's effects (`Scheduler.update`): its outputs and counters."""
+    def finish(self, began: StepBegun, effects: list[RowEffect], end: float = 0.0) -> StepResult:
+        """Apply a begun step's effects (`Scheduler.update`): its outputs and counters. `end`:
+        when the step ended, if before now (a step run ahead: when the next one's forward
+        began, `engine.device.overlap`)."""
         plan, stats = began.plan, began.stats
         outputs = [*plan.ended, *self.scheduler.update(plan, effects)]
         now = time.monotonic()
@@ -302,7 +304,7 @@ class Engine:
         stats.num_committed = sum(len(o.new_token_ids) for o in outputs)
         stats.accepted_lengths = [e.accepted for e in effects if e.accepted is not None]
         stats.num_drafted = len(stats.accepted_lengths) * (self.canvas_length - 1)
-        stats.step_seconds = time.perf_counter() - began.start
+        stats.step_seconds = (end or time.perf_counter()) - began.start
         if stats.num_tokens:
             self.scheduler.step_cost.observe(stats.num_tokens, stats.step_seconds)
         if self.threads is not None and stats.cpu_threads:

@@ -140,8 +140,10 @@ class StepPipeline:
         engine = self.engine
         threads = engine.threads.choose(began.plan.num_tokens) if engine.threads else 0
         assert self._pool is not None
-        self._handing = job = self._pool.submit(self._between, began, effects, writes, threads)
-        start = time.perf_counter()
+        start = time.perf_counter()  # step `began` ends, the next one begins
+        self._handing = job = self._pool.submit(
+            self._between, began, effects, writes, threads, start
+        )
         launched: Launched | None = None
         try:
             launched = engine.launch(rows, canvas)
@@ -160,11 +162,16 @@ class StepPipeline:
             self.num_dropped += launched is not None
 
     def _between(
-        self, began: StepBegun, effects: list[RowEffect], writes: list[Write], threads: int
+        self,
+        began: StepBegun,
+        effects: list[RowEffect],
+        writes: list[Write],
+        threads: int,
+        end: float,
     ) -> StepBegun:
         for write in writes:
             write()
-        self.hand_over(self.engine.finish(began, effects))
+        self.hand_over(self.engine.finish(began, effects, end))
         began_next = self.engine.begin(threads)
         self.between()  # commands after the plan: they count from the step after it
         return began_next

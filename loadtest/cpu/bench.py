@@ -103,7 +103,8 @@ def measure(
 
     tokenizer = Tokenizer(checkpoint)  # the server's own tokenizer: the same prompt ids
     prompt_ids = [(p.name, tokenizer.apply_chat_template(p.chat_messages())) for p in prompts]
-    widest = max((*config.concurrency, *config.ar_concurrency, *config.exact_concurrency))
+    levels = (config.concurrency, config.ar_concurrency, config.exact_concurrency)
+    widest = max(c for level in (*levels, config.overlap_concurrency) for c in level)
     # Warm-up and every round send the same prompts: a prefix cache would skip their prefill
     # from the second time on while the reference recomputes them, so the comparison runs
     # without one (`make bench-prefix` measures caching).
@@ -114,6 +115,8 @@ def measure(
         flag_sets["fast", dtype] = [*flags, "--dtype", dtype]
         if config.exact_concurrency:
             flag_sets["exact", dtype] = [*flags, "--dtype", dtype, "--exact"]
+        if config.overlap_concurrency:
+            flag_sets["overlap", dtype] = [*flags, "--dtype", dtype, "--overlap"]
     with contextlib.ExitStack() as stack:
         if config.server == "thread":
             servers = {
@@ -139,7 +142,9 @@ def run_bench(config: BenchConfig, command: str = "") -> dict[str, Any]:
     torch.set_num_threads(config.threads)
     checkpoint = checkpoint_for(config)
     num_prompts = max(config.num_requests, config.reference_requests, config.static_batch)
-    num_prompts = max(num_prompts, *config.concurrency, *config.ar_concurrency)
+    num_prompts = max(
+        num_prompts, *config.concurrency, *config.ar_concurrency, *config.overlap_concurrency
+    )
     prompts = tuple(make_prompts(config.prompt_set, num_prompts, config.seed))
     floor = _floor(config, checkpoint, prompts)
     ledger = Ledger()
@@ -210,6 +215,7 @@ def _meta(config: BenchConfig, checkpoint: Path, num_prompts: int, command: str)
         "concurrency": list(config.concurrency),
         "ar_concurrency": list(config.ar_concurrency),
         "exact_concurrency": list(config.exact_concurrency),
+        "overlap_concurrency": list(config.overlap_concurrency),
         "reference_requests": config.reference_requests,
         "static_batch": config.static_batch,
         "warmup": config.warmup,
@@ -259,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ar-concurrency", type=comma_ints, default=None, help="'' to skip AR mode")
     p.add_argument(
         "--exact-concurrency", type=comma_ints, default=None, help="'' to skip exact numerics"
+    )
+    p.add_argument(
+        "--overlap-concurrency", type=comma_ints, default=None, help="'' to skip --overlap"
     )
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--reference-requests", type=int, default=None)

@@ -1,6 +1,6 @@
 """The benchmark's configuration (`BenchConfig`, the `--size` presets) and the configurations it
-measures (`configurations`): Canvas fast, exact and AR at each concurrency and the reference
-beside them, in each of `BenchConfig.dtypes`."""
+measures (`configurations`): Canvas fast, exact, overlapped and AR at each concurrency and the
+reference beside them, in each of `BenchConfig.dtypes`."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (1, 4, 16)
     ar_concurrency: tuple[int, ...] = (1, 16)
     exact_concurrency: tuple[int, ...] = (1, 16)
+    # Canvas with `--overlap` (steps run ahead, `engine.device.overlap`) beside the serial loop
+    overlap_concurrency: tuple[int, ...] = (16,)
     num_requests: int = 16  # per level above concurrency 1 (at least the concurrency)
     reference_requests: int = 4  # one at a time, and Canvas at concurrency 1
     static_batch: int = 16
@@ -69,7 +71,7 @@ class BenchConfig:
             raise ValueError(f"repeats must be >= 2 (one run has no spread), got {self.repeats}")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
-        for name in ("ar_concurrency", "exact_concurrency"):
+        for name in ("ar_concurrency", "exact_concurrency", "overlap_concurrency"):
             levels = getattr(self, name)
             if levels and min(levels) < 1:
                 raise ValueError(f"{name} levels must be >= 1, got {levels}")
@@ -99,6 +101,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
         "preset": "bench-tiny",
         "concurrency": (1, 16),
+        "overlap_concurrency": (1, 16),
         "reference_requests": 8,
         "max_tokens": 64,
         "denoising_steps": 8,
@@ -110,6 +113,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "concurrency": (1, 2),
         "ar_concurrency": (1, 2),
         "exact_concurrency": (1, 2),
+        "overlap_concurrency": (2,),
         "num_requests": 2,
         "reference_requests": 2,
         "static_batch": 2,
@@ -138,6 +142,7 @@ def _canvas_spec(config: BenchConfig, mode: str) -> RequestSpec:
 RUN_KINDS = {
     "fast": ("diffusion", "concurrency", "canvas"),
     "exact": ("diffusion", "exact_concurrency", "canvas-exact"),
+    "overlap": ("diffusion", "overlap_concurrency", "canvas-overlap"),
     "ar": ("ar", "ar_concurrency", "canvas-ar"),
 }
 
@@ -151,9 +156,10 @@ def configurations(
 ) -> list[Configuration]:
     """Every measured configuration, ordered so that each Canvas run sits next to the
     reference run it is compared with and to its twin in the other dtype: per mode, per width,
-    Canvas fast then exact (each in every dtype of `config.dtypes`), then the reference in
-    every dtype (one at a time at width 1, its static batch at `static_batch`). `servers`: the
-    Canvas server of each (kind, dtype), kind "fast" or "exact" (AR runs on "fast");
+    Canvas fast, exact, then overlapped (each in every dtype of `config.dtypes`), then the
+    reference in every dtype (one at a time at width 1, its static batch at `static_batch`).
+    `servers`: the Canvas server of each (kind, dtype), kind "fast", "exact" or "overlap" (AR
+    runs on "fast");
     `references`: the reference model of each dtype."""
     from loadtest.cpu.reference import ReferenceSettings
 
@@ -166,7 +172,7 @@ def configurations(
         shape = Shape(width, names, config.max_tokens, steps)
         out.append(Configuration(label, system, mode, width, n, shape, run, dtype))
 
-    for mode, kinds in (("diffusion", ("fast", "exact")), ("ar", ("ar",))):
+    for mode, kinds in (("diffusion", ("fast", "exact", "overlap")), ("ar", ("ar",))):
         levels = {k: getattr(config, RUN_KINDS[k][1]) for k in kinds}
         if not any(levels.values()):
             continue
@@ -174,7 +180,7 @@ def configurations(
         for width in sorted({1, config.static_batch, *(c for v in levels.values() for c in v)}):
             for kind, dtype in ((k, d) for k in kinds if width in levels[k] for d in config.dtypes):
                 system = RUN_KINDS[kind][2]
-                server = servers["exact" if kind == "exact" else "fast", dtype]
+                server = servers["fast" if kind == "ar" else kind, dtype]
                 base = LoadConfig(
                     url=server.url,
                     spec=_canvas_spec(config, mode),

@@ -80,6 +80,14 @@ class EngineOverhead:
         return max(0.0, self.step_seconds - busy) / self.step_seconds
 
     @property
+    def overhead_per_step(self) -> float | None:
+        """Seconds per step outside the forward and the sampler."""
+        if not self.num_steps:
+            return None
+        busy = self.forward_seconds + self.sample_seconds
+        return max(0.0, self.step_seconds - busy) / self.num_steps
+
+    @property
     def mean_step_ms(self) -> float | None:
         return 1e3 * self.step_seconds / self.num_steps if self.num_steps else None
 

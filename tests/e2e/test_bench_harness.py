@@ -37,7 +37,8 @@ RECORD_FIELDS = {
 META_FIELDS = {
     "command", "preset", "checkpoint", "checkpoint_description", "parameters",
     "canvas_length", "max_tokens", "denoising_steps", "adaptive_stop", "note", "prompt_set",
-    "num_prompts", "concurrency", "ar_concurrency", "exact_concurrency", "floor",
+    "num_prompts", "concurrency", "ar_concurrency", "exact_concurrency", "overlap_concurrency",
+    "floor",
     "reference_requests", "static_batch", "warmup", "repeats", "seed",
     "torch_threads", "canvas_server", "canvas_server_threads", "torch_version",
     "transformers_version", "hardware", "config", "seconds",
@@ -48,6 +49,7 @@ LABELS = (  # per mode and width, each Canvas run next to the reference run it i
     "reference 1-at-a-time",
     "canvas c=2",
     "canvas-exact c=2",
+    "canvas-overlap c=2",
     "reference static batch 2",
     "canvas-ar c=1",
     "reference-ar 1-at-a-time",
@@ -150,7 +152,13 @@ def test_ratios_are_taken_within_each_round(toy_bench):
     for name, key in keys.items():
         expected = [t / f for t, f in zip(top, floor[f"{key}_per_round"], strict=True)]
         assert ratios[f"canvas c=2 / {name}"]["per_round"] == pytest.approx(expected)
-    assert len(result["goals"]) == 8
+    overlap = [
+        t / b for t, b in zip(series["canvas-overlap c=2"], series["canvas c=2"], strict=True)
+    ]
+    assert ratios["canvas-overlap c=2 / canvas c=2"]["per_round"] == pytest.approx(overlap)
+    hidden = ratios["canvas-overlap c=2 overhead hidden"]["per_round"]
+    assert all(h is not None and h <= 1.0 for h in hidden)  # 1 - ours / serial's, per round
+    assert len(result["goals"]) == 9
     for goal in result["goals"]:
         assert set(goal) == {"ratio", "op", "target", "value", "met"}
         assert goal["ratio"] in ratios

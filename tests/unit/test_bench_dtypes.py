@@ -82,7 +82,7 @@ def test_each_configuration_runs_beside_its_twin_in_the_other_dtype():
     config = BenchConfig(concurrency=(1, 16), exact_concurrency=(16,), ar_concurrency=())
     servers = {
         (kind, dtype): SimpleNamespace(url=f"http://{kind}-{dtype}", model_name="m")
-        for kind in ("fast", "exact")
+        for kind in ("fast", "exact", "overlap")
         for dtype in config.dtypes
     }
     references = {d: SimpleNamespace(generation_config=SimpleNamespace(pad_token_id=0), d=d)
@@ -98,6 +98,8 @@ def test_each_configuration_runs_beside_its_twin_in_the_other_dtype():
         ("canvas bf16 c=16", "bfloat16"),
         ("canvas-exact c=16", "float32"),
         ("canvas-exact bf16 c=16", "bfloat16"),
+        ("canvas-overlap c=16", "float32"),
+        ("canvas-overlap bf16 c=16", "bfloat16"),
         ("reference static batch 16", "float32"),
         ("reference bf16 static batch 16", "bfloat16"),
     ]
