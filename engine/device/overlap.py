@@ -1,26 +1,37 @@
 """Overlapped steps, and step timing that lets the host run ahead of the device.
 
-Overlapped steps: step t's hand-over (its listeners, metrics, and publishing its outputs to the
-event loop) runs on a hand-over thread while the step loop executes step t+1 (its inputs,
-forward and sampler):
+Overlapped steps (`canvas serve --overlap`) keep the step loop's thread on the forward and the
+sampler and give the rest of a step to a hand-over thread:
 
-    step loop:   begin t │ execute t ────────────── │ finish t │ begin t+1 │ execute t+1 ───── ...
-    hand-over:           │ hand over t-1 │                     │ hand over t │
+- A step whose rows all go on denoising the same canvases (none converged, failed or ended, no
+  request waiting that the plan could admit, every running request in it) runs the next step
+  ahead: its forward starts at once from the canvas state the sampler just produced
+  (`BatchedSampling.canvas_ahead`: no gather of it back from the slots) over the same rows'
+  forward batch (`ModelRunner`: reused as it is), while the hand-over thread stores that
+  state, applies the step's effects (`Engine.finish`), hands its outputs over, plans the next
+  step (`Engine.begin`) and takes the commands that arrived (`between`):
 
-`Engine.begin` and `Engine.finish` write the scheduler's state and the hand-over only reads a
-finished step's values, so they never race; commands (new requests, aborts) are still taken
-between `finish` and the next `begin`, on the step loop. PyTorch's operators and the native
-kernels release the interpreter lock, so the hand-over runs beside the next step's inputs and
-forward instead of before them. The forward stays on the step loop's thread (its device,
-streams, captured graphs and thread count are that thread's), and the steps are the serial
-loop's in the same order, so the tokens are too (`tests/e2e/test_overlap.py`). Exact
-numerics never overlap: their loop stays the serial one that is checked against the reference.
+      step loop:  sample t │ forward t+1 ──────────────────────────── │ sample t+1 │ forward t+2
+      hand-over:           │ write t, finish t, hand over t, begin t+1, │            │ write t+1, …
+                           │ commands                                  │
 
-It is off by default (`canvas serve --overlap`): the hand-over is a few calls, cheaper than
-waking a thread for it, and what else a step spends besides its forward and sampler (the
-sampler's canvas inputs and state, the forward's inputs, the scheduler) lies between one
-forward's results and the next forward, which needs them (docs/performance.md, "Overlapped
-steps"). The clock below is what the GPU needs from this module either way: no synchronize.
+  The next step keeps that forward when its plan has exactly the rows run ahead; otherwise
+  the forward is dropped and the plan runs as planned (`num_dropped`). Commands are taken
+  after the plan, so they count from the step after it: an abort taken then ends a request
+  whose row is in the step (the scheduler's update drops its effect; its sampler slot's write
+  is harmless: the next request bound to that slot starts its canvas afresh).
+- Any other step hands its outputs over on that thread while the next step executes.
+
+One writer at a time: the step loop waits for the hand-over thread before it samples again,
+the forward it runs meanwhile reads only its own inputs and the model, and the hand-over
+thread writes the scheduler's state and the sampler's slots, which nothing else touches
+then. The steps are the serial loop's, in the same order and with the same inputs, so the
+tokens are too (`tests/e2e/test_overlap.py`). Exact numerics never overlap, and steps run
+ahead only with the fast sampler's eager steps (its graphs' outputs are overwritten by the
+next replay; the sharded sampler's forward reads the running requests).
+
+Off by default (docs/performance.md, "Overlapped steps", has the measurements). The clock
+below is what the GPU needs from this module either way: no synchronize.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.device.cuda import fatal_device_error
+from engine.device.cuda import fatal_device_error, select_device
 from engine.sampling import BatchedSampling, CanvasBatch
 from engine.types import RowEffect, RowKind, ScheduledRow, StepPlan, StepResult
 
@@ -68,11 +79,14 @@ class StepPipeline:
     ) -> None:
         self.engine, self.hand_over, self.between = engine, hand_over, between
         self.overlap = overlap and not engine.model.kernels.exact
-        self._pool = ThreadPoolExecutor(1, "canvas-hand-over") if self.overlap else None
+        self._pool = None
+        if self.overlap:  # its writes of the sampler's state launch kernels: the same device
+            self._pool = ThreadPoolExecutor(1, "canvas-hand-over", select_device, (engine.device,))
         self._held: StepResult | None = None  # the last step's result, not passed on yet
         self._handing: Future[Any] | None = None  # the last hand-over passed on
-        # A fast sampler without replayed graphs gives a step's new canvas state as a value.
-        self.runs_ahead = self.overlap and isinstance(engine.sampling, BatchedSampling)
+        # The fast sampler gives a step's new canvas state as a value (the sharded one's
+        # forward reads the scheduler's running requests: not while the next step is planned).
+        self.runs_ahead = self.overlap and type(engine.sampling) is BatchedSampling
         self._ahead: tuple[StepBegun, Launched | None] | None = None
         self.num_ahead = self.num_dropped = 0  # forwards run ahead: kept, and dropped
 
