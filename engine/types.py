@@ -222,6 +222,10 @@ class StepStats:
     accepted_lengths: list[int] = field(default_factory=list)
     num_drafted: int = 0
     row_kinds: dict[str, int] = field(default_factory=dict)  # rows run, by kind (engine.rows)
+    # Overlapped steps (`engine.device.overlap`): its forward ran ahead, beside the last step's
+    # update; forwards run ahead for it and dropped (its plan had other rows).
+    ran_ahead: bool = False
+    dropped_forwards: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,6 +86,18 @@ class EngineLoopMetrics:
             "canvas:engine_steps", "Engine steps run", labels, registry=registry
         ).labels(model_name)
         self._seen_steps = 0  # the engine's step count at the last update
+        self.ran_ahead = Counter(
+            "canvas:steps_run_ahead",
+            "Steps whose forward ran beside the last step's update (--overlap)",
+            labels,
+            registry=registry,
+        ).labels(model_name)
+        self.dropped = Counter(
+            "canvas:forwards_dropped",
+            "Forwards run ahead and dropped: the step's plan had other rows (--overlap)",
+            labels,
+            registry=registry,
+        ).labels(model_name)
         self.step_seconds = hist("canvas:step_seconds", "Engine step wall time", LATENCY_BUCKETS)
         self.sample_seconds = hist(
             "canvas:sample_seconds",
@@ -107,6 +119,8 @@ class EngineLoopMetrics:
         self.sample_seconds.observe(step.sample_seconds)
         if step.num_tokens:  # a step that ran the model
             self.iteration_tokens.observe(step.num_tokens)
+        self.ran_ahead.inc(step.ran_ahead)
+        self.dropped.inc(step.dropped_forwards)
 
     def update(self, engine: EngineStats) -> None:
         self.healthy.set(1 if engine.healthy else 0)

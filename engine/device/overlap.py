@@ -171,9 +171,11 @@ class StepPipeline:
             launched[3].clock.resume()  # the sampler's time starts now
             self._ahead = replace(began_next, start=start), launched
             self.num_ahead += 1
+            began_next.stats.ran_ahead = True
         else:
             self._ahead = began_next, None
             self.num_dropped += launched is not None
+            began_next.stats.dropped_forwards += launched is not None
 
     def _between(
         self,

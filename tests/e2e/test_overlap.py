@@ -295,6 +295,7 @@ def test_denoising_steps_run_ahead_with_the_serial_tokens(tiny_checkpoint):
     pipeline = pipelines[0]
     # 3 canvases x (5 steps, the first riding with the prompt or commit): 3 x 3 run ahead
     assert pipeline.num_ahead == sum(launches) == 9 and pipeline.num_dropped == 0
+    assert sum(s.ran_ahead for s in steps) == 9 and not any(s.dropped_forwards for s in steps)
     assert len(launches) == len(steps)  # one forward per step: none run twice
     assert all(s.forward_seconds + s.sample_seconds <= s.step_seconds for s in steps)
 
@@ -351,11 +352,17 @@ def test_a_step_whose_plan_changed_drops_the_forward_run_ahead(tiny_checkpoint):
     serial = serve(make_llm(path, overlapped=False), denoising_params(3), holding_back)
     llm = make_llm(path, overlapped=True)
     pipelines: list[Any] = []
-    overlapped = serve(
-        llm, denoising_params(3), lambda e: (holding_back(e), pipelines.append(e._steps))
-    )
+    steps: list[StepStats] = []
+
+    def setup(engine: AsyncEngine) -> None:
+        holding_back(engine)
+        pipelines.append(engine._steps)
+        engine.on_step.append(lambda s, o: steps.append(s))
+
+    overlapped = serve(llm, denoising_params(3), setup)
     assert all(isinstance(t, list) and len(t) == 40 for t in serial) and overlapped == serial
     assert pipelines[0].num_dropped == 1 and pipelines[0].num_ahead > 3
+    assert [s.dropped_forwards for s in steps if s.dropped_forwards] == [1]
 
 
 def test_canvas_ahead_is_what_canvas_inputs_gathers_after_the_write(tiny_checkpoint):

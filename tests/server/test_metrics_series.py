@@ -55,6 +55,14 @@ def test_iteration_tokens_count_the_positions_of_steps_that_ran_the_model(fake):
     assert fake.metric("vllm:iteration_tokens_total_bucket", 'le="64.0"') == 1
 
 
+def test_steps_run_ahead_and_forwards_dropped_are_counted(fake):
+    fake.engine.step(StepStats(num_rows=2, num_tokens=40, ran_ahead=True))
+    fake.engine.step(StepStats(num_rows=2, num_tokens=40, dropped_forwards=1))
+    fake.engine.step(StepStats(num_rows=2, num_tokens=40, ran_ahead=True))
+    assert fake.metric("canvas:steps_run_ahead_total") == 2
+    assert fake.metric("canvas:forwards_dropped_total") == 1
+
+
 def test_responses_are_counted_by_route_template_and_status(fake):
     assert fake.post("/chat/completions", messages=CHAT).status_code == 200
     assert fake.post("/chat/completions", messages=CHAT, temperature=-1).status_code == 400
