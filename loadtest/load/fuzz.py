@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -137,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=100_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--serve-flags", default="", help="more `canvas serve` flags, e.g. '--overlap'")
     args = p.parse_args(argv)
 
     import torch
@@ -150,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (checkpoint / "config.json").is_file():
         make_tiny(checkpoint, "c16")
     flags = ["--served-model-name", "tiny", "--max-num-seqs", "8"]
+    flags += shlex.split(args.serve_flags)
     with serve_in_thread(checkpoint, flags) as server:
         result = asyncio.run(fuzz(server.url, "tiny", args.requests, args.seed, args.concurrency))
     print(

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import sys
 import time
 from collections import Counter
@@ -140,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=120.0, help="seconds before a hang")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-out/soak"))
+    p.add_argument("--serve-flags", default="", help="more `canvas serve` flags, e.g. '--overlap'")
     args = p.parse_args(argv)
 
     import torch
@@ -153,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (checkpoint / "config.json").is_file():
         make_tiny(checkpoint, "c16")
     flags = ["--served-model-name", "tiny", "--max-num-seqs", "16", "--max-queue", "16"]
+    flags += shlex.split(args.serve_flags)
     with serve_in_thread(checkpoint, flags) as server:
         result = asyncio.run(soak(server.url, args.seconds, args.workers, args.deadline, args.seed))
     summary = result.summary()
