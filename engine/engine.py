@@ -107,7 +107,9 @@ class StepBegun:
     start: float  # time.perf_counter() when it was begun
 
 
-# A step's forward, launched (`Engine.launch`): its rows' kinds, ENCODE inputs, canvas, outputs.
+# A step's forward, planned (`Engine.inputs`) and launched (`Engine.forward`): its rows' kinds,
+# ENCODE inputs and canvas; then the runner's inputs, or its outputs.
+Planned = tuple[list[RowSpec], list[EncodeInput], CanvasBatch | None, StepInputs]
 Launched = tuple[list[RowSpec], list[EncodeInput], CanvasBatch | None, RunOutput]
 Write = Callable[[], None]  # a sampler state write, deferred (`Engine.execute`)
 
@@ -328,7 +330,8 @@ class Engine:
         if not plan.rows:
             return []
         try:
-            return self._land(list(plan.rows), ahead or self.launch(list(plan.rows)), stats, writes)
+            rows = list(plan.rows)
+            return self._land(rows, ahead or self.forward(self.inputs(rows)), stats, writes)
         except Exception as exc:
             if fatal_device_error(exc):
                 raise
@@ -349,11 +352,11 @@ class Engine:
         return effects
 
     def _run(self, rows: list[ScheduledRow], stats: StepStats) -> list[RowEffect]:
-        return self._land(rows, self.launch(rows), stats)
+        return self._land(rows, self.forward(self.inputs(rows)), stats)
 
-    def launch(self, rows: list[ScheduledRow], canvas: CanvasBatch | None = None) -> Launched:
-        """Inputs → forward of `rows` (`canvas`: the DENOISE rows' inputs, when known already);
-        writes nothing but new rows' sampler parameters (`Sampling.bind`)."""
+    def inputs(self, rows: list[ScheduledRow], canvas: CanvasBatch | None = None) -> Planned:
+        """The forward's inputs of `rows` (`canvas`: the DENOISE rows' inputs, when known
+        already); writes nothing but new rows' sampler parameters (`Sampling.bind`)."""
         self.sampling.bind([row.req for row in rows if row.admitted])
         specs = [ROW_KINDS[row.kind] for row in rows]
         decode = [row for row, spec in zip(rows, specs, strict=True) if spec.decode]
@@ -362,16 +365,18 @@ class Engine:
         if decode and canvas is None:
             starting = [row.starts_canvas for row in decode]
             canvas = self.sampling.canvas_inputs([row.req for row in decode], starting)
-        out = self.runner.execute(
-            StepInputs(
-                denoise_starts=[row.start for row in decode],
-                denoise_pages=[row.req.pages for row in decode],  # type: ignore[misc]
-                canvas_ids=canvas.ids if canvas is not None else None,
-                soft_embeds=canvas.soft if canvas is not None else [],
-                encode=inputs,
-            )
+        step = StepInputs(
+            denoise_starts=[row.start for row in decode],
+            denoise_pages=[row.req.pages for row in decode],  # type: ignore[misc]
+            canvas_ids=canvas.ids if canvas is not None else None,
+            soft_embeds=canvas.soft if canvas is not None else [],
+            encode=inputs,
         )
-        return specs, inputs, canvas, out
+        return specs, inputs, canvas, step
+
+    def forward(self, planned: Planned) -> Launched:
+        specs, inputs, canvas, step = planned
+        return specs, inputs, canvas, self.runner.execute(step)
 
     def _land(
         self,

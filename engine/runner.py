@@ -94,7 +94,6 @@ class ModelRunner:
         self.inputs = ForwardInputs(self.tables, model, cache.page_size, max_rows)
         self.graphs = ForwardGraphs(graphs, self.inputs, model, cache) if graphs else None
         self.ar = ArSteps(self.tables, model, cache, max_rows, graphs)  # all-AR steps' buckets
-        self._last: tuple[tuple[object, ...], ForwardBatch] | None = None  # (rows, batch)
 
     @torch.inference_mode()
     def copy_sliding_pages(self, copies: tuple[tuple[int, int], ...]) -> None:
@@ -107,12 +106,12 @@ class ModelRunner:
         """Fast numerics' all-denoise and all-AR steps of at most `max_rows` canvases (rows)
         take their inputs from persistent buffers (`engine.device.step_buffers`) and may replay
         a graph."""
-        num_rows, before, self._last = len(step.denoise_starts), self._last, None
+        num_rows = len(step.denoise_starts)
         if (ar := self.ar.bucket(num_rows, step.encode)) is not None:  # engine.device.ar_steps
             return RunOutput(None, *self.ar.run(step.encode, ar))
         bucket = None if step.encode or self.model.kernels.exact else self.inputs.bucket(num_rows)
         replay = self.graphs if bucket is not None else None
-        batch = self._batch(step, bucket, before)
+        batch = self._batch(step, bucket)
         encode_ids = [t for e in step.encode for t in e.tokens]
         parts = [] if step.canvas_ids is None else [step.canvas_ids]
         if encode_ids:
@@ -174,24 +173,12 @@ class ModelRunner:
         ends = list(accumulate((len(e.tokens) for e in step.encode), initial=first))
         return list(zip(ends[:-1], step.encode, strict=True))
 
-    def _batch(
-        self,
-        step: StepInputs,
-        bucket: int | None,
-        before: tuple[tuple[object, ...], ForwardBatch] | None,
-    ) -> ForwardBatch:
+    def _batch(self, step: StepInputs, bucket: int | None) -> ForwardBatch:
         """The step's rows, their page tables gathered from the device tables; in a `bucket`:
-        from its buffers (padded to it for a graph), as they are if the last step ran the same
-        rows (`before`: a denoising canvas's next step; nothing has written them since)."""
+        from its buffers (padded to it for a graph)."""
         if bucket is not None:
-            pages = list(step.denoise_pages)
-            key = (bucket, step.denoise_starts, pages, [p.version for p in pages])
-            if before is not None and before[0] == key:
-                self._last = before
-                return before[1]
             fill = self.graphs.batch if self.graphs is not None else self.inputs.batch
-            self._last = key, fill(step.denoise_starts, pages, bucket)
-            return self._last[1]
+            return fill(step.denoise_starts, list(step.denoise_pages), bucket)
         length = self.canvas_length
         rows = [Row(Mode.DECODE, start, length, {}) for start in step.denoise_starts]
         held = list(step.denoise_pages)  # the page tables of each row, in row order

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -128,19 +128,6 @@ class BatchedSampling:
             pinned = to_device(np.array(tokens, dtype=np.int64), self.device)
         ids, soft, rows = self.steps.canvas_inputs(slots, flags, pinned)
         return CanvasBatch(ids, soft, rows)
-
-    def canvas_ahead(self) -> CanvasBatch | None:
-        """The next step's canvas inputs of the rows of the last `sample_canvases` (in its
-        order; the caller installs every one of them first, none starts a canvas or pins a
-        token): `canvas_inputs`' values, without gathering them back (a step run ahead,
-        `engine.device.overlap`). None where the sampler's steps replay graphs (their outputs
-        are overwritten by the next replay)."""
-        rows, state = self.sampled, self.sampler.state
-        if rows is None or self.steps is not self.sampler:
-            return None
-        names = [f.name for f in fields(RowStates) if f.name != "slots"]
-        rows = RowStates(rows.slots, *(getattr(rows, n).to(getattr(state, n).dtype) for n in names))
-        return CanvasBatch(rows.canvas.reshape(-1), rows.soft.flatten(0, 1), rows)
 
     def verify_draws(self, reqs: list[RequestState]) -> list[Draws]:
         return [CounterDraws(req.seed, self.device) for req in reqs]

@@ -40,11 +40,12 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.batched_sampler import RowStates
 from engine.device.cuda import fatal_device_error, select_device
 from engine.sampling import BatchedSampling, CanvasBatch
 from engine.types import RowEffect, RowKind, ScheduledRow, StepPlan, StepResult
@@ -84,8 +85,8 @@ class StepPipeline:
             self._pool = ThreadPoolExecutor(1, "canvas-hand-over", select_device, (engine.device,))
         self._held: StepResult | None = None  # the last step's result, not passed on yet
         self._handing: Future[Any] | None = None  # the last hand-over passed on
-        # The fast sampler gives a step's new canvas state as a value (the sharded one's
-        # forward reads the scheduler's running requests: not while the next step is planned).
+        # The fast sampler (the sharded one's forward reads the scheduler's running requests:
+        # not while the next step is planned).
         self.runs_ahead = self.overlap and type(engine.sampling) is BatchedSampling
         self._ahead: tuple[StepBegun, Launched | None] | None = None
         self.num_ahead = self.num_dropped = 0  # forwards run ahead: kept, and dropped
@@ -108,13 +109,12 @@ class StepPipeline:
             writes: list[Write] = []  # the sampler's state writes, run before it samples again
             effects = engine.execute(began, launched, writes)
             rows = self._next_rows(began, effects)
-            canvas = engine.sampling.canvas_ahead() if rows else None  # type: ignore[attr-defined]
-            if rows is None or canvas is None or canvas.state.slots.shape[0] != len(rows):
+            if rows is None:
                 for write in writes:
                     write()
                 self._held = engine.finish(began, effects)
                 return
-            self._run_ahead(began, effects, writes, rows, canvas)
+            self._run_ahead(began, effects, writes, rows)
         except BaseException:
             self._ahead = None
             self.flush()
@@ -146,12 +146,19 @@ class StepPipeline:
         effects: list[RowEffect],
         writes: list[Write],
         rows: list[ScheduledRow],
-        canvas: CanvasBatch,
     ) -> None:
-        """The next step's forward over `rows` (from `canvas`: the state `writes` store) while
-        the hand-over thread stores that state, finishes `began`, hands it over and begins the
-        next step."""
+        """The next step's forward over `rows` while the hand-over thread stores the sampler's
+        new state (`writes`), finishes `began`, hands it over and begins the next step. The
+        forward's canvas inputs are that state as it was sampled, or, where the sampler cannot
+        give it as a value (its graphs), gathered from the slots once it is stored; either
+        way taken before the hand-over thread starts (it may end requests)."""
         engine = self.engine
+        canvas = canvas_ahead(engine.sampling, len(rows))  # type: ignore[arg-type]
+        if canvas is None:
+            for write in writes:
+                write()
+            canvas, writes = None, []
+        planned = engine.inputs(rows, canvas)
         threads = engine.threads.choose(began.plan.num_tokens) if engine.threads else 0
         assert self._pool is not None
         start = time.perf_counter()  # step `began` ends, the next one begins
@@ -160,7 +167,7 @@ class StepPipeline:
         )
         launched: Launched | None = None
         try:
-            launched = engine.launch(rows, canvas)
+            launched = engine.forward(planned)
         except Exception as exc:
             if fatal_device_error(exc):
                 raise
@@ -210,6 +217,21 @@ class StepPipeline:
         if held is not None:
             assert self._pool is not None
             self._handing = self._pool.submit(self.hand_over, held)
+
+
+def canvas_ahead(sampling: BatchedSampling, num_rows: int) -> CanvasBatch | None:
+    """The next step's canvas inputs of the `num_rows` rows of the last `sample_canvases` (in
+    its order; the caller stores every one's new state first, none starts a canvas or pins a
+    token): `canvas_inputs`' values, without gathering them back from the slots. None where
+    the last call sampled other rows (a step's rows re-run one at a time) or the sampler's
+    steps replay graphs (the next replay overwrites their outputs)."""
+    rows, state = sampling.sampled, sampling.sampler.state
+    if rows is None or sampling.steps is not sampling.sampler or len(rows.slots) != num_rows:
+        return None
+    # Stored in the slots' dtypes (self-conditioning: the model's), gathered as stored.
+    names = [f.name for f in fields(RowStates) if f.name != "slots"]
+    rows = RowStates(rows.slots, *(getattr(rows, n).to(getattr(state, n).dtype) for n in names))
+    return CanvasBatch(rows.canvas.reshape(-1), rows.soft.flatten(0, 1), rows)
 
 
 def _same_rows(ahead: list[ScheduledRow], plan: StepPlan) -> bool:

@@ -314,6 +314,11 @@ class DevicePageTables:
         return [self._row_of[p] for p in pages]
 
     @property
+    def steps(self) -> int:
+        """Calls of `place` so far (a row placed before the last one may have moved since)."""
+        return self._step
+
+    @property
     def max_pages(self) -> int:
         return self.host[self.pools[0]].shape[1]
 
