@@ -87,8 +87,8 @@ class EngineConfig:
     warmup: bool | None = None
     # Replay all-denoise forwards as CUDA graphs (`engine.device.graphs`, `--cuda-graphs`).
     cuda_graphs: bool = False
-    # `AsyncEngine` hands each step's outputs over on a thread of its own while the next step
-    # executes (`engine.device.overlap`, `canvas serve --overlap`; off: it hid nothing on CPU).
+    # `AsyncEngine` runs a denoising step's forward while a thread of its own applies the last
+    # step, hands it over and plans the next (`engine.device.overlap`, `canvas serve --overlap`).
     overlap: bool = False
     process: bool = False  # served from a process of its own (`engine.process`, `canvas serve`)
 

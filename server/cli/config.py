@@ -201,9 +201,9 @@ ENGINE_FLAGS = (
     Flag(
         "--overlap",
         "engine.overlap",
-        "hand each step's outputs (streaming, metrics) over on a thread of their own while the "
-        "next step executes (default off: on CPU it hid nothing and cost GIL hand-offs; exact "
-        "numerics never overlap)",
+        "run the next denoising step's forward while a thread of its own applies the last "
+        "step, hands its outputs over (streaming, metrics) and plans the next; same tokens "
+        "(default off; exact numerics never overlap)",
         switch=True,
     ),
     Flag(
