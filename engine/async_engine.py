@@ -258,8 +258,8 @@ class AsyncEngine:
                 if not engine.has_work():  # no next step to hand the last one over beside
                     steps.flush()
                 self._drain_commands(block=not engine.has_work())
-                if self._stop.is_set() or self._failure:
-                    break
+            if self._stop.is_set() or self._failure:
+                break
             try:
                 steps.step()
             except Exception as exc:  # a model fault fails the running requests, not the server
