@@ -30,10 +30,11 @@ from loadtest.load.inprocess import ServerHandle, serve_in_thread
 from server.cli import main
 from tests.media import data_url, encode, noise_image
 from tests.server.process import (
+    ServeProcess,
     children,
     followers,
     kill_and_check,
-    serve_process,
+    serve_processes,
     unhealthy_reason,
     wait_until,
 )
@@ -251,16 +252,25 @@ def test_a_cuda_error_in_the_engine_process_fails_its_requests_and_the_engine(
     assert engine.proc.exitcode == 0  # released by its closed pipe, not killed
 
 
-@pytest.mark.slow  # a real `canvas serve` process and its engine process: ~10 s on 2 cores
+@pytest.fixture(scope="module")
+def doomed(checkpoint: Path) -> Iterator[dict[str, ServeProcess]]:
+    """A `canvas serve --engine-process` for each way `test_a_dead_process_ends_the_other`
+    takes one down, both started at once (each start is seconds)."""
+    flags = [*COMMON, "--engine-process"]
+    with serve_processes((checkpoint, flags), (checkpoint, flags)) as servers:
+        yield dict(zip(("engine", "server"), servers, strict=True))
+
+
+@pytest.mark.slow  # real `canvas serve` processes and their engine processes: ~15 s on 2 cores
 @pytest.mark.parametrize("dies", ["engine", "server"])
-def test_a_dead_process_ends_the_other(checkpoint: Path, dies: str) -> None:
+def test_a_dead_process_ends_the_other(doomed: dict[str, ServeProcess], dies: str) -> None:
     """The engine process killed: `canvas serve` exits 3 naming it. The serving process
     killed: the engine process sees its pipe close and exits."""
-    with serve_process(checkpoint, [*COMMON, "--engine-process"]) as server:
-        (engine,) = followers(children(server.process.pid))
-        assert answer(post_to(server.url, {"prompt": "hi", "max_tokens": 4}))
-        reason = "the engine process exited (code -9)"
-        kill_and_check(server, engine if dies == "engine" else None, reason)
+    server = doomed[dies]
+    (engine,) = followers(children(server.process.pid))
+    assert answer(post_to(server.url, {"prompt": "hi", "max_tokens": 4}))
+    reason = "the engine process exited (code -9)"
+    kill_and_check(server, engine if dies == "engine" else None, reason)
 
 
 def post_to(url: str, body: dict[str, Any]) -> httpx.Response:

@@ -40,7 +40,7 @@ from tests.server.process import (
     children,
     followers,
     kill_and_check,
-    serve_process,
+    serve_processes,
     unhealthy_reason,
     wait_until,
 )
@@ -69,6 +69,27 @@ def tp2(checkpoint: Path) -> Iterator[ServerHandle]:
         yield server
 
 
+# The flags of each parallel `canvas serve` process the slow tests below start (and end).
+IMAGE_FLAGS = ("--device", "cpu", "--kernels", "twins", "--served-model-name", "tiny")
+PROCESS_FLAGS = {
+    "image-tp2": [*IMAGE_FLAGS[:4], "-tp", "2"],  # over the vision checkpoint
+    "tp4": [*COMMON, "-tp", "4"],
+    "ep2": [*COMMON, "-tp", "2", "--enable-expert-parallel"],
+}
+
+
+@pytest.fixture(scope="module")
+def processes(checkpoint: Path, vision_checkpoint: Path) -> Iterator[dict[str, ServeProcess]]:
+    """One `canvas serve` per entry of PROCESS_FLAGS, all started at once (each start is
+    seconds: its followers import torch and load their shards); each test ends its own."""
+    specs = [
+        (vision_checkpoint if name.startswith("image") else checkpoint, flags)
+        for name, flags in PROCESS_FLAGS.items()
+    ]
+    with serve_processes(*specs) as servers:
+        yield dict(zip(PROCESS_FLAGS, servers, strict=True))
+
+
 def ranks_of(server: ServerHandle) -> Ranks:
     """The followers' handle of an in-process server (its engine stops them at shutdown)."""
     (stop,) = server.state.engine.on_shutdown
@@ -91,7 +112,7 @@ def test_greedy_ar_text_is_tp1s_except_at_near_ties(
 
 @pytest.mark.slow  # a vision checkpoint served at TP=1 and TP=2 (a process): ~15 s on 2 cores
 def test_an_image_chat_at_tp2_is_tp1s_and_a_killed_rank_0_leaves_no_process(
-    vision_checkpoint: Path,
+    vision_checkpoint: Path, processes: dict[str, ServeProcess]
 ) -> None:
     """Rank 0 runs the (replicated) vision tower; its soft tokens go with the forward. Then
     rank 0 is killed: its follower sees its pipe close and exits (a follower killed: the EP=2
@@ -99,14 +120,13 @@ def test_an_image_chat_at_tp2_is_tp1s_and_a_killed_rank_0_leaves_no_process(
     image = {"type": "image_url", "image_url": {"url": data_url(encode(noise_image(40, 60)))}}
     content = [image, {"type": "text", "text": "What is in the picture?"}]
     body = {"model": "tiny", "messages": [{"role": "user", "content": content}], **GREEDY}
-    flags = ("--device", "cpu", "--kernels", "twins", "--served-model-name", "tiny")
-    with serve_in_thread(vision_checkpoint, flags) as one:
+    with serve_in_thread(vision_checkpoint, IMAGE_FLAGS) as one:
         ref = httpx.post(f"{one.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
     assert ref.status_code == 200, ref.text
-    with serve_process(vision_checkpoint, [*flags[:4], "-tp", "2"]) as server:
-        ours = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
-        assert len(followers(children(server.process.pid))) == 1
-        kill_and_check(server, None, "")
+    server = processes["image-tp2"]
+    ours = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert len(followers(children(server.process.pid))) == 1
+    kill_and_check(server, None, "")
     assert ours.status_code == 200, ours.text
     assert ours.json()["usage"] == ref.json()["usage"]  # the image's tokens counted alike
     bound = near_tie_bound(vision_checkpoint)
@@ -267,28 +287,27 @@ def answer_and_followers(
 
 @pytest.mark.slow  # a `canvas serve` process spawning 3 followers: ~20 s on 2 cores
 def test_tp4_answers_and_its_followers_exit_at_shutdown(
-    one: ServerHandle, checkpoint: Path
+    one: ServerHandle, checkpoint: Path, processes: dict[str, ServeProcess]
 ) -> None:
-    with serve_process(checkpoint, [*COMMON, "-tp", "4"]) as server:
-        started = answer_and_followers(server, one, checkpoint, 4, "tensor parallel")
-        server.signal(signal.SIGTERM)
-        code, _ = server.wait(60)
-        assert code == 0, server.output
+    server = processes["tp4"]
+    started = answer_and_followers(server, one, checkpoint, 4, "tensor parallel")
+    server.signal(signal.SIGTERM)
+    code, _ = server.wait(60)
+    assert code == 0, server.output
     assert "exited (code" not in server.output  # released, not killed
     wait_until(lambda: not any(alive(c) for c in started), 30)
 
 
 @pytest.mark.slow  # a `canvas serve` process and its spawned follower: ~15 s on 2 cores
 def test_ep2_answers_and_a_dead_follower_ends_canvas_serve_leaving_no_process(
-    one: ServerHandle, checkpoint: Path
+    one: ServerHandle, checkpoint: Path, processes: dict[str, ServeProcess]
 ) -> None:
     """A follower killed: `canvas serve` exits 3 naming it (rank 0 killed: the image test).
     One process serves both checks: each costs seconds to start."""
-    flags = [*COMMON, "-tp", "2", "--enable-expert-parallel"]
-    with serve_process(checkpoint, flags) as server:
-        started = answer_and_followers(server, one, checkpoint, 2, "experts split whole")
-        (follower,) = followers(started)
-        kill_and_check(server, follower, "rank 1 of the parallel model exited")
+    server = processes["ep2"]
+    started = answer_and_followers(server, one, checkpoint, 2, "experts split whole")
+    (follower,) = followers(started)
+    kill_and_check(server, follower, "rank 1 of the parallel model exited")
 
 
 def test_a_follower_that_dies_turns_health_503_with_the_reason(tp2: ServerHandle) -> None:

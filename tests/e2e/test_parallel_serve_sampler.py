@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,11 @@ def test_a_canvas_read_whole_is_gathered_once_it_converged(
 
 def test_a_diffusion_json_schema_is_repaired_from_its_gathered_rows(tp2: ServerHandle) -> None:
     grammar = FEATURES["json_schema"]["response_format"]
-    for seed in range(3):
+
+    def answer(seed: int) -> str:
         body = {"mode": "diffusion", "seed": seed, "max_tokens": 64, "response_format": grammar}
-        answer = chat(tp2, "Describe a person.", **body)["choices"][0]["message"]["content"]
-        assert set(json.loads(answer)) == {"name", "age"}
+        return chat(tp2, "Describe a person.", **body)["choices"][0]["message"]["content"]
+
+    with ThreadPoolExecutor(3) as pool:  # one step serves the three canvases
+        for text in pool.map(answer, range(3)):
+            assert set(json.loads(text)) == {"name", "age"}

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +76,27 @@ def serve_process(
         if process.poll() is None:
             process.kill()
         process.wait(10)
+
+
+@contextlib.contextmanager
+def serve_processes(*specs: tuple[Path, Sequence[str]]) -> Iterator[list[ServeProcess]]:
+    """One `serve_process(model, flags)` per spec, all started at once (a start is seconds of
+    mostly one core's work and waiting, so starts overlap well on a small CPU); each is killed
+    on exit if still running, the started ones too when another fails to start."""
+    managers = [serve_process(model, flags) for model, flags in specs]
+    with contextlib.ExitStack() as stack:
+        servers, failures = [], []
+        with ThreadPoolExecutor(len(specs)) as pool:
+            starts = [pool.submit(manager.__enter__) for manager in managers]
+            for manager, start in zip(managers, starts, strict=True):
+                try:
+                    servers.append(start.result())
+                    stack.push(manager.__exit__)
+                except Exception as failure:
+                    failures.append(failure)
+        if failures:
+            raise failures[0]
+        yield servers
 
 
 def children(pid: int) -> set[int]:

@@ -7,6 +7,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -15,7 +16,7 @@ import uvicorn
 from server.app import create_app
 from server.serve import draining_server
 from tests.server.conftest import make_fake_server
-from tests.server.process import StreamReader, serve_process
+from tests.server.process import ServeProcess, StreamReader, serve_processes
 
 # What a process needs to exit after its drain ends: the ended streams flush, torch unloads.
 # ~1.3 s on an idle 2-core VM; 3.5 s was measured once in a fresh-clone run while that VM ran
@@ -29,17 +30,35 @@ def _assert_ended_cleanly(lines: list[str]) -> None:
     assert '"error"' in lines[-2] and "server_shutdown" in lines[-2], lines[-3:]
 
 
-def test_sigterm_drains_for_drain_seconds_then_ends_running_streams_with_done(tiny_checkpoint):
+# The flags of each `canvas serve` process the tests below start (and end).
+PROCESS_FLAGS = {
+    "drain": ["--drain-seconds", "1", "--threads", "1"],  # --threads: over OMP_NUM_THREADS=2
+    "sigterm": ["--drain-seconds", "60"],
+    "sigint": ["--drain-seconds", "60"],
+    "threads": ["--exact", "--threads", "auto"],
+}
+
+
+@pytest.fixture(scope="module")
+def processes(tiny_checkpoint) -> Iterator[dict[str, ServeProcess]]:
+    """One `canvas serve` per entry of PROCESS_FLAGS, all started at once (each start is
+    seconds); each test ends its own."""
+    checkpoint = tiny_checkpoint("c16")
+    specs = [(checkpoint, flags) for flags in PROCESS_FLAGS.values()]
+    with serve_processes(*specs) as servers:
+        yield dict(zip(PROCESS_FLAGS, servers, strict=True))
+
+
+def test_sigterm_drains_for_drain_seconds_then_ends_running_streams_with_done(processes):
     """The drain used to ignore --drain-seconds: the process waited for every stream to end."""
-    flags = ["--drain-seconds", "1", "--threads", "1"]  # --threads: over OMP_NUM_THREADS=2
-    with serve_process(tiny_checkpoint("c16"), flags) as server:
-        stream = StreamReader(server.url)
-        stream.wait_for_chunks(2)
-        server.signal(signal.SIGTERM)
-        time.sleep(0.3)
-        assert httpx.get(f"{server.url}/ready").status_code == 503  # draining
-        code, seconds = server.wait(1 + EXIT_MARGIN_S + 10)
-        lines = stream.join()
+    server = processes["drain"]
+    stream = StreamReader(server.url)
+    stream.wait_for_chunks(2)
+    server.signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert httpx.get(f"{server.url}/ready").status_code == 503  # draining
+    code, seconds = server.wait(1 + EXIT_MARGIN_S + 10)
+    lines = stream.join()
     assert code == 0, server.output
     assert seconds < 1 + EXIT_MARGIN_S, f"exited {seconds:.1f} s after SIGTERM"
     _assert_ended_cleanly(lines)
@@ -49,17 +68,17 @@ def test_sigterm_drains_for_drain_seconds_then_ends_running_streams_with_done(ti
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
-def test_a_second_signal_exits_at_once_and_ends_streams_without_a_traceback(tiny_checkpoint, sig):
+def test_a_second_signal_exits_at_once_and_ends_streams_without_a_traceback(processes, sig):
     """A second SIGTERM used to be ignored until every stream ended; a second SIGINT cut the
     streams without [DONE] and printed pages of tracebacks."""
-    with serve_process(tiny_checkpoint("c16"), ["--drain-seconds", "60"]) as server:
-        stream = StreamReader(server.url)
-        stream.wait_for_chunks(2)
-        server.signal(sig)
-        time.sleep(0.3)
-        server.signal(sig)
-        code, seconds = server.wait(EXIT_MARGIN_S + 10)
-        lines = stream.join()
+    server = processes[sig.name.lower()]
+    stream = StreamReader(server.url)
+    stream.wait_for_chunks(2)
+    server.signal(sig)
+    time.sleep(0.3)
+    server.signal(sig)
+    code, seconds = server.wait(EXIT_MARGIN_S + 10)
+    lines = stream.join()
     assert code == 0, server.output
     assert seconds < EXIT_MARGIN_S, f"exited {seconds:.1f} s after the second signal"
     _assert_ended_cleanly(lines)
@@ -83,14 +102,14 @@ def test_drain_with_nothing_running_exits_without_waiting_out_the_drain():
     assert not thread.is_alive()
 
 
-def test_steps_run_at_torchs_count_and_the_loaded_heap_is_frozen(tiny_checkpoint):
+def test_steps_run_at_torchs_count_and_the_loaded_heap_is_frozen(processes):
     """`canvas serve` confines parallel regions to the step loop (`confine_to_steps`), so the
     step loop sets its count itself: exact numerics under `--threads auto` step with torch's
     own count (OMP_NUM_THREADS=2 here), not the main thread's confined one."""
-    with serve_process(tiny_checkpoint("c16"), ["--exact", "--threads", "auto"]) as server:
-        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "mode": "ar"}
-        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
-        metrics = httpx.get(f"{server.url}/metrics").text
+    server = processes["threads"]
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "mode": "ar"}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    metrics = httpx.get(f"{server.url}/metrics").text
     assert 'threads="2"' in metrics and 'threads="1"' not in metrics, metrics[-2000:]
     assert "cpu threads 2\n" in server.output
     # The loaded server's objects are frozen (`freeze_heap`): a full collection walked ~400k of
