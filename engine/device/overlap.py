@@ -121,24 +121,32 @@ class StepPipeline:
             raise
 
     def _next_rows(self, began: StepBegun, effects: list[RowEffect]) -> list[ScheduledRow] | None:
-        """The rows of the step after `began` when they are surely its rows again: every row
-        goes on denoising its canvas (none finished, failed or ended), no token is pinned,
-        every running request has a row, and no request waits that the plan could admit. None
-        otherwise."""
+        """The rows of the step after `began` when they are surely its DENOISE rows again:
+        every running request has one DENOISE row that goes on denoising its canvas (none
+        finished, failed or ended; no token pinned), any other row is a prompt's last chunk or
+        a commit that its request's canvas step rode along with (nothing sampled, nothing
+        failed), and no request waits that the plan could admit. None otherwise."""
         rows, sched = began.plan.rows, self.engine.scheduler
-        if not self.runs_ahead or not rows or len(rows) != sched.num_running:
+        if not self.runs_ahead or not rows:
             return None
         if sched.waiting and sched.num_running < sched.config.max_num_seqs:
             return None
+        denoise = []
         for row, effect in zip(rows, effects, strict=True):
-            going_on = effect.error is None and effect.finish_reason is None and not effect.tokens
-            if not going_on or effect.progress.canvas_steps is not None:
+            if effect.error is not None or effect.finish_reason is not None or effect.tokens:
                 return None
-            if row.kind != RowKind.DENOISE or row.seq_id not in sched.requests:
-                return None
-            if row.req.pinned_token >= 0:
-                return None
-        return [replace(row, admitted=False, starts_canvas=False) for row in rows]
+            if row.kind == RowKind.DENOISE:
+                if effect.progress.canvas_steps is not None or row.req.pinned_token >= 0:
+                    return None
+                denoise.append(row)
+            elif row.kind not in (RowKind.PREFILL, RowKind.COMMIT):
+                return None  # an AR or verify row: what follows is its mode's choice
+        requests = {row.seq_id for row in denoise}
+        if len(requests) != len(denoise) or len(denoise) != sched.num_running:
+            return None
+        if any(seq_id not in sched.requests for seq_id in requests):
+            return None
+        return [replace(row, admitted=False, starts_canvas=False) for row in denoise]
 
     def _run_ahead(
         self,

@@ -299,10 +299,11 @@ def test_denoising_steps_run_ahead_with_the_serial_tokens(tiny_checkpoint, monke
     assert all(isinstance(t, list) and len(t) == 40 for t in serial) and overlapped == serial
     assert [s.row_kinds for s in steps] == [s.row_kinds for s in serial_steps]
     pipeline = pipelines[0]
-    # 3 canvases x (5 steps, the first riding with the prompt or commit): 3 x 3 run ahead
-    assert pipeline.num_ahead == 9 and pipeline.num_dropped == 0
-    assert sum(launches) == (0 if gathered else 9)
-    assert sum(s.ran_ahead for s in steps) == 9 and not any(s.dropped_forwards for s in steps)
+    # 3 canvases x 5 steps: each step but a canvas's first (riding with the prompt's last
+    # chunk or the last canvas's commit) runs ahead
+    assert pipeline.num_ahead == 12 and pipeline.num_dropped == 0
+    assert sum(launches) == (0 if gathered else 12)
+    assert sum(s.ran_ahead for s in steps) == 12 and not any(s.dropped_forwards for s in steps)
     assert len(launches) == len(steps)  # one forward per step: none run twice
     assert all(s.forward_seconds + s.sample_seconds <= s.step_seconds for s in steps)
 
@@ -339,7 +340,7 @@ def test_the_next_step_is_planned_while_a_forward_runs_ahead(tiny_checkpoint):
     engine.forward = launching  # type: ignore[method-assign]
     out = serve(llm, denoising_params(2))
     assert all(isinstance(t, list) and len(t) == 40 for t in out)
-    assert waits == [True] * 9
+    assert waits == [True] * 12
 
 
 def test_a_step_whose_plan_changed_drops_the_forward_run_ahead(tiny_checkpoint):
