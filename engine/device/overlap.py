@@ -107,6 +107,8 @@ class StepPipeline:
             self._ahead = None
             self._pass_on()  # handed over while this step executes
             writes: list[Write] = []  # the sampler's state writes, run before it samples again
+            if launched is not None:
+                launched[3].clock.resume()  # its sampler's time starts now
             effects = engine.execute(began, launched, writes)
             rows = self._next_rows(began, effects)
             if rows is None:
@@ -183,7 +185,6 @@ class StepPipeline:
         finally:
             began_next = job.result()  # the engine is this thread's again
         if launched is not None and _same_rows(rows, began_next.plan):
-            launched[3].clock.resume()  # the sampler's time starts now
             self._ahead = replace(began_next, start=start), launched
             self.num_ahead += 1
             began_next.stats.ran_ahead = True
