@@ -29,7 +29,11 @@ step:
   the mode's loop no longer spends between two forwards; and 1 - the mode's overhead / serial
   overhead, the same share measured within each step (the machine's speed drifts between runs
   by more than the overhead: the first compares two runs' cycles, the second each step's
-  cycle with its own forward and sampler).
+  cycle with its own forward and sampler);
+- per wave: the engine time outside forward and sampler summed over every step of the wave
+  (`StepStats.step_seconds` minus both, as `make bench` takes it from the server's histograms:
+  the admission and commit steps included), and the share of the serial wave's that the mode
+  hides.
 """
 
 from __future__ import annotations
@@ -79,25 +83,31 @@ class Run:
 
 def split(run: Run) -> dict[str, float] | None:
     """Medians (ms) over a run's steady steps of the cycle, the forward + sampler, and the
-    overhead (each step's cycle minus its own forward and sampler)."""
+    overhead (each step's cycle minus its own forward and sampler); and the run's engine time
+    outside the forward and sampler over all its steps, as `make bench` counts it from the
+    step statistics (`wave_overhead_ms`: the admission and commit steps too)."""
     steady = run.steady()
     if not steady:
         return None
+    outside = [s.step_seconds - s.forward_seconds - s.sample_seconds for _, s in run.steps]
     return {
         "steps": len(steady),
         "cycle_ms": 1e3 * statistics.median(c for c, _ in steady),
         "busy_ms": 1e3 * statistics.median(b for _, b in steady),
         "overhead_ms": 1e3 * statistics.median(c - b for c, b in steady),
+        "wave_overhead_ms": 1e3 * sum(max(0.0, x) for x in outside),
     }
 
 
 def hidden_shares(serial: dict[str, float], overlapped: dict[str, float]) -> dict[str, float]:
     """`cycles`: (serial cycle - overlapped cycle) / serial overhead; `overheads`: 1 -
     overlapped overhead / serial overhead, the same share when overlap leaves the forward and
-    sampler alone, and robust to the machine's speed changing between the two runs."""
+    sampler alone, and robust to the machine's speed changing between the two runs; `waves`:
+    1 - the overlapped wave's engine time outside forward and sampler / the serial one's."""
     return {
         "cycles": (serial["cycle_ms"] - overlapped["cycle_ms"]) / serial["overhead_ms"],
         "overheads": 1 - overlapped["overhead_ms"] / serial["overhead_ms"],
+        "waves": 1 - overlapped["wave_overhead_ms"] / serial["wave_overhead_ms"],
     }
 
 
@@ -237,12 +247,12 @@ def summarize(
                     [e[m]["hidden"][k] for e in entries if "hidden" in e[m]]
                 )
                 for m in others
-                for k in ("cycles", "overheads")
+                for k in ("cycles", "overheads", "waves")
             },
             **{
                 f"{m}_{k}": spread([e[m]["split"][k] for e in entries if e[m]["split"]])
                 for m in modes
-                for k in ("cycle_ms", "busy_ms", "overhead_ms")
+                for k in ("cycle_ms", "busy_ms", "overhead_ms", "wave_overhead_ms")
             },
         }
     return out

@@ -19,7 +19,10 @@ from loadtest.load.stats import summarize as summarize_run
 def steps(cycle_ms: float, busy_ms: float) -> Run:
     """A run of 5 steps of 16 denoising canvases `cycle_ms` apart, each busy `busy_ms`."""
     stats = SimpleNamespace(
-        row_kinds={"denoise": 16}, forward_seconds=busy_ms / 1e3, sample_seconds=0.0
+        row_kinds={"denoise": 16},
+        forward_seconds=busy_ms / 1e3,
+        sample_seconds=0.0,
+        step_seconds=cycle_ms / 1e3,
     )
     return Run(seconds=1.0, tokens=100, steps=[(i * cycle_ms / 1e3, stats) for i in range(5)])
 
@@ -29,7 +32,9 @@ def test_the_bench_compares_each_mode_with_serial() -> None:
     with 0.25 ms of overhead left per step (three quarters hidden within steps)."""
     runs = {"serial": steps(11.0, 10.0), "process": steps(10.5, 10.25)}
     entry = compare(runs)
-    assert entry["process"]["hidden"] == pytest.approx({"cycles": 0.5, "overheads": 0.75})
+    hidden = {"cycles": 0.5, "overheads": 0.75, "waves": 0.75}  # 5 steps of 1 and 0.25 ms
+    assert entry["process"]["hidden"] == pytest.approx(hidden)
+    assert entry["serial"]["split"]["wave_overhead_ms"] == pytest.approx(5.0)
     assert entry["process"]["speedup"] == 1.0 and "hidden" not in entry["serial"]
     summary = summarize([{"c=16": entry}] * 2, [16], ("serial", "process"))["c=16"]
     assert summary["process_hidden_by_overheads"] == pytest.approx([0.75] * 3)
