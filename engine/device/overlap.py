@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.batched_sampler import RowStates
+from engine.cpu_threads import one_thread
 from engine.device.cuda import fatal_device_error, select_device
 from engine.sampling import BatchedSampling, CanvasBatch
 from engine.types import RowEffect, RowKind, ScheduledRow, StepPlan, StepResult
@@ -81,8 +82,8 @@ class StepPipeline:
         self.engine, self.hand_over, self.between = engine, hand_over, between
         self.overlap = overlap and not engine.model.kernels.exact
         self._pool = None
-        if self.overlap:  # its writes of the sampler's state launch kernels: the same device
-            self._pool = ThreadPoolExecutor(1, "canvas-hand-over", select_device, (engine.device,))
+        if self.overlap:
+            self._pool = ThreadPoolExecutor(1, "canvas-hand-over", _helper, (engine.device,))
         self._held: StepResult | None = None  # the last step's result, not passed on yet
         self._handing: Future[Any] | None = None  # the last hand-over passed on
         # The fast sampler (the sharded one's forward reads the scheduler's running requests:
@@ -226,6 +227,15 @@ class StepPipeline:
         if held is not None:
             assert self._pool is not None
             self._handing = self._pool.submit(self.hand_over, held)
+
+
+def _helper(device: torch.device) -> None:
+    """The hand-over thread's set-up: its writes of the sampler's state launch kernels on the
+    engine's device; on a CPU they run on one thread (a parallel region here would build an
+    OpenMP team beside the step loop's, `engine.cpu_threads.confine_to_steps`)."""
+    select_device(device)
+    if device.type == "cpu":
+        one_thread()
 
 
 def canvas_ahead(sampling: BatchedSampling, num_rows: int) -> CanvasBatch | None:
