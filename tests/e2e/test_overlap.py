@@ -291,11 +291,19 @@ def test_denoising_steps_run_ahead_with_the_serial_tokens(tiny_checkpoint, monke
     steps: list[StepStats] = []
     pipelines: list[Any] = []
 
+    threads: set[tuple[str, int]] = set()  # (thread, torch's threads there) of each hand-over
+
     def setup(engine: AsyncEngine) -> None:
         engine.on_step.append(lambda s, o: steps.append(s))
+        engine.on_step.append(
+            lambda s, o: threads.add(
+                (threading.current_thread().name[:16], torch.get_num_threads())
+            )
+        )
         pipelines.append(engine._steps)
 
     overlapped = serve(llm, denoising_params(4), setup)
+    assert threads == {("canvas-hand-over", 1)}  # no OpenMP team beside the step loop's
     assert all(isinstance(t, list) and len(t) == 40 for t in serial) and overlapped == serial
     assert [s.row_kinds for s in steps] == [s.row_kinds for s in serial_steps]
     pipeline = pipelines[0]
