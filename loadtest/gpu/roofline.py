@@ -181,6 +181,8 @@ class StepHarness:
 
     def _run(self, phase: Callable[[str], contextlib.AbstractContextManager[None]]) -> None:
         device, starts, encode, sampler = self.device, self.starts, self.encode, self.sampler
+        if encode:  # an AR step's tokens and positions are new every step: no batch is reused
+            self.runner.tables.place([])
         with phase("inputs"):
             inputs = StepInputs(starts, self.pages, None, [], encode)
             rows = None
