@@ -13,7 +13,9 @@ binds it. Measured, in this order:
    256-token canvas, exactly --steps denoising steps: confidence_threshold 0 disables the
    adaptive stop). After a warm-up round: the median engine step, the model forward inside it
    (synchronised), tokens/s at that fixed step count, the weight-streaming floor (all weight
-   bytes at the measured copy bandwidth) as a share of the step, and peak GPU memory.
+   bytes at the measured copy bandwidth) as a share of the step, and peak GPU memory; then two
+   more rounds stepped as the server steps them, nothing synchronised, serial and with steps
+   run ahead (`--overlap`): the median time between two denoising steps' hand-overs of each.
 3. Each bound kernel at that batch (canvas attention sliding/full, write_kv, route_experts,
    fused_moe, fused_sample, entropy_accept, soft_embedding, plus rms_norm and the LM head):
    time, achieved bytes/s and FLOP/s, each as a share of the measured ceilings.
@@ -44,12 +46,14 @@ import torch
 
 from engine.build import Checkpoint, build_engine
 from engine.checkpoints.tiny import REAL_26B_A4B_CANVAS_LENGTH, REAL_26B_A4B_TEXT_CONFIG
+from engine.device.overlap import StepPipeline
 from engine.engine import Engine, EngineConfig
 from engine.model import DiffusionLM, ModelConfig
 from engine.model.config import parse_text_config
 from engine.model.loader import BACKBONES
 from engine.params import DecodingDefaults, SamplingParams
 from engine.scheduler import SchedulerConfig
+from engine.types import RowKind
 from kernels import BACKENDS
 from loadtest.gpu.kernel_timing import Timer, measure_ceilings, recorded, time_kernels
 from loadtest.gpu.report import BenchReport, EngineTiming, markdown, summary, write_reports
@@ -199,11 +203,8 @@ def instrument_forward(engine: Engine, timer: Timer) -> list[float]:
     return seconds
 
 
-def run_round(
-    engine: Engine, prompts: list[list[int]], steps: int, forward: list[float], tag: str
-) -> tuple[list[tuple[int, int, float, float]], list[Any]]:
-    """Run `prompts` (one canvas each, exactly `steps` steps) to completion. Returns per step
-    (rows, tokens, step s, forward s) and the finished requests' stats."""
+def add_requests(engine: Engine, prompts: list[list[int]], steps: int, tag: str) -> None:
+    """`prompts` as requests of one canvas each, denoised exactly `steps` steps."""
     params = DecodingDefaults().resolve(
         SamplingParams(
             max_tokens=engine.canvas_length,
@@ -215,6 +216,14 @@ def run_round(
     )
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
+
+
+def run_round(
+    engine: Engine, prompts: list[list[int]], steps: int, forward: list[float], tag: str
+) -> tuple[list[tuple[int, int, float, float]], list[Any]]:
+    """Run `prompts` (one canvas each, exactly `steps` steps) to completion. Returns per step
+    (rows, tokens, step s, forward s) and the finished requests' stats."""
+    add_requests(engine, prompts, steps, tag)
     records, finished = [], []
     limit = 2 * steps + 8  # prefill, the steps, slack
     for _ in range(limit):
@@ -227,6 +236,32 @@ def run_round(
     if engine.has_work():
         raise RuntimeError(f"{tag}: requests still running after {limit} steps")
     return records, finished
+
+
+def step_period(
+    engine: Engine, prompts: list[list[int]], steps: int, overlap: bool
+) -> float | None:
+    """The median wall time between the hand-overs of two steps that denoise every canvas,
+    with `prompts` stepped as `AsyncEngine` steps them (`StepPipeline`; `overlap`: steps run
+    ahead, `canvas serve --overlap`), nothing synchronised; None without two such steps."""
+    handed: list[tuple[float, dict[str, int]]] = []
+    pipeline = StepPipeline(
+        engine, lambda r: handed.append((time.perf_counter(), r.stats.row_kinds)), overlap
+    )
+    add_requests(engine, prompts, steps, "overlap" if overlap else "serial")
+    try:
+        while engine.has_work() or pipeline.ahead:
+            pipeline.step()
+        pipeline.flush()
+    finally:
+        pipeline.close()
+    every = {RowKind.DENOISE: len(prompts)}
+    gaps = [
+        t1 - t0
+        for (t0, kinds0), (t1, kinds1) in zip(handed, handed[1:], strict=False)
+        if kinds0 == every and kinds1 == every
+    ]
+    return statistics.median(gaps) if gaps else None
 
 
 def time_engine(model: DiffusionLM, canvases: int, s: Settings, floor_s: float) -> EngineTiming:
@@ -244,7 +279,8 @@ def time_engine(model: DiffusionLM, canvases: int, s: Settings, floor_s: float) 
     ]
     run_round(engine, prompts, min(2, s.steps), forward, "warmup")
     records, finished = run_round(engine, prompts, s.steps, forward, "timed")
-    del engine.runner.execute  # the timer's closure holds the runner: free the KV pools now
+    del engine.runner.execute  # the timer's closure holds the runner (and its syncs)
+    periods = [step_period(engine, prompts, s.steps, overlap) for overlap in (False, True)]
     denoise = [r for r in records if r[:2] == (canvases, canvases * length)]
     # The round's first step runs the prompts (what the warm-up's prefix cache left of them)
     # and, in the same forward, each first canvas's first step (`first_step_along`).
@@ -263,6 +299,8 @@ def time_engine(model: DiffusionLM, canvases: int, s: Settings, floor_s: float) 
         floor_share=floor_s / step,
         peak_memory_gb=torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else None,
         steps_per_canvas=sorted({n for st in finished for n in st.steps_per_canvas}),
+        serial_period_ms=None if periods[0] is None else periods[0] * 1e3,
+        overlap_period_ms=None if periods[1] is None else periods[1] * 1e3,
     )
 
 
@@ -293,7 +331,7 @@ def _estimate_s(report: BenchReport, canvases: int, s: Settings, kernels_s: floa
         return 0.0
     last = report.engine[-1]
     scale = max(1.0, canvases / last.canvases)
-    return (s.steps + 6) * last.step_ms / 1e3 * scale + kernels_s * scale + 5.0
+    return (3 * s.steps + 10) * last.step_ms / 1e3 * scale + kernels_s * scale + 5.0
 
 
 def run(s: Settings, command: str, progress: Callable[[BenchReport], None]) -> BenchReport:

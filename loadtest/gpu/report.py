@@ -25,6 +25,10 @@ class EngineTiming:
     floor_share: float  # weight-streaming floor / step
     peak_memory_gb: float | None
     steps_per_canvas: list[int]  # distinct values over the timed requests: [steps] when right
+    # Median time between two denoising steps' hand-overs, stepped as the server steps (no
+    # sync): serially, and with steps run ahead (`--overlap`); None: fewer than two such steps.
+    serial_period_ms: float | None = None
+    overlap_period_ms: float | None = None
 
 
 @dataclass(slots=True)
@@ -80,6 +84,9 @@ def _engine_rows(report: BenchReport) -> list[list[str]]:
             _pct(e.floor_share),
             "-" if e.peak_memory_gb is None else f"{e.peak_memory_gb:.1f}",
             ",".join(map(str, e.steps_per_canvas)),
+            " / ".join(
+                "-" if v is None else f"{v:.2f}" for v in (e.serial_period_ms, e.overlap_period_ms)
+            ),
         ]
         for e in report.engine
     ]
@@ -114,6 +121,7 @@ ENGINE_HEADERS = [
     "floor/step",
     "peak GB",
     "steps/canvas",
+    "step period ms, serial / --overlap",
 ]
 KERNEL_HEADERS = ["kernel", "canvases", "ms", "GB/s", "of copy", "TFLOP/s", "of GEMM"]
 

@@ -88,7 +88,14 @@ def test_real_shapes_hold_the_26b_weights() -> None:
 def test_dry_run_times_every_kernel_and_the_engine_step(tmp_path: Path) -> None:
     json_path, md_path = tmp_path / "bench.json", tmp_path / "bench.md"
     done = run_module(
-        "loadtest.gpu.bench", "--dry-run", "--json", str(json_path), "--markdown", str(md_path)
+        "loadtest.gpu.bench",
+        "--dry-run",
+        "--steps",
+        "3",
+        "--json",
+        str(json_path),
+        "--markdown",
+        str(md_path),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
@@ -96,11 +103,14 @@ def test_dry_run_times_every_kernel_and_the_engine_step(tmp_path: Path) -> None:
         assert f"| {name} | 1 |" in out and f"| {name} | 4 |" in out, name
     report = json.loads(json_path.read_text())
     assert [e["canvases"] for e in report["engine"]] == [1, 4]
-    # Two steps a canvas; the first may run in the prompt's forward (`first_step_along`).
-    assert all(e["steps_per_canvas"] == [2] and e["timed_steps"] >= 1 for e in report["engine"])
+    # Three steps a canvas; the first may run in the prompt's forward (`first_step_along`).
+    assert all(e["steps_per_canvas"] == [3] and e["timed_steps"] >= 1 for e in report["engine"])
+    # stepped as the server steps, serially and with steps run ahead: both periods measured
+    assert all(e["serial_period_ms"] > 0 and e["overlap_period_ms"] > 0 for e in report["engine"])
     assert report["checks_pass"] and not report["skipped"]
     assert {k["name"] for k in report["kernels"]} >= set(KERNELS)
     assert "## Engine step" in md_path.read_text()
+    assert "step period ms, serial / --overlap" in md_path.read_text()
     last = out.strip().splitlines()[-4:]  # the summary comes last
     assert last[0].startswith("gpu_bench (dry run):") and "checks pass" in last[0]
     assert "1:" in last[1] and "4:" in last[1] and last[3].startswith("  reports:")
