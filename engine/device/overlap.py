@@ -112,12 +112,10 @@ class StepPipeline:
                 launched[3].clock.resume()  # its sampler's time starts now
             effects = engine.execute(began, launched, writes)
             rows = self._next_rows(began, effects)
-            if rows is None:
+            if rows is None or not self._run_ahead(began, effects, writes, rows):
                 for write in writes:
                     write()
                 self._held = engine.finish(began, effects)
-                return
-            self._run_ahead(began, effects, writes, rows)
         except BaseException:
             self._ahead = None
             self.flush()
@@ -157,19 +155,26 @@ class StepPipeline:
         effects: list[RowEffect],
         writes: list[Write],
         rows: list[ScheduledRow],
-    ) -> None:
+    ) -> bool:
         """The next step's forward over `rows` while the hand-over thread stores the sampler's
-        new state (`writes`), finishes `began`, hands it over and begins the next step. The
-        forward's canvas inputs are that state as it was sampled, or, where the sampler cannot
-        give it as a value (its graphs), gathered from the slots once it is stored; either
-        way taken before the hand-over thread starts (it may end requests)."""
+        new state (`writes`, emptied if run here), finishes `began`, hands it over and begins
+        the next step. The forward's canvas inputs are that state as it was sampled, or, where
+        the sampler cannot give it as a value (its graphs), gathered from the slots once it is
+        stored; either way taken before the hand-over thread starts (it may end requests).
+        False, with nothing begun, if those inputs could not be made."""
         engine = self.engine
         canvas = canvas_ahead(engine.sampling, len(rows))  # type: ignore[arg-type]
         if canvas is None:
             for write in writes:
                 write()
-            canvas, writes = None, []
-        planned = engine.inputs(rows, canvas)
+            writes.clear()
+        try:
+            planned = engine.inputs(rows, canvas)
+        except Exception as exc:
+            if fatal_device_error(exc):
+                raise
+            logger.warning("the inputs of a step to run ahead failed: %r", exc)
+            return False
         threads = engine.threads.choose(began.plan.num_tokens) if engine.threads else 0
         assert self._pool is not None
         start = time.perf_counter()  # step `began` ends, the next one begins
@@ -193,6 +198,7 @@ class StepPipeline:
             self._ahead = began_next, None
             self.num_dropped += launched is not None
             began_next.stats.dropped_forwards += launched is not None
+        return True
 
     def _between(
         self,

@@ -427,3 +427,23 @@ def test_a_denoising_step_of_the_same_rows_reuses_their_forward_batch(tiny_check
     engine.requests["r"].pages.version += 1  # type: ignore[union-attr]
     kinds += [engine.step().stats.row_kinds for _ in range(2)]
     assert kinds == [{"denoise": 1}] * 4 and engine.runner.tables.steps == placed + 2
+
+
+def test_a_step_whose_run_ahead_inputs_fail_runs_as_planned(tiny_checkpoint, monkeypatch):
+    """Inputs of a step to run ahead that cannot be made: the step runs as the serial loop runs
+    it (finished, then the next one begun and executed): the serial loop's tokens."""
+    path = tiny_checkpoint("c16")
+    serial = serve(make_llm(path, overlapped=False), denoising_params(2))
+    llm = make_llm(path, overlapped=True)
+    inputs = llm.engine.inputs
+
+    def failing(rows: list[Any], canvas: Any = None) -> Any:
+        if canvas is not None:
+            raise RuntimeError("injected")
+        return inputs(rows, canvas)
+
+    monkeypatch.setattr(llm.engine, "inputs", failing)
+    pipelines: list[Any] = []
+    overlapped = serve(llm, denoising_params(2), lambda e: pipelines.append(e._steps))
+    assert overlapped == serial and all(isinstance(t, list) and len(t) == 40 for t in serial)
+    assert pipelines[0].num_ahead == 0 and pipelines[0].num_dropped == 0
