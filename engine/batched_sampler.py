@@ -103,7 +103,7 @@ class RowStates:
     num_steps: torch.Tensor  # [R]
 
 
-_ROW_FIELDS = ("canvas_no", "canvas", "draft", "soft", "run", "steps_left", "num_steps")
+ROW_FIELDS = ("canvas_no", "canvas", "draft", "soft", "run", "steps_left", "num_steps")
 
 
 class BatchedSampler:
@@ -151,7 +151,7 @@ class BatchedSampler:
         """Store the new state of the rows (those flagged in `keep` [R] bool) in their slots."""
         s = self.state
         slots = rows.slots if keep is None else rows.slots[keep]
-        for name in _ROW_FIELDS:
+        for name in ROW_FIELDS:
             value = getattr(rows, name)
             getattr(s, name)[slots] = value if keep is None else value[keep]
 

@@ -330,8 +330,7 @@ class Engine:
         if not plan.rows:
             return []
         try:
-            rows = list(plan.rows)
-            return self._land(rows, ahead or self.forward(self.inputs(rows)), stats, writes)
+            return self._run(list(plan.rows), stats, writes, ahead)
         except Exception as exc:
             if fatal_device_error(exc):
                 raise
@@ -351,8 +350,14 @@ class Engine:
                 effects += [RowEffect(error=error) for _ in rows]
         return effects
 
-    def _run(self, rows: list[ScheduledRow], stats: StepStats) -> list[RowEffect]:
-        return self._land(rows, self.forward(self.inputs(rows)), stats)
+    def _run(
+        self,
+        rows: list[ScheduledRow],
+        stats: StepStats,
+        writes: list[Write] | None = None,
+        ahead: Launched | None = None,
+    ) -> list[RowEffect]:
+        return self._land(rows, ahead or self.forward(self.inputs(rows)), stats, writes)
 
     def inputs(self, rows: list[ScheduledRow], canvas: CanvasBatch | None = None) -> Planned:
         """The forward's inputs of `rows` (`canvas`: the DENOISE rows' inputs, when known

@@ -40,12 +40,12 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.batched_sampler import RowStates
+from engine.batched_sampler import ROW_FIELDS, RowStates
 from engine.cpu_threads import one_thread
 from engine.device.cuda import fatal_device_error, select_device
 from engine.sampling import BatchedSampling, CanvasBatch
@@ -64,7 +64,7 @@ class StepPipeline:
     step order: on the calling thread right after the step (serial), or on the hand-over
     thread while the next step executes (overlapped; `flush` when no step follows).
 
-    Overlapped, a step whose rows all go on denoising the same canvases runs the next one
+    Overlapped, a step whose canvases all go on denoising (`_next_rows`) runs the next one
     ahead: its forward starts from the canvas state this step's sampler produced (with the
     same rows' inputs) while the hand-over thread finishes this step (the scheduler's update),
     hands it over, begins the next (plans it) and takes the commands that arrived
@@ -254,8 +254,8 @@ def canvas_ahead(sampling: BatchedSampling, num_rows: int) -> CanvasBatch | None
     if rows is None or sampling.steps is not sampling.sampler or len(rows.slots) != num_rows:
         return None
     # Stored in the slots' dtypes (self-conditioning: the model's), gathered as stored.
-    names = [f.name for f in fields(RowStates) if f.name != "slots"]
-    rows = RowStates(rows.slots, *(getattr(rows, n).to(getattr(state, n).dtype) for n in names))
+    stored = (getattr(rows, n).to(getattr(state, n).dtype) for n in ROW_FIELDS)
+    rows = RowStates(rows.slots, *stored)
     return CanvasBatch(rows.canvas.reshape(-1), rows.soft.flatten(0, 1), rows)
 
 

@@ -205,10 +205,10 @@ class ForwardInputs:
         """The forward batch of an all-denoise step of `len(starts)` canvases in `bucket` (at
         least as many; no rows: dummy rows only), or of an all-AR step of these rows and
         `tokens`: its inputs written into the bucket's buffers (`ids`: the AR tokens'); `pad`:
-        with the dummy rows (the whole bucket), else the real rows only. The same rows as the
-        last call's (a denoising canvas's next step), their tables unchanged and the device
-        tables not placed since: that call's batch, as its buffers still hold it."""
-        versions = [p.version for p in pages]
+        with the dummy rows (the whole bucket), else the real rows only. All-denoise: the same
+        rows as the last call's (a denoising canvas's next step), their tables unchanged and
+        the device tables not placed since: that call's batch, as its buffers still hold it."""
+        versions = [] if self.ar else [p.version for p in pages]
         key = (bucket, pad, starts, pages, versions, tokens)
         if self._last is not None and self._last[:-1] == (*key, self.tables.steps):
             return self._last[-1]
@@ -225,6 +225,15 @@ class ForwardInputs:
         batch = ForwardBatch(rows, self.window, self.page_size)
         device = self.tables.device
         batch.provide(device, inputs.positions[: num * self.length], inputs.rows(starts, num))
-        held = (list(starts), list(pages), versions, tokens and list(tokens))
-        self._last = (bucket, pad, *held, self.tables.steps, batch)
+        if not self.ar:  # an AR step's tokens and positions are new every step
+            self._last = (
+                bucket,
+                pad,
+                list(starts),
+                list(pages),
+                versions,
+                tokens,
+                self.tables.steps,
+                batch,
+            )
         return batch
