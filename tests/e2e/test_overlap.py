@@ -447,3 +447,40 @@ def test_a_step_whose_run_ahead_inputs_fail_runs_as_planned(tiny_checkpoint, mon
     overlapped = serve(llm, denoising_params(2), lambda e: pipelines.append(e._steps))
     assert overlapped == serial and all(isinstance(t, list) and len(t) == 40 for t in serial)
     assert pipelines[0].num_ahead == 0 and pipelines[0].num_dropped == 0
+    assert_nothing_held(llm)
+
+
+def assert_nothing_held(llm: LLM) -> None:
+    """Every request ended and released its KV pages and sampler slot."""
+    engine = llm.engine
+    assert not engine.requests and engine.pages.usage() == 0.0
+    assert engine.scheduler.slots.num_free == engine.scheduler.slots.num_pages
+
+
+def test_a_failing_forward_run_ahead_leaves_its_step_to_run_as_planned(tiny_checkpoint):
+    """A forward run ahead that raises (not a fatal device error) is not kept: its step runs
+    as planned, with the serial tokens, and every request releases what it held."""
+    path = tiny_checkpoint("c16")
+    serial = serve(make_llm(path, overlapped=False), denoising_params(2))
+    llm = make_llm(path, overlapped=True)
+    engine = llm.engine
+    inputs, forward = engine.inputs, engine.forward
+    ahead, raised = [False], [0]
+
+    def planned(rows: list[Any], canvas: Any = None) -> Any:
+        ahead[0] = canvas is not None  # only a step run ahead brings its canvas
+        return inputs(rows, canvas)
+
+    def failing(step: Any) -> Any:
+        if ahead[0] and raised[0] < 2:
+            raised[0] += 1
+            raise RuntimeError("injected")
+        return forward(step)
+
+    engine.inputs = planned  # type: ignore[method-assign]
+    engine.forward = failing  # type: ignore[method-assign]
+    pipelines: list[Any] = []
+    overlapped = serve(llm, denoising_params(2), lambda e: pipelines.append(e._steps))
+    assert overlapped == serial and all(isinstance(t, list) and len(t) == 40 for t in serial)
+    assert raised[0] == 2 and pipelines[0].num_ahead == 10 and pipelines[0].num_dropped == 0
+    assert_nothing_held(llm)
